@@ -1,0 +1,136 @@
+"""Write small random-weight Hugging Face checkpoints, for the demo model and the tests.
+
+Everything is made locally: the config and safetensors come from ``transformers``'
+own ``save_pretrained``; the tokenizer is a byte-level BPE trained with ``tokenizers``
+on a generated corpus. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have "
+    "from or one had by word but not what all were we when your can said there use an each "
+    "which she do how their if will up other about out many then them these so some her "
+    "would make like him into time has look two more write go see number no way could people "
+    "my than first water been call who oil its now find long down day did get come made may "
+    "part ray model token serve engine cluster batch queue step cache block async schedule "
+    "river mountain light music garden window paper yellow purple quick brown fox jumps over "
+    "lazy dog hello world computer science data value system network memory python torch"
+).split()
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    architecture: str = "LlamaForCausalLM"  # or Qwen2ForCausalLM, Qwen3ForCausalLM
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    initializer_range: float = 0.2  # peaky logits: greedy ties between engines stay unlikely
+    seed: int = 0
+
+
+# Named sizes used by the demo CLI and the benchmarks.
+SPECS = {
+    "tiny": CheckpointSpec(),
+    "6m": CheckpointSpec(vocab_size=4096, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=2048, initializer_range=0.05),
+    "120m": CheckpointSpec(vocab_size=16384, hidden_size=768, intermediate_size=2048,
+                           num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                           max_position_embeddings=2048, initializer_range=0.02),
+}
+
+
+def _corpus(n_lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 999)))
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ",", ":"]))
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<unk>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) -> str:
+    """Write config.json, model.safetensors and tokenizer files for ``spec`` into ``path``."""
+    import torch
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = train_tokenizer(spec.vocab_size, spec.seed)
+    kwargs = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, rope_theta=spec.rope_theta,
+        initializer_range=spec.initializer_range,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if spec.head_dim is not None:
+        kwargs["head_dim"] = spec.head_dim
+    if spec.rope_scaling is not None:
+        kwargs["rope_scaling"] = spec.rope_scaling
+    if spec.architecture == "LlamaForCausalLM":
+        config = transformers.LlamaConfig(**kwargs)
+    elif spec.architecture == "Qwen2ForCausalLM":
+        config = transformers.Qwen2Config(**kwargs)
+    elif spec.architecture == "Qwen3ForCausalLM":
+        config = transformers.Qwen3Config(**kwargs)
+    else:
+        raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, spec.architecture)(config).eval()
+    with torch.no_grad():
+        # Random biases (Qwen2's qkv) and norm weights, so those code paths are exercised.
+        gen = torch.Generator().manual_seed(spec.seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * spec.initializer_range)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

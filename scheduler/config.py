@@ -1,0 +1,194 @@
+"""Frozen configuration, one dataclass per layer. Pure Python: read by every layer.
+
+Each config validates itself and raises ``ValueError`` naming the bad value.
+``EngineConfig`` ties them together and resolves ``async_scheduling``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+def _bad(name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{name} {why}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # resolved by the runner: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int = 0  # 0: take max_position_embeddings from config.json
+    seed: int = 0
+    served_model_name: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise _bad("dtype", self.dtype, f"must be one of {_DTYPES}")
+        if not self.hf_config:
+            path = os.path.join(self.model, "config.json")
+            if not os.path.isfile(path):
+                raise ValueError(f"model {self.model!r} is not a folder with a config.json.")
+            with open(path) as f:
+                object.__setattr__(self, "hf_config", json.load(f))
+        archs = self.hf_config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"architecture {archs!r} of model {self.model!r} is not supported; "
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}."
+            )
+        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        if self.max_model_len == 0:
+            object.__setattr__(self, "max_model_len", limit)
+        elif not 0 < self.max_model_len:
+            raise _bad("max_model_len", self.max_model_len, "must be positive")
+        elif self.max_model_len > limit:
+            raise _bad("max_model_len", self.max_model_len,
+                       f"must not exceed the model's max_position_embeddings={limit}")
+        if self.tokenizer is None:
+            object.__setattr__(self, "tokenizer", self.model)
+
+    @property
+    def architecture(self) -> str:
+        return next(a for a in self.hf_config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return frozenset()
+        return frozenset(eos if isinstance(eos, list) else [eos])
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # explicit pool size (tests force preemption with it)
+    kv_cache_memory_bytes: int | None = None  # else: a share of free device memory
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise _bad("block_size", self.block_size, "must be a positive power of two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise _bad("num_kv_blocks", self.num_kv_blocks, "must be at least 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise _bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    async_scheduling: bool | None = None  # None: on unless incompatible (EngineConfig resolves)
+    max_queued_requests: int | None = None  # serving: reject beyond this many waiting
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise _bad("max_num_seqs", self.max_num_seqs, "must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be at least 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise _bad("max_queued_requests", self.max_queued_requests, "must be at least 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "ray"] | None = None
+    placement_group_strategy: str = "PACK"
+    dp_sync_interval: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "dp_sync_interval"):
+            if getattr(self, name) < 1:
+                raise _bad(name, getattr(self, name), "must be at least 1")
+        if self.distributed_executor_backend not in (None, "uni", "ray"):
+            raise _bad("distributed_executor_backend", self.distributed_executor_backend,
+                       "must be 'uni', 'ray' or None")
+        if self.distributed_executor_backend is None:
+            multi = self.world_size > 1 or self.data_parallel_size > 1
+            object.__setattr__(self, "distributed_executor_backend", "ray" if multi else "uni")
+        if self.distributed_executor_backend == "uni" and (
+            self.world_size > 1 or self.data_parallel_size > 1
+        ):
+            raise _bad("distributed_executor_backend", "uni",
+                       "cannot serve tensor/pipeline/data parallelism; use 'ray'")
+        if self.placement_group_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise _bad("placement_group_strategy", self.placement_group_strategy,
+                       "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def async_scheduling_incompatibility(parallel: ParallelConfig, executor_supports_async: bool) -> str | None:
+    """The option that rules out async scheduling, or None when it is supported."""
+    if not executor_supports_async:
+        return f"distributed_executor_backend={parallel.distributed_executor_backend!r} (no non-blocking execute)"
+    return None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+
+    def __post_init__(self) -> None:
+        if self.scheduler_config.max_model_len != self.model_config.max_model_len:
+            object.__setattr__(self, "scheduler_config", replace(
+                self.scheduler_config, max_model_len=self.model_config.max_model_len))
+
+    def resolve_async_scheduling(self, executor_supports_async: bool = True) -> EngineConfig:
+        """Turn ``async_scheduling=None`` into a bool; ``True`` with an incompatibility raises."""
+        requested = self.scheduler_config.async_scheduling
+        why = async_scheduling_incompatibility(self.parallel_config, executor_supports_async)
+        if requested is True and why is not None:
+            raise ValueError(f"async_scheduling=True is not supported with {why}.")
+        if requested is None:
+            if why is not None:
+                logger.info("Async scheduling disabled: not supported with %s.", why)
+            resolved = why is None
+        else:
+            resolved = requested
+        return replace(self, scheduler_config=replace(self.scheduler_config, async_scheduling=resolved))
+
+    @property
+    def async_scheduling(self) -> bool:
+        assert self.scheduler_config.async_scheduling is not None, "call resolve_async_scheduling() first"
+        return self.scheduler_config.async_scheduling
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        # PP needs pp_size batches in flight to fill the pipeline; async needs one more
+        # so the scheduler plans step t+1 while step t runs.
+        pp = self.parallel_config.pipeline_parallel_size
+        return pp + 1 if self.async_scheduling else pp

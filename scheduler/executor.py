@@ -1,0 +1,44 @@
+"""The Executor protocol: the EngineCore's only view of the workers.
+
+Implementations: ``raylm.runner.executor.UniProcExecutor`` (in process) and
+``raylm.actors.ray_executor.RayExecutor`` (Ray worker actors). Tests use fakes.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol, runtime_checkable
+
+from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (an EngineCore or a worker) died; carries the root cause in its message."""
+
+
+@runtime_checkable
+class Executor(Protocol):
+    #: Steps the EngineCore may keep in flight (pp_size, plus one with async scheduling).
+    max_concurrent_batches: int
+    #: Whether ``execute_model(non_block=True)`` really returns before the step completes.
+    supports_async_scheduling: bool
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit (the minimum over ranks)."""
+        ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        """Enqueue one step. Steps execute in submission order; empty steps included
+        (they carry frees). With ``non_block`` it returns a Future at once; the result is
+        the output of TP rank 0 of the last PP stage. Raises EngineDeadError."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if any worker is dead."""
+        ...
+
+    def shutdown(self) -> None: ...

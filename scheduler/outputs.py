@@ -1,0 +1,137 @@
+"""The plain data that crosses layer boundaries.
+
+SchedulerOutput (scheduler -> workers) is a diff: a request's prompt, params and block
+table are sent once (``NewRequestData``); afterwards only what changed
+(``CachedRequestData``). Workers keep per-request state and apply each diff in order.
+ModelRunnerOutput (worker -> EngineCore) carries sampled ids and logprobs.
+EngineCoreOutput (EngineCore -> engine client) carries new tokens per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from raylm.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption).
+
+    ``prompt_token_ids`` is the prompt; ``output_token_ids`` the outputs already confirmed
+    (non-empty only when a preempted request resumes). ``num_computed_tokens`` tokens are
+    already in the KV cache (prefix-cache hits); this step computes the next
+    ``SchedulerOutput.num_scheduled_tokens[req_id]`` tokens from there.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_seed: int  # explicit seed, or one drawn for the request at arrival
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already hold. Parallel lists, one entry per request.
+
+    ``num_computed_tokens[i]`` is the request's computed count before this step (it
+    includes output placeholders under async scheduling). ``new_block_ids[i]`` are block
+    ids appended to its block table. ``new_token_ids[i]`` is only filled where a rank
+    cannot know the tokens itself (empty otherwise).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int  # strictly increasing; fences deferred frees, drives the PP ring
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose worker state must be dropped before this step runs.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Drafts per request (speculative decoding; placeholders are -1 under async).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # A grammar-constrained request in this batch has unsettled placeholders.
+    pending_structured_output_tokens: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token: ids and logprobs of [sampled, top-1 .. top-k], and the sampled rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's result. ``sampled_token_ids[i]`` is empty for a non-final prefill chunk.
+
+    ``logprobs[req_index]`` holds one LogprobsLists per sampled token of that request,
+    for requests that asked for logprobs (None otherwise).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[LogprobsLists | None] | None = None
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsLists] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that finished the request
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # since the previous stats
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None

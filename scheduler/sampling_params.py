@@ -1,0 +1,121 @@
+"""Sampling parameters, with vLLM's fields, defaults and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Frozen: a request's params never change in flight.
+
+    ``stop`` and ``stop_token_ids`` accept lists and are stored as tuples.
+    ``top_k`` of 0 or -1 disables top-k. ``logprobs=k`` returns the sampled token's
+    logprob plus the top-k (raw model logprobs, as vLLM's default ``raw_logprobs``).
+    ``max_tokens=None`` means "up to max_model_len".
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy ignores the truncation knobs; normalise them so batching is uniform.
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 0)
+            object.__setattr__(self, "min_p", 0.0)
+
+    def _verify(self) -> None:
+        def bad(name: str, value: object, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "must be at least 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise bad(name, v, "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be greater than zero")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", self.temperature, "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be 0 or -1 (disable), or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "must be an integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "must be at least 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "must be greater than or equal to 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "must be non-negative")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", list(self.stop_token_ids), "must be non-negative integers")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", list(self.stop), "must be non-empty strings")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
+
+    @property
+    def needs_output_history(self) -> bool:
+        """True when sampling reads previously generated tokens (penalties)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)

@@ -1,0 +1,43 @@
+"""Shared fixtures: small random-weight checkpoints written on the fly (nothing downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+
+
+def _write(tmp_path_factory, name: str, spec: CheckpointSpec) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp(name)), spec)
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory) -> str:
+    """Llama with GQA (4 query heads, 2 KV heads), untied embeddings."""
+    return _write(tmp_path_factory, "llama", CheckpointSpec())
+
+
+@pytest.fixture(scope="session")
+def llama_mha_tied_path(tmp_path_factory) -> str:
+    """Llama with MHA and tied embeddings, and linear rope scaling."""
+    spec = CheckpointSpec(num_key_value_heads=4, tie_word_embeddings=True,
+                          rope_scaling={"rope_type": "linear", "factor": 2.0}, seed=1)
+    return _write(tmp_path_factory, "llama_mha_tied", spec)
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tmp_path_factory) -> str:
+    """Qwen2: biases on q/k/v projections."""
+    return _write(tmp_path_factory, "qwen2", CheckpointSpec(architecture="Qwen2ForCausalLM", seed=2))
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(tmp_path_factory) -> str:
+    """Qwen3: per-head RMSNorm on q and k, explicit head_dim, tied embeddings."""
+    spec = CheckpointSpec(architecture="Qwen3ForCausalLM", head_dim=32, tie_word_embeddings=True, seed=3)
+    return _write(tmp_path_factory, "qwen3", spec)
+
+
+@pytest.fixture(scope="session", params=["llama", "llama_mha_tied", "qwen2", "qwen3"])
+def any_model_path(request) -> str:
+    return request.getfixturevalue(f"{request.param}_path")
