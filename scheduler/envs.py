@@ -1,0 +1,25 @@
+"""Every environment variable raylm reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def demo_model_dir() -> str:
+    """Where the demo model lives (created on first use)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "raylm", "demo-model")
+    return os.environ.get("RAYLM_DEMO_MODEL_DIR", default)
+
+
+def ray_address() -> str | None:
+    """An existing Ray cluster to join (Ray's own variable)."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def gloo_socket_ifname() -> str | None:
+    return os.environ.get("GLOO_SOCKET_IFNAME") or None
+
+
+def num_threads_override() -> int | None:
+    value = os.environ.get("RAYLM_NUM_THREADS")
+    return int(value) if value else None
