@@ -10,7 +10,7 @@ EngineCoreOutput (EngineCore -> engine client) carries new tokens per request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -101,7 +101,7 @@ class ModelRunnerOutput:
         return cls(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
