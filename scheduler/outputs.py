@@ -76,7 +76,12 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """Per sampled token: ids and logprobs of [sampled, top-1 .. top-k], and the sampled rank."""
+    """Logprobs of one request's tokens in one step; row i is its i-th sampled token.
+
+    ``token_ids[i]`` / ``logprobs[i]`` list the sampled token first, then the top-k
+    (k = SamplingParams.logprobs); ``sampled_token_ranks[i]`` is the sampled token's rank
+    (1 = most likely) in the raw distribution.
+    """
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -87,8 +92,8 @@ class LogprobsLists:
 class ModelRunnerOutput:
     """One step's result. ``sampled_token_ids[i]`` is empty for a non-final prefill chunk.
 
-    ``logprobs[req_index]`` holds one LogprobsLists per sampled token of that request,
-    for requests that asked for logprobs (None otherwise).
+    ``logprobs[i]`` is request i's LogprobsLists (one row per sampled token) when it
+    asked for logprobs, else None; ``logprobs`` itself is None when no request did.
     """
 
     req_ids: list[str]
@@ -111,7 +116,7 @@ class FinishReason(StrEnum):
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[LogprobsLists] | None = None
+    new_logprobs: LogprobsLists | None = None  # rows match new_token_ids
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that finished the request
     num_cached_tokens: int = 0
