@@ -1,0 +1,119 @@
+"""The offline Python API, vLLM-compatible: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from raylm.cluster.engine_args import EngineArgs
+from raylm.cluster.llm_engine import LLMEngine
+from raylm.cluster.outputs import RequestOutput
+from raylm.cluster.processor import PromptType
+from raylm.scheduler.sampling_params import SamplingParams
+
+# A progress bar for runs long enough to want one.
+_PROGRESS_MIN_PROMPTS = 16
+
+
+class LLM:
+    """An engine for offline batch inference.
+
+    >>> llm = LLM("path/to/hf-model")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts."
+                )
+        # Validate everything before anything is queued: a bad prompt fails the call cleanly.
+        tokenized = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
+            self.llm_engine.input_processor.validate(token_ids, params)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        ids = [str(next(self._ids)) for _ in prompts]
+        for request_id, prompt, params in zip(ids, tokenized, params_list, strict=True):
+            self.llm_engine.add_request(request_id, prompt, params)
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            token_ids = self.get_tokenizer().apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm or (use_tqdm is None and len(ids) >= _PROGRESS_MIN_PROMPTS):
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids):
+                for out in self.llm_engine.step(timeout=1.0):
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in finished:
+                    self.llm_engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

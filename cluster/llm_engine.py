@@ -1,0 +1,100 @@
+"""LLMEngine: tokenizer + input processor + EngineCore client + output processor.
+
+The synchronous core shared by the offline ``LLM`` and the serving ``AsyncLLM``. It holds
+no event loop and no threads of its own besides the EngineCore client's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from raylm.cluster.engine_args import EngineArgs
+from raylm.cluster.output_processor import OutputProcessor
+from raylm.cluster.outputs import RequestOutput
+from raylm.cluster.processor import InputProcessor, PromptType
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.engine_core_client import EngineCoreClient
+from raylm.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
+    """Start the EngineCore where the config says: in process, or in Ray actors."""
+    if config.parallel_config.distributed_executor_backend == "ray":
+        from raylm.actors.engine_core_client import make_ray_engine_core_client
+
+        return make_ray_engine_core_client(config)
+    from raylm.runner.executor import UniProcExecutor
+    from raylm.scheduler.engine_core import EngineCore
+    from raylm.scheduler.engine_core_client import InprocEngineCoreClient
+
+    resolved = config.resolve_async_scheduling(executor_supports_async=True)
+    return InprocEngineCoreClient(EngineCore(resolved, UniProcExecutor(resolved)))
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+class LLMEngine:
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args
+        self.engine_config = engine_args.create_engine_config()
+        self.model_config = self.engine_config.model_config
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer or self.model_config.model)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # The output processor is touched by the caller's thread (add/abort) and by
+        # whoever calls step(); one lock keeps its dicts consistent.
+        self._lock = threading.Lock()
+        self.core = make_engine_core_client(self.engine_config)
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> None:
+        text, token_ids = self.input_processor.tokenize(prompt)
+        parent, requests = self.input_processor.make_requests(request_id, text, token_ids, params)
+        with self._lock:
+            self.output_processor.add_request(parent, [r.request_id for r in requests])
+        try:
+            for r in requests:
+                self.core.add_request(r)
+        except Exception:
+            self.abort_request(request_id)
+            raise
+
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        with self._lock:
+            child_ids = self.output_processor.child_ids(request_id)
+            final = self.output_processor.abort_request(request_id, error)
+        if child_ids:
+            self.core.abort_requests(child_ids)
+        return final
+
+    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Wait for the next engine outputs (up to ``timeout``) and turn them into RequestOutputs."""
+        engine_outputs = self.core.get_output(timeout=timeout)
+        if engine_outputs is None:
+            return []
+        with self._lock:
+            outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.core.get_metrics()
+
+    def check_health(self) -> None:
+        self.core.check_health()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
