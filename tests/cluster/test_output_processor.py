@@ -1,0 +1,116 @@
+"""Detokenization, stop strings, logprobs and n>1 gathering, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from raylm.cluster.detokenizer import IncrementalDetokenizer
+from raylm.cluster.output_processor import OutputProcessor, ParentRequest
+from raylm.cluster.outputs import RequestMetrics
+from raylm.scheduler.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
+from raylm.scheduler.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_path):
+    return AutoTokenizer.from_pretrained(llama_path)
+
+
+def _parent(tokenizer, text, params, request_id="r"):
+    ids = tokenizer(text).input_ids
+    return ParentRequest(request_id, text, ids, params, RequestMetrics(0.0))
+
+
+def test_incremental_text_equals_full_decode(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog 123! Hello world: ümlaut ✓ 漢字"
+    ids = tokenizer(text).input_ids
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(), prompt_token_ids=[1])
+    for t in ids:
+        assert detok.update(t) is None
+    detok.flush()
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_trims_and_asks_for_abort(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(stop=["lazy"], max_tokens=50)
+    proc.add_request(_parent(tokenizer, "x", params), ["r"])
+    ids = tokenizer("the quick brown fox jumps over the lazy dog").input_ids
+    outs, abort = proc.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", ids)]))
+    assert abort == ["r"]
+    (out,) = outs
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == "lazy"
+    assert out.outputs[0].text == "the quick brown fox jumps over the "
+    # Tokens after the one that completed the stop string are not kept.
+    assert tokenizer.decode(out.outputs[0].token_ids).endswith("lazy")
+    # Late tokens still in flight for it are dropped, not delivered.
+    late, _ = proc.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", [5, 6])]))
+    assert late == []
+
+
+def test_include_stop_str_and_min_tokens(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(stop=["fox"], include_stop_str_in_output=True, max_tokens=50)
+    proc.add_request(_parent(tokenizer, "x", params), ["r"])
+    ids = tokenizer("the fox runs").input_ids
+    (out,), _ = proc.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", ids)]))
+    assert out.outputs[0].text == "the fox"
+    # min_tokens: a stop string inside the first min_tokens tokens does not stop.
+    proc2 = OutputProcessor(tokenizer)
+    params2 = SamplingParams(stop=["the"], min_tokens=len(tokenizer("the dog").input_ids) + 1, max_tokens=50)
+    proc2.add_request(_parent(tokenizer, "x", params2), ["r"])
+    ids2 = tokenizer("the dog").input_ids
+    (out2,), abort2 = proc2.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", ids2)]))
+    assert not out2.finished and abort2 == []
+
+
+def test_streamed_text_holds_back_partial_stop_string(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(stop=["jumps over"], max_tokens=50)
+    proc.add_request(_parent(tokenizer, "x", params), ["r"])
+    seen = []
+    ids = tokenizer("the fox jumps over it").input_ids
+    for t in ids:
+        outs, _ = proc.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", [t])]))
+        if outs:
+            seen.append(outs[0].outputs[0].text)
+    # Streamed text only grows, never shows a prefix of the stop string it later drops.
+    for a, b in zip(seen, seen[1:]):
+        assert b.startswith(a)
+    assert seen[-1] == "the fox "
+    assert all("jump" not in s for s in seen)
+
+
+def test_length_finish_and_logprobs(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=2, logprobs=2)
+    proc.add_request(_parent(tokenizer, "x", params), ["r"])
+    lp = LogprobsLists(token_ids=[[10, 10, 11], [12, 13, 12]],
+                       logprobs=[[-0.5, -0.5, -1.5], [-2.0, -0.1, -2.0]],
+                       sampled_token_ranks=[1, 2])
+    out = EngineCoreOutput("r", [10, 12], new_logprobs=lp, finish_reason=FinishReason.LENGTH)
+    (res,), _ = proc.process_outputs(EngineCoreOutputs([out]))
+    c = res.outputs[0]
+    assert c.finish_reason == "length" and c.token_ids == [10, 12]
+    assert [sorted(d) for d in c.logprobs] == [[10, 11], [12, 13]]
+    assert c.logprobs[0][10].rank == 1 and c.logprobs[1][12].rank == 2
+    assert c.logprobs[1][13].rank == 1
+    assert c.cumulative_logprob == pytest.approx(-2.5)
+    assert not proc.has_unfinished()
+
+
+def test_n_children_are_gathered_in_one_output(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, max_tokens=1)
+    proc.add_request(_parent(tokenizer, "x", params, "p"), ["0_p", "1_p"])
+    outs, _ = proc.process_outputs(EngineCoreOutputs([
+        EngineCoreOutput("0_p", [20], finish_reason=FinishReason.LENGTH)]))
+    assert not outs[0].finished
+    outs, _ = proc.process_outputs(EngineCoreOutputs([
+        EngineCoreOutput("1_p", [21], finish_reason=FinishReason.LENGTH)]))
+    (res,) = outs
+    assert res.finished and [c.token_ids for c in res.outputs] == [[20], [21]]
+    assert [c.index for c in res.outputs] == [0, 1]
+    assert not proc.has_unfinished()
