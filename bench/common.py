@@ -1,0 +1,67 @@
+"""Shared helpers for the benchmarks: checkpoints, workloads, timing, printing."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+from raylm.runner.checkpoint import SPECS, write_random_checkpoint
+
+CACHE = os.environ.get("RAYLM_BENCH_CACHE", os.path.expanduser("~/.cache/raylm/bench"))
+
+
+def checkpoint(size: str) -> str:
+    path = os.path.join(CACHE, f"llama-{size}")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        write_random_checkpoint(path, SPECS[size])
+    return path
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def describe(self) -> str:
+        p = [len(x) for x in self.prompts]
+        return (f"{self.name}: {len(p)} requests, prompt {min(p)}-{max(p)} tokens, "
+                f"output {min(self.max_tokens)}-{max(self.max_tokens)} tokens, greedy, ignore_eos")
+
+
+def fixed_workload(vocab: int, n: int, prompt_len: int, out_len: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    return Workload(f"fixed{n}x{prompt_len}+{out_len}", prompts, [out_len] * n)
+
+
+def mixed_workload(vocab: int, n: int, seed: int = 1) -> Workload:
+    """Prompts 8-256 and outputs 8-128 tokens: where continuous batching matters."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(8, 256))] for _ in range(n)]
+    return Workload(f"mixed{n}", prompts, [rng.randint(8, 128) for _ in range(n)])
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def print_table(rows: list[tuple[str, str, float]], reference: str) -> None:
+    """rows: (workload, engine, tok/s); ratios against ``reference`` per workload."""
+    ref = {w: v for w, e, v in rows if e == reference}
+    print(f"| {'workload':<22} | {'engine':<24} | {'output tok/s':>12} | {'vs ' + reference:>16} |")
+    print(f"|{'-' * 24}|{'-' * 26}|{'-' * 14}|{'-' * 18}|")
+    for w, e, v in rows:
+        ratio = f"{v / ref[w]:.2f}x" if ref.get(w) else "-"
+        print(f"| {w:<22} | {e:<24} | {v:>12.1f} | {ratio:>16} |")

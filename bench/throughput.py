@@ -1,0 +1,144 @@
+"""Offline throughput: raylm vs Hugging Face static batching (and vLLM's CPU build).
+
+    python bench/throughput.py [--sizes 6m,120m] [--vllm-python /opt/vllm-venv/bin/python]
+
+Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos):
+- 6m:   64 requests, 32-token prompts, 64 output tokens
+- 120m: 32 requests, 32-token prompts, 64 output tokens
+- mixed: 64 requests, prompts 8-256 tokens, outputs 8-128 tokens (6m model)
+HF runs static batches (left-padded, every batch runs to its longest output). vLLM runs
+in its own venv (it pins its own torch) on the same checkpoint when --vllm-python is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import Timer, Workload, checkpoint, fixed_workload, mixed_workload, print_table  # noqa: E402
+
+
+def run_hf(path: str, wl: Workload, batch_size: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
+    with Timer() as t, torch.inference_mode():
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            width = max(len(wl.prompts[i]) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros(len(idx), width, dtype=torch.long)
+            for row, i in enumerate(idx):
+                p = wl.prompts[i]
+                ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            new = max(wl.max_tokens[i] for i in idx)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return wl.num_output_tokens / t.seconds
+
+
+def run_raylm(path: str, wl: Workload, max_num_seqs: int, async_scheduling: bool) -> float:
+    from raylm import LLM, SamplingParams
+
+    llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+              async_scheduling=async_scheduling, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    with Timer() as t:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == wl.num_output_tokens, (got, wl.num_output_tokens)
+    return wl.num_output_tokens / t.seconds
+
+
+_VLLM_SCRIPT = r"""
+import json, sys, time
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(spec["path"], dtype="float32", block_size=32, max_num_seqs=spec["max_num_seqs"],
+              max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in spec["max_tokens"]]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"tok_s": n / dt}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process
+    main()
+"""
+
+
+def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int) -> float | None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spec = os.path.join(d, "spec.json")
+        script = os.path.join(d, "run.py")
+        with open(spec, "w") as f:
+            json.dump({"path": path, "prompts": wl.prompts, "max_tokens": wl.max_tokens,
+                       "max_num_seqs": max_num_seqs}, f)
+        with open(script, "w") as f:
+            f.write(_VLLM_SCRIPT)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="ERROR")
+        proc = subprocess.run([python, script, spec], capture_output=True, text=True, env=env, cwd=d)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])["tok_s"]
+    print(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="6m,120m")
+    ap.add_argument("--no-mixed", action="store_true")
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    args = ap.parse_args()
+    from raylm.runner.checkpoint import SPECS
+
+    plans = []
+    for size in args.sizes.split(","):
+        vocab = SPECS[size].vocab_size
+        n = 64 if size == "6m" else 32
+        plans.append((size, fixed_workload(vocab, n, 32, 64), n))
+    if not args.no_mixed:
+        plans.append(("6m", mixed_workload(SPECS["6m"].vocab_size, 64), 64))
+    rows = []
+    for size, wl, batch in plans:
+        path = checkpoint(size)
+        label = f"{size} {wl.name}"
+        print(f"# {size} model: {wl.describe()}", flush=True)
+        rows.append((label, "hf static batching", run_hf(path, wl, batch)))
+        rows.append((label, "raylm sync", run_raylm(path, wl, batch, async_scheduling=False)))
+        rows.append((label, "raylm async", run_raylm(path, wl, batch, async_scheduling=True)))
+        if args.vllm_python:
+            v = run_vllm(args.vllm_python, path, wl, batch)
+            if v is not None:
+                rows.append((label, "vllm-cpu 0.32.0", v))
+        print(f"  done: {rows[-1]}", flush=True)
+    print()
+    print_table(rows, reference="hf static batching")
+
+
+if __name__ == "__main__":
+    main()
