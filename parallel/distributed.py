@@ -1,0 +1,143 @@
+"""Join a torch.distributed world from a rendezvous and build the TP and PP groups.
+
+Rank layout as vLLM: ``tp_rank = rank % tp``, ``pp_rank = rank // tp``. TP groups are
+runs of consecutive ranks (one per PP stage); PP groups are strided by ``tp`` (one per TP
+index). Backend: nccl when CUDA is present, gloo otherwise. Every wait is bounded by
+``timeout_s``: a peer that never joins surfaces as a ``TimeoutError`` naming the rank, the
+world and the rendezvous address, never as a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from raylm.parallel.context import ParallelContext
+from raylm.scheduler import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def tp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
+    """One TP group per PP stage: consecutive ranks."""
+    return [list(range(p * tp_size, (p + 1) * tp_size)) for p in range(pp_size)]
+
+
+def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
+    """One PP group per TP index: ranks strided by tp_size, first stage first."""
+    return [list(range(t, tp_size * pp_size, tp_size)) for t in range(tp_size)]
+
+
+def _validate(world_size: int, rank: int, tp: int, pp: int, init_method: str,
+              timeout_s: float) -> None:
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp}.")
+    if world_size != tp * pp:
+        raise ValueError(f"world_size must equal tensor_parallel_size * pipeline_parallel_size "
+                         f"= {tp} * {pp}, got {world_size}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}.")
+    if not init_method or "://" not in init_method:
+        raise ValueError(f"distributed_init_method must be a URL such as tcp://host:port, "
+                         f"got {init_method!r}.")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+
+
+def _pick_device(local_rank: int) -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _set_gloo_ifname(init_method: str) -> None:
+    """Gloo binds to the interface its hostname resolves to; pin it when told, or to the
+    loopback for a single-node rendezvous on 127.0.0.1 (hostnames often resolve badly in
+    containers)."""
+    ifname = envs.gloo_socket_ifname()
+    if ifname is None and urlparse(init_method).hostname in ("127.0.0.1", "localhost"):
+        ifname = "lo"
+    if ifname is not None:
+        # Gloo reads this itself when it creates its device; setting it is the only hook.
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+
+
+def init_distributed_environment(
+    *,
+    world_size: int,
+    rank: int,
+    distributed_init_method: str,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int = 1,
+    local_rank: int = 0,
+    dp_rank: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelContext:
+    """Join the world at ``distributed_init_method`` and return this rank's context.
+
+    Every rank of the world must call this with the same sizes, concurrently: the group
+    constructors are collective. ``timeout_s`` bounds the rendezvous and every later
+    collective on these groups.
+    """
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    _validate(world_size, rank, tp, pp, distributed_init_method, timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed is already initialized in this process "
+            f"(rank {dist.get_rank()} of {dist.get_world_size()}); one rank per process.")
+    device, backend = _pick_device(local_rank)
+    if backend == "gloo":
+        _set_gloo_ifname(distributed_init_method)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = (f"rank {rank} of world_size {world_size} (tp={tp}, pp={pp}) at "
+             f"{distributed_init_method} with backend {backend}")
+    try:
+        dist.init_process_group(backend=backend, init_method=distributed_init_method,
+                                world_size=world_size, rank=rank, timeout=timeout)
+        tp_group = _new_groups(tp_group_ranks(tp, pp), rank, backend, timeout)
+        pp_group = _new_groups(pp_group_ranks(tp, pp), rank, backend, timeout)
+    except (dist.DistError, RuntimeError) as e:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TimeoutError(
+                f"torch.distributed rendezvous timed out after {timeout_s:g}s on {where}: "
+                f"not every peer joined. Cause: {e}") from e
+        raise RuntimeError(f"torch.distributed init failed on {where}: {e}") from e
+    logger.info("Joined %s.", where)
+    return ParallelContext(
+        tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp, dp_rank=dp_rank,
+        device=device,
+        # Size-1 dimensions have no group (ParallelContext's convention).
+        tp_group=tp_group if tp > 1 else None,
+        pp_group=pp_group if pp > 1 else None,
+    )
+
+
+def _new_groups(all_ranks: list[list[int]], rank: int, backend: str,
+                timeout: datetime.timedelta):
+    """Create every group (a collective call on all ranks); return the one holding ``rank``."""
+    mine = None
+    for ranks in all_ranks:
+        if len(ranks) == 1:
+            continue  # nothing to communicate; ParallelContext holds None for it
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def destroy_distributed_environment() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
