@@ -41,3 +41,44 @@ def qwen3_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="session", params=["llama", "llama_mha_tied", "qwen2", "qwen3"])
 def any_model_path(request) -> str:
     return request.getfixturevalue(f"{request.param}_path")
+
+
+class HFOracle:
+    """Hugging Face ``generate`` (greedy) and logits: the correctness reference."""
+
+    def __init__(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.eos = self.model.generation_config.eos_token_id
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
+        torch = self.torch
+        self.model.generation_config.eos_token_id = None if ignore_eos else self.eos
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                                      do_sample=False, pad_token_id=0)
+        self.model.generation_config.eos_token_id = self.eos
+        return out[0, len(prompt_ids):].tolist()
+
+    def logprobs(self, token_ids: list[int]) -> object:
+        """log_softmax of the logits at every position of ``token_ids`` ([T, vocab])."""
+        torch = self.torch
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([token_ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle():
+    """hf_oracle(path) -> HFOracle, cached per checkpoint for the session."""
+    oracles: dict[str, HFOracle] = {}
+
+    def get(path: str) -> HFOracle:
+        if path not in oracles:
+            oracles[path] = HFOracle(path)
+        return oracles[path]
+
+    return get
