@@ -1,1 +1,56 @@
-__all__: list[str] = []
+"""raylm.scheduler: pure-Python scheduling (no torch, no ray)."""
+
+from raylm.scheduler.async_scheduler import AsyncScheduler
+from raylm.scheduler.block_pool import BlockPool, KVCacheBlock
+from raylm.scheduler.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.executor import EngineDeadError, Executor
+from raylm.scheduler.kv_cache_manager import KVCacheManager
+from raylm.scheduler.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from raylm.scheduler.request import Request, RequestStatus
+from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "AsyncScheduler",
+    "BlockPool",
+    "CacheConfig",
+    "CachedRequestData",
+    "EngineConfig",
+    "EngineCore",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineDeadError",
+    "Executor",
+    "FinishReason",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "LogprobsLists",
+    "ModelConfig",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "ParallelConfig",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

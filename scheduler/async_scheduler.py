@@ -1,0 +1,42 @@
+"""AsyncScheduler: books each decode's output token before the step has run.
+
+The scheduler plans step t+1 while step t is in flight, so it cannot wait for t's token
+to know a request's length. After scheduling, each request that will sample gets
+``1 + len(drafts)`` output placeholders (rule 1), settled by ``update_from_output`` when
+the step returns; the drafts themselves become ``-1`` placeholders the worker fills in.
+Everything else (rule 2 skip, stale outputs, deferred frees) lives in the base class.
+"""
+
+from __future__ import annotations
+
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.outputs import SchedulerOutput
+from raylm.scheduler.scheduler import Scheduler
+
+
+class AsyncScheduler(Scheduler):
+    books_output_placeholders = True
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        super().__init__(config, num_kv_blocks)
+        self.num_spec_tokens = 0  # no drafter yet
+        # Shared read-only list: the workers replace drafts with real ids themselves.
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+        # A PP stage sees a request's token again only pp steps later (DESIGN §4); with
+        # pp=1 a request is eligible again at the very next step.
+        self.decode_stagger = config.parallel_config.pipeline_parallel_size
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        # Base first: it decides is_prefill_chunk, which must not see this step's
+        # placeholders (the last prefill chunk would look like a decode otherwise).
+        super()._update_after_schedule(scheduler_output)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        requests = self.requests
+        next_eligible = self.current_step + self.decode_stagger
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = requests[rid]
+            if request.is_prefill_chunk:
+                continue  # a non-final chunk samples nothing
+            request.num_output_placeholders += 1 + len(spec.get(rid, ()))
+            request.spec_token_ids = self._spec_token_placeholders
+            request.next_decode_eligible_step = next_eligible

@@ -1,0 +1,137 @@
+"""One mutable Request per generation, with the async-scheduling ledger (DESIGN §3).
+
+Counters keep vLLM's names. Under async scheduling the scheduler books output tokens it
+has not seen yet (``num_output_placeholders``) and settles them when the step returns;
+``num_in_flight_tokens`` counts tokens scheduled in steps whose results are not back, and
+``num_stale_output_tokens`` the part of those that belongs to a state rolled back by
+preemption. Only the named methods below mutate the token lists.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import IntEnum
+
+from raylm.scheduler.outputs import FinishReason
+from raylm.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Ordered: every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        sampling_seed: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty.")
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens leaves no "
+                f"room to generate within max_model_len={max_model_len}."
+            )
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.max_model_len = max_model_len
+        self.sampling_seed = sampling_seed
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        room = max_model_len - self.num_prompt_tokens
+        self.max_tokens = room if sampling_params.max_tokens is None else min(
+            sampling_params.max_tokens, room)
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+
+        # The ledger (DESIGN §3).
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
+        self.spec_token_ids: list[int] = []
+        self.is_prefill_chunk = False
+        self.next_decode_eligible_step = 0
+
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.num_preemptions = 0
+        # Chained hashes of the full blocks of known tokens (prefix caching).
+        self.block_hashes: list[int] = []
+
+    # Token views. Read-only by convention: mutate through append_output_token_ids only.
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus confirmed output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return _FINISHED_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}/{self.max_tokens}, "
+            f"computed={self.num_computed_tokens}, placeholders={self.num_output_placeholders}, "
+            f"in_flight={self.num_in_flight_tokens}, stale={self.num_stale_output_tokens})"
+        )

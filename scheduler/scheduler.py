@@ -1,0 +1,308 @@
+"""The synchronous Scheduler (vLLM V1): one token budget, no prefill/decode phases.
+
+Each ``schedule()`` gives every RUNNING request the tokens it still lacks
+(``num_tokens_with_spec + num_output_placeholders - num_computed_tokens``, chunked by the
+budget), preempting the newest running request when KV blocks run out, then admits
+WAITING requests (prefix-cache hits, chunked prefill). ``update_from_output`` settles a
+step's results. AsyncScheduler overrides only ``_update_after_schedule`` (placeholders);
+every other async hazard is handled here, so both modes share one code path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.kv_cache_manager import KVCacheManager
+from raylm.scheduler.kv_cache_utils import cdiv, update_block_hashes
+from raylm.scheduler.metrics import SchedulerCounters
+from raylm.scheduler.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from raylm.scheduler.request import Request, RequestStatus
+from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
+
+
+class Scheduler(UpdateFromOutputMixin):
+    #: Whether decodes book output placeholders (async scheduling).
+    books_output_placeholders = False
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.max_num_running_reqs = config.scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_model_len = config.model_config.max_model_len
+        self.block_size = config.cache_config.block_size
+        self.enable_caching = config.cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(self.block_size, num_kv_blocks, self.enable_caching)
+        self.requests: dict[str, Request] = {}  # unfinished requests only
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the workers must drop their state.
+        self.finished_req_ids: set[str] = set()
+        self.current_step = 0
+        self.counters = SchedulerCounters()
+        self._stats_snapshot = (0, 0, 0)
+
+    # ---- requests in and out -------------------------------------------------------
+    def validate_request(self, request: Request) -> None:
+        """Raise ValueError if the request can never be served. Reads only immutable state."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt {request.num_prompt_tokens} + "
+                f"max_tokens {request.max_tokens} exceeds max_model_len={self.max_model_len}.")
+        needed = cdiv(total, self.block_size)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {needed} KV blocks (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens) but the "
+                f"pool holds only {self.kv_cache_manager.num_blocks}.")
+
+    def add_request(self, request: Request) -> None:
+        self.validate_request(request)
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> list[EngineCoreOutput]:
+        """Finish requests from outside (abort). Returns each one's final output, at once.
+
+        Unknown or already finished ids are ignored, so a request gets exactly one final
+        output. A step still in flight for it is skipped when it returns (rule 5); its
+        blocks are freed behind that step's fence.
+        """
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        outputs = []
+        removed_running: set[str] = set()
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                removed_running.add(rid)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+            outputs.append(self._final_output(request, []))
+        if removed_running:
+            self.running = [r for r in self.running if r.request_id not in removed_running]
+        return outputs
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        self.counters.num_requests_finished += 1
+
+    @staticmethod
+    def _final_output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id, new_token_ids, finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Drafts proposed for the next step (synchronous speculative decoding)."""
+        for rid, drafts in draft_token_ids.items():
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(drafts)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.current_step += 1
+        step = self.current_step
+        self.counters.num_steps += 1
+        kv = self.kv_cache_manager
+        kv.begin_step(step)
+        budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        cached: list[tuple[Request, list[int]]] = []
+        preempted: list[Request] = []
+        blocked_on_kv = False
+
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            # Rule 2: the steps in flight already produce every token it may emit.
+            if (request.num_output_placeholders > 0
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                continue
+            if step < request.next_decode_eligible_step:  # PP decode cadence
+                continue
+            computed = request.num_computed_tokens
+            num_new = min(
+                request.num_tokens_with_spec + request.num_output_placeholders - computed,
+                budget, self.max_model_len - 1 - computed)
+            if num_new <= 0:
+                continue
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(request, num_new) <= (
+                        kv.block_pool.get_num_free_blocks() + kv.num_deferred_blocks):
+                    # Blocks freed behind an in-flight step's fence will cover it: wait
+                    # for them instead of preempting (preempted blocks would be deferred too).
+                    blocked_on_kv = True
+                    break
+                victim = running.pop()
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue
+            num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
+            if num_spec > 0 and request.spec_token_ids:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            cached.append((request, [b.block_id for b in new_blocks]))
+            num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        new_reqs: list[Request] = []
+        if not preempted and not blocked_on_kv:
+            new_reqs = self._schedule_waiting(budget, num_scheduled_tokens)
+
+        out = SchedulerOutput(
+            step_id=step,
+            scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r, _ in cached],
+                new_block_ids=[ids for _, ids in cached],
+                num_computed_tokens=[r.num_computed_tokens for r, _ in cached],
+                new_token_ids=[[] for _ in cached],
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec_tokens,
+        )
+        self.finished_req_ids = set()
+        self._update_after_schedule(out)
+        return out
+
+    def _schedule_waiting(self, budget: int, num_scheduled_tokens: dict[str, int]) -> list[Request]:
+        kv = self.kv_cache_manager
+        scheduled: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_running_reqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)  # chunked prefill
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            kv.record_prefix_cache_query(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return scheduled
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            sampling_seed=request.sampling_seed,
+        )
+
+    def _preempt_request(self, request: Request) -> None:
+        """Recompute preemption. Resets the ledger (rule 4): results of its in-flight
+        steps become stale and will be drained, never appended."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        request.is_prefill_chunk = False
+        request.next_decode_eligible_step = 0
+        request.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        requests = self.requests
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests[rid]
+            request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
+            if spec and rid in spec:
+                request.spec_token_ids = []  # consumed by this step; the drafter proposes anew
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders)
+
+    # ---- queries -------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose worker state is still to drop."""
+        return bool(self.requests) or bool(self.finished_req_ids)
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges, and counter deltas since the previous call (update_from_output's)."""
+        kv = self.kv_cache_manager
+        now = (self.counters.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits)
+        last, self._stats_snapshot = self._stats_snapshot, now
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage, num_preemptions=now[0] - last[0],
+            prefix_cache_queries=now[1] - last[1], prefix_cache_hits=now[2] - last[2])
+
+    def _engine_core_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def check_integrity(self, no_steps_in_flight: bool = False) -> None:
+        """Pool invariants and per-request ledger sanity; stricter with nothing in flight."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        assert len(self.requests) == len(self.waiting) + len(self.running), (
+            f"{len(self.requests)} requests but {len(self.waiting)} waiting + "
+            f"{len(self.running)} running")
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING and r.request_id in kv.req_to_blocks, r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.request_id not in kv.req_to_blocks, r
+        for r in self.requests.values():
+            assert min(r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
+                       r.num_stale_output_tokens) >= 0, r
+            if no_steps_in_flight:
+                assert r.num_in_flight_tokens == 0 and r.num_output_placeholders == 0 and (
+                    r.num_stale_output_tokens == 0), r
+        if no_steps_in_flight:
+            assert not kv.has_deferred_frees(), (
+                f"{kv.num_deferred_blocks} blocks still deferred with no step in flight")
+            if not self.requests:
+                free = kv.block_pool.get_num_free_blocks()
+                assert free == kv.num_blocks, f"idle with {kv.num_blocks - free} blocks in use"

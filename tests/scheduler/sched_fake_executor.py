@@ -1,0 +1,287 @@
+"""A fake Executor for scheduler tests: deterministic tokens, lazy or threaded futures,
+and a fake runner that checks every SchedulerOutput against what a real worker keeps.
+
+Tokens: the token at position p of request r is ``expected_token(r, p)`` (never EOS), or
+``EOS`` where the test asked for a stop. The fake runner mirrors the worker's persistent
+state from the diffs and checks, on every step: its computed count equals the scheduler's,
+every input token is known on the device, written blocks belong to the writer alone (a
+block freed too early would show up here), prefix hits read KV with the right content.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import zlib
+from concurrent.futures import Future
+from dataclasses import replace
+
+from raylm.scheduler.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.request import Request
+from raylm.scheduler.sampling_params import SamplingParams
+
+EOS = 2
+VOCAB = 1000
+
+
+def expected_token(req_id: str, position: int) -> int:
+    return 10 + zlib.crc32(f"{req_id}@{position}".encode()) % (VOCAB - 10)
+
+
+def prompt_tokens(seed: str, n: int) -> list[int]:
+    return [expected_token("prompt:" + seed, i) for i in range(n)]
+
+
+def make_config(*, async_scheduling: bool, block_size: int = 4, num_kv_blocks: int | None = None,
+                max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
+                max_model_len: int = 256, enable_prefix_caching: bool = True,
+                pipeline_parallel_size: int = 1) -> EngineConfig:
+    model = ModelConfig(model="fake", max_model_len=max_model_len, hf_config={
+        "architectures": ["LlamaForCausalLM"], "max_position_embeddings": max_model_len,
+        "vocab_size": VOCAB, "eos_token_id": EOS})
+    config = EngineConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                 enable_prefix_caching=enable_prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens,
+                                         async_scheduling=async_scheduling),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+    )
+    return config
+
+
+def make_request(req_id: str, prompt: list[int] | int, max_tokens: int | None = 8,
+                 max_model_len: int = 256, **params: object) -> Request:
+    if isinstance(prompt, int):
+        prompt = prompt_tokens(req_id, prompt)
+    params.setdefault("ignore_eos", True)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+    return Request(req_id, prompt, sp, frozenset({EOS}), max_model_len, sampling_seed=0)
+
+
+class _ReqState:
+    def __init__(self, tokens: list[int], num_prompt: int, block_ids: list[int],
+                 num_computed: int, logprobs: int | None) -> None:
+        self.tokens = tokens
+        self.num_prompt = num_prompt
+        self.block_ids = block_ids
+        self.num_computed = num_computed
+        self.logprobs = logprobs
+
+
+class FakeRunner:
+    """What a worker does with SchedulerOutputs, minus the model."""
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 eos_at: dict[str, int] | None = None) -> None:
+        self.block_size = block_size
+        self.eos_at = eos_at if eos_at is not None else {}  # req_id -> output index of EOS
+        self.reqs: dict[str, _ReqState] = {}
+        self.block_users: dict[int, set[str]] = collections.defaultdict(set)
+        # KV content per slot: (token, position) written there, None if never written.
+        self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.last_step_id = 0
+        self.scheduled_tokens: collections.Counter[str] = collections.Counter()
+        self.num_sampled: collections.Counter[str] = collections.Counter()
+        self.num_steps = 0
+
+    def token_at(self, req_id: str, st: _ReqState, position: int) -> int:
+        if self.eos_at.get(req_id) == position - st.num_prompt:
+            return EOS
+        return expected_token(req_id, position)
+
+    def _drop(self, req_id: str) -> None:
+        st = self.reqs.pop(req_id, None)
+        if st is not None:
+            for b in st.block_ids:
+                self.block_users[b].discard(req_id)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert so.step_id > self.last_step_id, (so.step_id, self.last_step_id)
+        self.last_step_id = so.step_id
+        self.num_steps += 1
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self._drop(rid)
+        for nd in so.scheduled_new_reqs:
+            assert nd.req_id not in self.reqs, f"{nd.req_id} sent as new twice"
+            st = _ReqState(list(nd.prompt_token_ids) + list(nd.output_token_ids),
+                           len(nd.prompt_token_ids), list(nd.block_ids),
+                           nd.num_computed_tokens, nd.sampling_params.logprobs)
+            for i, tok in enumerate(nd.output_token_ids):  # confirmed outputs are right
+                pos = st.num_prompt + i
+                assert tok == self.token_at(nd.req_id, st, pos), (nd.req_id, pos, tok)
+            self.reqs[nd.req_id] = st
+            for b in st.block_ids:
+                self.block_users[b].add(nd.req_id)
+            for pos in range(nd.num_computed_tokens):  # a prefix hit reads the right KV
+                slot = self.kv[st.block_ids[pos // self.block_size]][pos % self.block_size]
+                assert slot == (st.tokens[pos], pos), (nd.req_id, pos, slot, st.tokens[pos])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self.reqs[rid]
+            assert st.num_computed == cached.num_computed_tokens[i], (
+                rid, st.num_computed, cached.num_computed_tokens[i])
+            st.block_ids.extend(cached.new_block_ids[i])
+            for b in cached.new_block_ids[i]:
+                self.block_users[b].add(rid)
+        req_ids, sampled, logprobs = [], [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.reqs[rid]
+            self.scheduled_tokens[rid] += n
+            start = st.num_computed
+            assert n > 0 and start + n <= len(st.tokens), (rid, start, n, len(st.tokens))
+            for pos in range(start, start + n):
+                block = st.block_ids[pos // self.block_size]
+                assert self.block_users[block] == {rid}, (
+                    f"step {so.step_id}: {rid} writes block {block} shared with "
+                    f"{self.block_users[block]}")
+                self.kv[block][pos % self.block_size] = (st.tokens[pos], pos)
+            st.num_computed = start + n
+            out: list[int] = []
+            if st.num_computed == len(st.tokens):  # the last known token was an input
+                tok = self.token_at(rid, st, len(st.tokens))
+                st.tokens.append(tok)
+                out.append(tok)
+                self.num_sampled[rid] += 1
+            req_ids.append(rid)
+            sampled.append(out)
+            logprobs.append(LogprobsLists([[t] for t in out], [[-0.5] for _ in out], [1 for _ in out])
+                            if st.logprobs is not None else None)
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None)
+
+
+class LazyFuture(Future):
+    """Resolves (runs its step and every earlier one) when someone asks for the result."""
+
+    def __init__(self, executor: FakeExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if not self.done():
+            self._executor.resolve_until(self)
+        return super().result(timeout)
+
+
+class FakeExecutor:
+    """Executor protocol over FakeRunner. ``mode``: "lazy" (steps run in order when a
+    result is demanded or ``resolve_next()`` is called) or "thread" (a background
+    thread runs them in order, optionally sleeping ``step_time`` each)."""
+
+    supports_async_scheduling = True
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, mode: str = "lazy",
+                 eos_at: dict[str, int] | None = None, fail_at_step: int | None = None,
+                 step_time: float = 0.0, max_concurrent_batches: int = 2) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.mode = mode
+        self.eos_at = eos_at
+        self.fail_at_step = fail_at_step
+        self.step_time = step_time
+        self.max_concurrent_batches = max_concurrent_batches
+        self.runner: FakeRunner | None = None
+        self.pending: collections.deque[tuple[Future, SchedulerOutput]] = collections.deque()
+        self.history: list[SchedulerOutput] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.shut_down = False
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner = FakeRunner(num_blocks, self.block_size, self.eos_at)
+        if self.mode == "thread":
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fail_at_step is not None and so.step_id >= self.fail_at_step:
+            raise RuntimeError(f"fake device fault at step {so.step_id}")
+        assert self.runner is not None
+        return self.runner.execute(so)
+
+    def _complete(self, fut: Future, so: SchedulerOutput) -> None:
+        try:
+            fut.set_result(self._run(so))
+        except Exception as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
+        self.history.append(scheduler_output)
+        fut: Future = LazyFuture(self) if self.mode == "lazy" else Future()
+        with self._cv:
+            self.pending.append((fut, scheduler_output))
+            self._cv.notify()
+        return fut if non_block else fut.result()
+
+    def resolve_next(self) -> bool:
+        with self._cv:
+            if not self.pending:
+                return False
+            fut, so = self.pending.popleft()
+        self._complete(fut, so)
+        return True
+
+    def resolve_until(self, target: Future) -> None:
+        while not target.done():
+            assert self.resolve_next(), "future not pending"
+
+    def _loop(self) -> None:
+        import time
+        while True:
+            with self._cv:
+                while not self.pending and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                fut, so = self.pending.popleft()
+            if self.step_time:
+                time.sleep(self.step_time)
+            self._complete(fut, so)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+
+def with_async(config: EngineConfig, on: bool) -> EngineConfig:
+    return replace(config, scheduler_config=replace(config.scheduler_config, async_scheduling=on))
+
+
+def collect(outputs) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Token stream and list of final outputs per request, from EngineCoreOutput lists."""
+    tokens: dict[str, list[int]] = collections.defaultdict(list)
+    finals: dict[str, list] = collections.defaultdict(list)
+    for o in outputs:
+        tokens[o.request_id].extend(o.new_token_ids)
+        if o.finished:
+            finals[o.request_id].append(o)
+    return dict(tokens), dict(finals)
+
+
+def expected_stream(req: Request, eos_index: int | None = None) -> list[int]:
+    """What the fake produces for ``req`` when nothing stops it early."""
+    n = req.max_tokens
+    out = [expected_token(req.request_id, req.num_prompt_tokens + i) for i in range(n)]
+    if eos_index is not None and eos_index < n:
+        out[eos_index] = EOS
+    return out

@@ -1,0 +1,224 @@
+"""The ledger rules of DESIGN §3, each driven step by step against the fake runner."""
+
+from __future__ import annotations
+
+import pytest
+from sched_fake_executor import (
+    EOS,
+    FakeExecutor,
+    FakeRunner,
+    collect,
+    expected_stream,
+    expected_token,
+    make_config,
+    make_request,
+)
+
+from raylm.scheduler.async_scheduler import AsyncScheduler
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.outputs import FinishReason, ModelRunnerOutput
+from raylm.scheduler.request import RequestStatus
+from raylm.scheduler.scheduler import Scheduler
+
+
+def _run(engine: EngineCore, requests) -> list:
+    for r in requests:
+        engine.add_request(r)
+    return engine.run_until_idle()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16])
+def test_rule1_2_exact_tokens_and_scheduled_count(n, async_scheduling):
+    """max_tokens=N yields N tokens and exactly prompt + N - 1 scheduled tokens."""
+    config = make_config(async_scheduling=async_scheduling, max_num_batched_tokens=8)
+    executor = FakeExecutor()
+    engine = EngineCore(config, executor)
+    reqs = [make_request("solo", 7, max_tokens=n), make_request("long", 19, max_tokens=n + 3)]
+    tokens, finals = collect(_run(engine, reqs))
+    runner = executor.runner
+    for r in reqs:
+        assert tokens[r.request_id] == expected_stream(r)
+        assert [o.finish_reason for o in finals[r.request_id]] == [FinishReason.LENGTH]
+        assert runner.scheduled_tokens[r.request_id] == r.num_prompt_tokens + r.max_tokens - 1
+        assert runner.num_sampled[r.request_id] == r.max_tokens  # no step without a token
+
+
+def _step(sched, runner, so=None):
+    so = so or sched.schedule()
+    return so, runner.execute(so)
+
+
+def _sched(async_scheduling: bool, **kw):
+    config = make_config(async_scheduling=async_scheduling, **kw)
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    num_blocks = kw.get("num_kv_blocks") or 64
+    return cls(config, num_blocks), FakeRunner(num_blocks, config.cache_config.block_size)
+
+
+def test_rule1_placeholders_booked_and_settled():
+    sched, runner = _sched(True)
+    r = make_request("a", 6, max_tokens=10)
+    sched.add_request(r)
+    so1, out1 = _step(sched, runner)
+    assert r.num_output_placeholders == 1 and r.num_computed_tokens == 6
+    so2, out2 = _step(sched, runner)  # planned while step 1 is "in flight"
+    assert so2.num_scheduled_tokens == {"a": 1}
+    assert r.num_output_placeholders == 2 and r.num_in_flight_tokens == 7
+    sched.update_from_output(so1, out1)
+    assert r.num_output_placeholders == 1 and r.num_output_tokens == 1
+    assert r.num_computed_tokens == r.num_tokens + r.num_output_placeholders - 1
+    sched.update_from_output(so2, out2)
+    assert r.num_output_placeholders == 0 and r.num_in_flight_tokens == 0
+    sched.check_integrity(no_steps_in_flight=True)
+
+
+def test_rule1_placeholders_settled_including_trimmed_at_stop():
+    """Two tokens returned for one request, the first is EOS: both placeholders settle."""
+    sched, runner = _sched(True)
+    r = make_request("a", 6, max_tokens=10, ignore_eos=False)
+    sched.add_request(r)
+    so, _ = _step(sched, runner)
+    r.num_output_placeholders += 1  # as if a draft had been booked too
+    r.num_computed_tokens += 1
+    fake = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
+                             sampled_token_ids=[[EOS, 99]])
+    outs = sched.update_from_output(so, fake)
+    assert outs.outputs[0].new_token_ids == [EOS]
+    assert outs.outputs[0].finish_reason == FinishReason.STOP
+    assert r.num_output_placeholders == 0
+    assert r.num_computed_tokens == 6  # trimmed token rolled back: all known but the last
+
+
+def test_rule2_no_step_for_a_finished_max_tokens():
+    sched, runner = _sched(True)
+    r = make_request("a", 5, max_tokens=1)
+    sched.add_request(r)
+    so1, out1 = _step(sched, runner)
+    so2 = sched.schedule()
+    assert so2.is_empty  # the prefill's token is the only one
+    sched.update_from_output(so1, out1)
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_rule3_rejected_drafts_roll_back(async_scheduling):
+    sched, runner = _sched(async_scheduling)
+    r = make_request("a", 8, max_tokens=20)
+    sched.add_request(r)
+    so1, out1 = _step(sched, runner)
+    sched.update_from_output(so1, out1)
+    assert r.num_tokens == 9
+    sched.update_draft_token_ids({"a": [11, 12, 13]})
+    so2 = sched.schedule()
+    assert so2.num_scheduled_tokens == {"a": 4}
+    assert so2.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+    assert r.num_computed_tokens == 12
+    assert r.num_output_placeholders == (4 if async_scheduling else 0)
+    # One draft accepted plus the bonus token: two drafts rejected.
+    fake = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[11, 50]])
+    outs = sched.update_from_output(so2, fake)
+    assert outs.outputs[0].new_token_ids == [11, 50]
+    assert r.num_tokens == 11
+    assert r.num_computed_tokens == 10  # every known token but the last
+    assert r.num_output_placeholders == 0
+    assert r.num_in_flight_tokens == 0
+
+
+def test_rule4_stale_outputs_drained_never_appended():
+    # 4 blocks of 4 tokens: two 8-token prompts fill the pool; the first decode preempts.
+    sched, runner = _sched(True, num_kv_blocks=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 8, max_tokens=3), make_request("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    so1, out1 = _step(sched, runner)
+    so2, out2 = _step(sched, runner)  # a needs a block: b (newest) is preempted
+    assert so2.preempted_req_ids == {"b"} and b.status == RequestStatus.PREEMPTED
+    assert b.num_stale_output_tokens == 8 and b.num_in_flight_tokens == 8
+    assert b.num_computed_tokens == 0 and b.num_output_placeholders == 0
+    assert b.num_preemptions == 1
+    outs1 = sched.update_from_output(so1, out1)
+    assert {o.request_id for o in outs1.outputs} == {"a"}  # b's token is stale
+    assert b.num_output_tokens == 0 and b.num_stale_output_tokens == 0
+    assert b.num_in_flight_tokens == 0
+    sched.update_from_output(so2, out2)
+    sched.check_integrity()
+    # Run to the end: b resumes from scratch and produces exactly its stream.
+    pending, all_outs = [], list(outs1.outputs)
+    while sched.has_requests() or pending:
+        if sched.has_requests():
+            so = sched.schedule()
+            pending.append((so, runner.execute(so)))
+        if len(pending) == 2 or not sched.has_requests():
+            all_outs += sched.update_from_output(*pending.pop(0)).outputs
+        sched.check_integrity()
+    tokens, finals = collect(all_outs)
+    assert tokens == {"a": expected_stream(a), "b": expected_stream(b)}
+    assert all(len(v) == 1 for v in finals.values())
+    sched.check_integrity(no_steps_in_flight=True)
+
+
+def _free_ids(sched):
+    return set(sched.kv_cache_manager.block_pool.free_block_queue)
+
+
+def test_rule5_abort_in_flight_skipped_and_freed_after_fence():
+    sched, runner = _sched(True)
+    r = make_request("a", 10, max_tokens=5)
+    sched.add_request(r)
+    so1, out1 = _step(sched, runner)
+    block_ids = sched.kv_cache_manager.get_block_ids("a")
+    outs = sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ABORT)]
+    assert sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == []  # once only
+    assert not set(block_ids) & _free_ids(sched)  # step 1 may still write them
+    result = sched.update_from_output(so1, out1)
+    assert result.outputs == []  # skipped on return
+    assert set(block_ids) <= _free_ids(sched)
+    so2 = sched.schedule()
+    assert so2.finished_req_ids == {"a"} and so2.is_empty
+    sched.check_integrity(no_steps_in_flight=True)
+
+
+def test_rule5_finish_with_a_step_in_flight_frees_after_that_step():
+    sched, runner = _sched(True)
+    runner.eos_at["a"] = 0
+    r = make_request("a", 10, max_tokens=5, ignore_eos=False)
+    sched.add_request(r)
+    so1, out1 = _step(sched, runner)
+    so2, out2 = _step(sched, runner)  # a decode booked before EOS is known
+    block_ids = sched.kv_cache_manager.get_block_ids("a")
+    outs = sched.update_from_output(so1, out1)
+    assert outs.outputs[0].finish_reason == FinishReason.STOP
+    assert outs.outputs[0].new_token_ids == [EOS]
+    assert not set(block_ids) & _free_ids(sched)  # step 2 still writes them
+    assert sched.update_from_output(so2, out2).outputs == []
+    assert set(block_ids) <= _free_ids(sched)
+    sched.check_integrity(no_steps_in_flight=True)
+
+
+def test_sync_preemption_frees_at_once():
+    sched, runner = _sched(False, num_kv_blocks=4)
+    a, b = make_request("a", 8, max_tokens=3), make_request("b", 8, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    so1, out1 = _step(sched, runner)
+    sched.update_from_output(so1, out1)
+    so2 = sched.schedule()
+    assert so2.preempted_req_ids == {"b"} and so2.num_scheduled_tokens == {"a": 1}
+    assert b.num_stale_output_tokens == 0
+    sched.check_integrity()
+
+
+def test_pp_decode_cadence():
+    config = make_config(async_scheduling=True, pipeline_parallel_size=2)
+    executor = FakeExecutor(max_concurrent_batches=3)
+    engine = EngineCore(config, executor)
+    assert engine.batch_queue_size == 3
+    r = make_request("a", 5, max_tokens=6)
+    tokens, _ = collect(_run(engine, [r]))
+    assert tokens["a"] == expected_stream(r)
+    steps = [so.step_id for so in executor.history if "a" in so.num_scheduled_tokens]
+    assert all(b - a >= 2 for a, b in zip(steps, steps[1:])), steps
+    assert steps[1] - steps[0] == 2  # eligible again exactly pp steps later
+    assert expected_token("a", 5) == tokens["a"][0]
