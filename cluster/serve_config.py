@@ -1,0 +1,360 @@
+"""The serving-facing config of raylm, shaped like Ray Serve LLM's ``LLMConfig``.
+
+This config crosses YAML, Helm and HTTP, so it is pydantic (the engine's own configs are the
+frozen dataclasses of ``raylm.scheduler.config``). Every model forbids unknown keys: a typo
+fails with the key's dotted path instead of being silently ignored.
+
+The Serve app builder ``raylm.cluster:build_openai_app(args: dict)`` receives, both from
+``serve run config.yaml`` and from a KubeRay RayService's ``spec.serveConfigV2``
+(``applications[].args``), exactly::
+
+    {"llm_configs": [<LLMConfig dict>, ...]}
+
+and turns it into an :class:`OpenAIAppConfig` with :func:`load_app_config`. An item of
+``llm_configs`` may also be the path of a YAML file holding one LLMConfig. The Helm chart
+(``helm/raylm``) renders one LLMConfig from its ``llmConfig`` values; see
+``cluster/example_config.yaml`` for a complete Serve config file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "AutoscalingConfig",
+    "DeploymentConfig",
+    "EngineKwargs",
+    "LLMConfig",
+    "ModelLoadingConfig",
+    "OpenAIAppConfig",
+    "PlacementGroupConfig",
+    "load_app_config",
+]
+
+DEMO_MODEL_SOURCE = "demo"
+BUILD_OPENAI_APP = "raylm.cluster:build_openai_app"
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> Any:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+class ModelLoadingConfig(BaseModel):
+    model_config = _STRICT
+
+    model_id: str = Field(min_length=1, description="The name clients send as `model`.")
+    # A local Hugging Face folder (config.json + safetensors + tokenizer) on every node;
+    # None or "demo": the small random-weight demo model raylm writes itself.
+    model_source: str | None = Field(default=None, min_length=1)
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model_source in (None, DEMO_MODEL_SOURCE)
+
+    def resolve_model_source(self) -> str:
+        """The checkpoint folder to load; writes the demo model on first use."""
+        if not self.is_demo:
+            assert self.model_source is not None
+            return self.model_source
+        # Imported here: the demo writer pulls in the checkpoint code, config loading must not.
+        from raylm.cluster.demo import ensure_demo_model
+
+        return ensure_demo_model()
+
+
+class EngineKwargs(BaseModel):
+    """Engine arguments passed to ``raylm.LLM(model=..., **to_llm_kwargs())``.
+
+    None means "the engine's default", so the engine keeps one source of truth for defaults;
+    only the parallel sizes are concrete because placement depends on them."""
+
+    model_config = _STRICT
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] | None = None
+    max_model_len: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    enable_prefix_caching: bool | None = None
+    num_kv_blocks: PositiveInt | None = None
+    kv_cache_memory_bytes: PositiveInt | None = None
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: NonNegativeInt | None = None
+    async_scheduling: bool | None = None
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt = 1
+    distributed_executor_backend: Literal["uni", "ray"] | None = None
+    max_queued_requests: PositiveInt | None = None
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}.")
+        return v
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> EngineKwargs:
+        if self.distributed_executor_backend == "uni" and (
+            self.world_size > 1 or self.data_parallel_size > 1
+        ):
+            raise ValueError(
+                "distributed_executor_backend='uni' cannot run tensor_parallel_size="
+                f"{self.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}, data_parallel_size={self.data_parallel_size}; "
+                "use 'ray' or leave it unset.")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine (one DP rank): TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def to_llm_kwargs(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class AutoscalingConfig(BaseModel):
+    """Ray Serve replica autoscaling (a subset of ``ray.serve.config.AutoscalingConfig``)."""
+
+    model_config = _STRICT
+
+    min_replicas: NonNegativeInt = 1
+    max_replicas: PositiveInt = 1
+    # Ongoing requests per replica the autoscaler aims for; an LLM replica batches many.
+    target_ongoing_requests: PositiveFloat = 16
+    initial_replicas: NonNegativeInt | None = None
+    upscale_delay_s: NonNegativeFloat | None = None
+    downscale_delay_s: NonNegativeFloat | None = None
+
+    @model_validator(mode="after")
+    def _check_range(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} must not exceed "
+                             f"max_replicas={self.max_replicas}.")
+        init = self.initial_replicas
+        if init is not None and not self.min_replicas <= init <= self.max_replicas:
+            raise ValueError(f"initial_replicas={init} must lie in [min_replicas="
+                             f"{self.min_replicas}, max_replicas={self.max_replicas}].")
+        return self
+
+
+class DeploymentConfig(BaseModel):
+    """Ray Serve deployment options of the LLM server."""
+
+    model_config = _STRICT
+
+    autoscaling_config: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    # Requests one replica accepts at once; beyond it the router queues or picks another.
+    max_ongoing_requests: PositiveInt = 64
+    # A fixed replica count instead of autoscaling.
+    num_replicas: NonNegativeInt | None = None
+    # How long a replica being scaled down waits for in-flight generations (Serve: 20 s).
+    graceful_shutdown_timeout_s: NonNegativeFloat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> DeploymentConfig:
+        if self.num_replicas is not None and "autoscaling_config" in self.model_fields_set:
+            raise ValueError(f"num_replicas={self.num_replicas} and autoscaling_config are "
+                             "exclusive; set one of them.")
+        target = self.autoscaling_config.target_ongoing_requests
+        if self.num_replicas is None and target > self.max_ongoing_requests:
+            raise ValueError(
+                f"autoscaling_config.target_ongoing_requests={target} exceeds "
+                f"max_ongoing_requests={self.max_ongoing_requests}; a replica can never "
+                "reach its target, so autoscaling would not work.")
+        return self
+
+    def to_serve_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``serve.deployment(...)`` / ``Deployment.options(...)``."""
+        opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests}
+        if self.num_replicas is not None:
+            opts["num_replicas"] = self.num_replicas
+        else:
+            opts["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
+        if self.graceful_shutdown_timeout_s is not None:
+            opts["graceful_shutdown_timeout_s"] = self.graceful_shutdown_timeout_s
+        return opts
+
+
+class PlacementGroupConfig(BaseModel):
+    """Bundles of one replica: bundle 0 holds the replica (and rank 0's driver side),
+    bundles 1.. hold the TP x PP worker actors, in rank order."""
+
+    model_config = _STRICT
+
+    bundles: list[dict[str, NonNegativeFloat]] = Field(min_length=1)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+    @field_validator("bundles")
+    @classmethod
+    def _bundles_reserve_something(cls, bundles: list[dict[str, float]]) -> list[dict[str, float]]:
+        for i, bundle in enumerate(bundles):
+            # Ray rejects a bundle that reserves nothing; say which one before Ray does.
+            if not any(v > 0 for v in bundle.values()):
+                raise ValueError(f"bundles[{i}]={bundle!r} reserves no resource; "
+                                 "give at least one resource a positive amount.")
+            if any(not k for k in bundle):
+                raise ValueError(f"bundles[{i}]={bundle!r} has an empty resource name.")
+        return bundles
+
+
+class LLMConfig(BaseModel):
+    """One model served by the OpenAI app: what to load, how to run it, how to scale it."""
+
+    model_config = _STRICT
+
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
+    deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    placement_group_config: PlacementGroupConfig | None = None
+    # e.g. "H100": pins the GPU workers to nodes of that type (Ray's `accelerator_type:<T>`).
+    accelerator_type: str | None = Field(default=None, min_length=1)
+    # GPUs each TP x PP worker reserves; None: 1 when accelerator_type is set, else 0 (CPU).
+    num_gpus_per_worker: NonNegativeFloat | None = None
+    api_key: str | None = Field(default=None, min_length=1)
+    runtime_env: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> LLMConfig:
+        if self.accelerator_type is not None and self.num_gpus_per_worker == 0:
+            raise ValueError(
+                f"accelerator_type={self.accelerator_type!r} requests GPUs but "
+                "num_gpus_per_worker=0; drop one of them.")
+        pg = self.placement_group_config
+        need = 1 + self.engine_kwargs.world_size
+        if pg is not None and len(pg.bundles) < need:
+            raise ValueError(
+                f"placement_group_config.bundles has {len(pg.bundles)} bundles but "
+                f"tensor_parallel_size x pipeline_parallel_size="
+                f"{self.engine_kwargs.world_size} workers need {need} (one for the replica, "
+                "one per worker).")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.model_loading_config.model_id
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.accelerator_type is not None or (self.num_gpus_per_worker or 0) > 0
+
+    @property
+    def gpus_per_worker(self) -> float:
+        if self.num_gpus_per_worker is not None:
+            return self.num_gpus_per_worker
+        return 1.0 if self.use_gpu else 0.0
+
+    def default_placement_group(self) -> PlacementGroupConfig:
+        """One ``{"CPU": 1}`` bundle for the replica, co-located with rank 0, then one bundle
+        per TP x PP worker: GPUs when GPU use is requested, else one CPU. With
+        data_parallel_size > 1 each DP rank needs a group of this shape."""
+        if self.use_gpu:
+            worker: dict[str, float] = {"GPU": self.gpus_per_worker}
+            if self.accelerator_type is not None:
+                # A token amount of Ray's per-node accelerator resource pins the node type.
+                worker[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        else:
+            worker = {"CPU": 1.0}
+        bundles = [{"CPU": 1.0}] + [dict(worker) for _ in range(self.engine_kwargs.world_size)]
+        return PlacementGroupConfig(bundles=bundles, strategy="PACK")
+
+    def get_placement_group(self) -> PlacementGroupConfig:
+        """The explicit placement_group_config, else the default one."""
+        return self.placement_group_config or self.default_placement_group()
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> LLMConfig:
+        data = _read_yaml(path)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{os.fspath(path)!r} must hold one LLMConfig mapping, "
+                             f"got {type(data).__name__}.")
+        return cls.model_validate(data)
+
+
+class OpenAIAppConfig(BaseModel):
+    """The args of ``build_openai_app``: the models one OpenAI endpoint serves."""
+
+    model_config = _STRICT
+
+    llm_configs: list[LLMConfig] = Field(min_length=1)
+
+    @field_validator("llm_configs", mode="before")
+    @classmethod
+    def _load_yaml_items(cls, items: Any) -> Any:
+        if isinstance(items, list):
+            return [LLMConfig.from_yaml(x) if isinstance(x, str | os.PathLike) else x
+                    for x in items]
+        return items
+
+    @model_validator(mode="after")
+    def _unique_model_ids(self) -> OpenAIAppConfig:
+        ids = [c.model_id for c in self.llm_configs]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"llm_configs: model_id {dup} appears more than once; "
+                             "each served model needs its own model_id.")
+        return self
+
+
+AppConfigLike = OpenAIAppConfig | LLMConfig | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def load_app_config(config: AppConfigLike) -> OpenAIAppConfig:
+    """Build the app config from what ``build_openai_app`` or a user hands over:
+    an OpenAIAppConfig, one LLMConfig, the args dict ``{"llm_configs": [...]}``, one
+    LLMConfig dict, a whole Serve config dict (``applications: [...]``; the raylm app's
+    args are used), or the path of a YAML file holding any of those dicts."""
+    if isinstance(config, OpenAIAppConfig):
+        return config
+    if isinstance(config, LLMConfig):
+        return OpenAIAppConfig(llm_configs=[config])
+    if isinstance(config, str | os.PathLike):
+        data = _read_yaml(config)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{os.fspath(config)!r} must hold a mapping, "
+                             f"got {type(data).__name__}.")
+        config = data
+    if not isinstance(config, Mapping):
+        raise ValueError(f"app config must be a mapping or a YAML path, got {config!r}.")
+    if "applications" in config:
+        config = _raylm_app_args(config["applications"])
+    if "llm_configs" in config:
+        return OpenAIAppConfig.model_validate(dict(config))
+    if "model_loading_config" in config:
+        return OpenAIAppConfig(llm_configs=[LLMConfig.model_validate(dict(config))])
+    raise ValueError(f"app config needs 'llm_configs' (or one LLMConfig with "
+                     f"'model_loading_config'); got keys {sorted(config)}.")
+
+
+def _raylm_app_args(applications: Any) -> Mapping[str, Any]:
+    apps = [a for a in applications or [] if isinstance(a, Mapping)]
+    ours = [a for a in apps if a.get("import_path") == BUILD_OPENAI_APP]
+    if len(ours) != 1:
+        raise ValueError(f"Serve config must have exactly one application with import_path "
+                         f"{BUILD_OPENAI_APP!r}; found {len(ours)} among "
+                         f"{[a.get('name') for a in apps]}.")
+    args = ours[0].get("args") or {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"application {ours[0].get('name')!r} args must be a mapping, "
+                         f"got {args!r}.")
+    return args
+

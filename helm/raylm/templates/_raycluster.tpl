@@ -1,0 +1,145 @@
+{{/*
+The RayCluster spec shared by the RayService (serving: true) and the RayJob (serving: false).
+Args: root (the chart context), groups (worker group values), serving (bool).
+*/}}
+{{- define "raylm.rayClusterSpec" -}}
+{{- $v := .root.Values }}
+{{- with $v.rayVersion }}
+rayVersion: {{ . | quote }}
+{{- end }}
+enableInTreeAutoscaling: {{ $v.autoscaler.enabled }}
+{{- if $v.autoscaler.enabled }}
+autoscalerOptions:
+  idleTimeoutSeconds: {{ int $v.autoscaler.idleTimeoutSeconds }}
+  upscalingMode: {{ $v.autoscaler.upscalingMode }}
+  {{- with $v.autoscaler.version }}
+  version: {{ . }}
+  {{- end }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  {{- with $v.autoscaler.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+headGroupSpec:
+  rayStartParams:
+    {{- /* merge gives the first dict precedence: num-gpus "0" always wins. */}}
+    {{- $params := merge (dict "num-gpus" "0") (deepCopy (default (dict) $v.head.rayStartParams)) (dict "dashboard-host" "0.0.0.0") }}
+    {{- include "raylm.rayStartParams" (dict "params" $params) | trim | nindent 4 }}
+  template:
+    {{- include "raylm.podTemplate" (dict "root" .root "group" $v.head "kind" "head" "serving" .serving "gpus" 0) | trim | nindent 4 }}
+{{- with .groups }}
+workerGroupSpecs:
+{{- range $g := . }}
+  - groupName: {{ $g.name }}
+    replicas: {{ int (hasKey $g "replicas" | ternary (get $g "replicas") $g.minReplicas) }}
+    minReplicas: {{ int $g.minReplicas }}
+    maxReplicas: {{ int $g.maxReplicas }}
+    {{- with get $g "idleTimeoutSeconds" }}
+    idleTimeoutSeconds: {{ int . }}
+    {{- end }}
+    rayStartParams:
+      {{- $params := default (dict) (get $g "rayStartParams") }}
+      {{- if $params }}
+      {{- include "raylm.rayStartParams" (dict "params" $params) | trim | nindent 6 }}
+      {{- else }} {}
+      {{- end }}
+    template:
+      {{- include "raylm.podTemplate" (dict "root" $.root "group" $g "kind" "worker" "serving" $.serving "gpus" (default 0 (get $g "gpus"))) | trim | nindent 6 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A Ray pod template. Args: root, group (head or a worker group's values), kind ("head" or
+"worker"), serving (bool), gpus (GPUs per pod).
+*/}}
+{{- define "raylm.podTemplate" -}}
+{{- $v := .root.Values }}
+{{- $g := .group }}
+{{- $annotations := merge (dict) (default (dict) (get $g "annotations")) (default (dict) $v.commonAnnotations) }}
+metadata:
+  labels:
+    {{- include "raylm.podLabels" (dict "root" .root "extra" (get $g "labels")) | nindent 4 }}
+  {{- with $annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  # Time for the preStop drain (in-flight generations) before the pod is killed.
+  terminationGracePeriodSeconds: {{ int $v.drain.terminationGracePeriodSeconds }}
+  {{- with $v.serviceAccountName }}
+  serviceAccountName: {{ . }}
+  {{- end }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with get $g "nodeSelector" }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with get $g "tolerations" }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with get $g "affinity" }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: ray-{{ .kind }}
+      image: {{ include "raylm.image" .root }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      {{- $env := concat (default (list) $v.env) (default (list) (get $g "env")) }}
+      {{- with $env }}
+      env:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if or (eq .kind "head") .serving }}
+      ports:
+        {{- if eq .kind "head" }}
+        - {name: gcs-server, containerPort: 6379}
+        - {name: dashboard, containerPort: 8265}
+        - {name: client, containerPort: 10001}
+        {{- end }}
+        {{- if .serving }}
+        - {name: serve, containerPort: {{ int $v.serve.port }}}
+        {{- end }}
+      {{- end }}
+      {{- $res := deepCopy (default (dict) (get $g "resources")) }}
+      {{- if gt (float64 .gpus) 0.0 }}
+      {{- range $part := list "limits" "requests" }}
+      {{- $m := default (dict) (get $res $part) }}
+      {{- $_ := set $m $v.gpuResourceName (int $.gpus) }}
+      {{- $_ := set $res $part $m }}
+      {{- end }}
+      {{- end }}
+      {{- with $res }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if and .serving (eq .kind "worker") $v.serve.readinessProbe.enabled }}
+      {{- $p := $v.serve.readinessProbe }}
+      # Serve proxy health on this pod: 503 while draining, absent without a replica.
+      readinessProbe:
+        httpGet: {path: {{ $p.path | quote }}, port: serve}
+        initialDelaySeconds: {{ int $p.initialDelaySeconds }}
+        periodSeconds: {{ int $p.periodSeconds }}
+        timeoutSeconds: {{ int $p.timeoutSeconds }}
+        failureThreshold: {{ int $p.failureThreshold }}
+      {{- end }}
+      lifecycle:
+        preStop:
+          exec:
+            # Let open streams finish, then leave the Ray cluster cleanly.
+            command: ["/bin/sh", "-c", "sleep {{ int $v.drain.preStopSleepSeconds }}; ray stop"]
+      {{- with $v.extraVolumeMounts }}
+      volumeMounts:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+  {{- with $v.extraVolumes }}
+  volumes:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

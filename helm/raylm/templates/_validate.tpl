@@ -1,0 +1,84 @@
+{{/*
+Checks values.schema.json cannot express. Each failure names the value and what to change.
+*/}}
+{{- define "raylm.validate" -}}
+{{- $v := .Values }}
+{{- $name := include "raylm.fullname" . }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) }}
+{{- fail (printf "raylm: resource name %q must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter) as KubeRay requires; set fullnameOverride." $name) }}
+{{- end }}
+
+{{- /* Serve replica autoscaling. */}}
+{{- $dc := $v.llmConfig.deployment_config }}
+{{- $as := $dc.autoscaling_config }}
+{{- if gt (float64 $as.min_replicas) (float64 $as.max_replicas) }}
+{{- fail (printf "raylm: llmConfig.deployment_config.autoscaling_config.min_replicas (%v) must not exceed max_replicas (%v)." $as.min_replicas $as.max_replicas) }}
+{{- end }}
+{{- if gt (float64 $as.target_ongoing_requests) (float64 $dc.max_ongoing_requests) }}
+{{- fail (printf "raylm: llmConfig.deployment_config.autoscaling_config.target_ongoing_requests (%v) exceeds max_ongoing_requests (%v): a replica could never reach its target." $as.target_ongoing_requests $dc.max_ongoing_requests) }}
+{{- end }}
+
+{{- include "raylm.validateGroups" (dict "groups" $v.workerGroups "path" "workerGroups") }}
+{{- if $v.batch.enabled }}
+{{- include "raylm.validateGroups" (dict "groups" $v.batch.workerGroups "path" "batch.workerGroups") }}
+{{- end }}
+
+{{- /* GPUs: one replica must fit, and min_replicas of them. */}}
+{{- $llm := include "raylm.llmConfig" . | fromYaml }}
+{{- $ek := $llm.engine_kwargs }}
+{{- $workers := mul (int (default 1 $ek.tensor_parallel_size)) (int (default 1 $ek.pipeline_parallel_size)) (int (default 1 $ek.data_parallel_size)) }}
+{{- $gpw := float64 $llm.num_gpus_per_worker }}
+{{- $maxPerPod := float64 (include "raylm.maxGpusPerPod" .) }}
+{{- if and $llm.accelerator_type (eq $maxPerPod 0.0) }}
+{{- fail (printf "raylm: llmConfig.accelerator_type is %q but no worker group has gpus > 0; give a worker group GPUs or unset accelerator_type." $llm.accelerator_type) }}
+{{- end }}
+{{- if gt $gpw 0.0 }}
+{{- if gt $gpw $maxPerPod }}
+{{- fail (printf "raylm: llmConfig.num_gpus_per_worker (%v) exceeds the GPUs of every worker pod (at most %v); one worker must fit on one pod." $gpw $maxPerPod) }}
+{{- end }}
+{{- $capacity := 0.0 }}
+{{- range $v.workerGroups }}
+{{- $capacity = addf $capacity (mulf (float64 .maxReplicas) (float64 (default 0 (get . "gpus")))) }}
+{{- end }}
+{{- $floor := $as.min_replicas }}
+{{- if not (kindIs "invalid" (get $dc "num_replicas")) }}{{ $floor = $dc.num_replicas }}{{ end }}
+{{- $need := mulf (maxf 1 (float64 $floor)) (float64 $workers) $gpw }}
+{{- if gt $need $capacity }}
+{{- fail (printf "raylm: %v Serve replica(s) x %d workers (TP x PP x DP) x %v GPUs need %v GPUs, but the worker groups hold at most %v (sum of maxReplicas x gpus); raise maxReplicas or gpus, or lower the parallel sizes." (maxf 1 (float64 $floor)) $workers $gpw $need $capacity) }}
+{{- end }}
+{{- end }}
+
+{{- /* Drain timing. */}}
+{{- $grace := float64 $v.drain.terminationGracePeriodSeconds }}
+{{- $sleep := float64 $v.drain.preStopSleepSeconds }}
+{{- if lt $grace (addf $sleep 10) }}
+{{- fail (printf "raylm: drain.terminationGracePeriodSeconds (%v) must be at least drain.preStopSleepSeconds (%v) + 10, or Kubernetes kills the pod before `ray stop` runs." $v.drain.terminationGracePeriodSeconds $v.drain.preStopSleepSeconds) }}
+{{- end }}
+
+{{- /* Batch. */}}
+{{- if $v.batch.enabled }}
+{{- if or (not $v.batch.input) (not $v.batch.output) }}
+{{- fail "raylm: batch.enabled needs batch.input and batch.output (JSONL paths the Ray head can reach)." }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Worker groups: unique names, minReplicas <= replicas <= maxReplicas. Args: groups, path. */}}
+{{- define "raylm.validateGroups" -}}
+{{- $path := .path }}
+{{- $seen := dict }}
+{{- range $i, $g := .groups }}
+{{- if hasKey $seen $g.name }}
+{{- fail (printf "raylm: %s[%d].name %q is used twice; group names must be unique." $path $i $g.name) }}
+{{- end }}
+{{- $_ := set $seen $g.name true }}
+{{- if gt (float64 $g.minReplicas) (float64 $g.maxReplicas) }}
+{{- fail (printf "raylm: %s[%d] (%s): minReplicas (%v) must not exceed maxReplicas (%v)." $path $i $g.name $g.minReplicas $g.maxReplicas) }}
+{{- end }}
+{{- if hasKey $g "replicas" }}
+{{- if or (lt (float64 $g.replicas) (float64 $g.minReplicas)) (gt (float64 $g.replicas) (float64 $g.maxReplicas)) }}
+{{- fail (printf "raylm: %s[%d] (%s): replicas (%v) must lie between minReplicas (%v) and maxReplicas (%v)." $path $i $g.name $g.replicas $g.minReplicas $g.maxReplicas) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
