@@ -1,1 +1,17 @@
-__all__: list[str] = []
+"""raylm.cluster: Ray bootstrap, the Ray Serve OpenAI app, the CLI and batch runs.
+
+Importing this package never imports Ray; ``build_openai_app`` loads the Serve app lazily
+(``import_path: raylm.cluster:build_openai_app``).
+"""
+
+from typing import Any
+
+__all__ = ["build_openai_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_openai_app":
+        from raylm.cluster.serve_app import build_openai_app
+
+        return build_openai_app
+    raise AttributeError(f"module 'raylm.cluster' has no attribute {name!r}")

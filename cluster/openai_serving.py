@@ -1,0 +1,273 @@
+"""OpenAI completions and chat completions over an EngineClient: validate, run, format.
+
+One code path for the HTTP server and for batch runs. A call returns either a response
+dict (non-streaming) or an async iterator of SSE lines; every bad input raises
+``OpenAIError`` before the engine sees the request. Streams are primed (their first output
+awaited) before returning, so an engine-side ValueError is a 400, not a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from raylm.cluster import openai_responses
+from raylm.cluster.engine_protocol import EngineClient
+from raylm.cluster.errors import (
+    OpenAIError,
+    bad_request,
+    from_exception,
+    not_found,
+    overloaded,
+    pydantic_message,
+)
+from raylm.cluster.metrics import ServingMetrics
+from raylm.cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    random_id,
+)
+from raylm.cluster.outputs import RequestOutput
+from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+@dataclass
+class EngineRequest:
+    """One prompt of an API request, as the engine receives it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PreparedRequest:
+    """An API request after validation: what to run and how to answer."""
+
+    kind: str  # COMPLETIONS or CHAT_COMPLETIONS
+    request: CompletionRequest | ChatCompletionRequest
+    response_id: str
+    created: int
+    model: str
+    engine_requests: list[EngineRequest]
+
+
+class OpenAIServing:
+    """Serves one model. ``max_pending_requests`` bounds requests in flight (503 beyond)."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str | None = None,
+                 max_pending_requests: int | None = None,
+                 metrics: ServingMetrics | None = None):
+        self.engine = engine
+        self.model_name = served_model_name or engine.model_config.name
+        self.max_model_len = engine.model_config.max_model_len
+        self.max_pending_requests = max_pending_requests
+        self.metrics = metrics or ServingMetrics(self.model_name, engine.get_stats)
+        # Engine request ids admitted and not yet finished; a set (not a counter) so that
+        # releasing twice, or releasing a stream that never started, stays correct.
+        self._pending: set[str] = set()
+
+    # ---- model information ---------------------------------------------------------------
+    def model_card(self) -> dict[str, Any]:
+        return ModelCard(id=self.model_name, root=self.engine.model_config.model,
+                         max_model_len=self.max_model_len).model_dump()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    # ---- entry points ----------------------------------------------------------------------
+    async def handle(self, route: str, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+        """Run one API call; raises OpenAIError for anything the client did wrong."""
+        prepared = self.prepare(route, body)
+        return await self.run(prepared)
+
+    def prepare(self, route: str, body: Any) -> PreparedRequest:
+        if route == COMPLETIONS:
+            request: Any = _parse(CompletionRequest, body)
+            self._check_model(request.model)
+            prompts = [self._tokenize(p) for p in request.prompts()]
+            prefix = "cmpl"
+        elif route == CHAT_COMPLETIONS:
+            request = _parse(ChatCompletionRequest, body)
+            self._check_model(request.model)
+            prompts = [self._apply_chat_template(request)]
+            prefix = "chatcmpl"
+        else:
+            raise not_found(f"route {route!r} does not exist.")
+        response_id = random_id(prefix)
+        engine_requests = [
+            EngineRequest(f"{response_id}-{i}", text, ids, self._sampling_params(request, ids))
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        return PreparedRequest(route, request, response_id, int(time.time()), self.model_name,
+                               engine_requests)
+
+    async def run(self, prepared: PreparedRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self._admit(prepared.engine_requests)
+        try:
+            streams = await self._open(prepared.engine_requests)
+        except BaseException:
+            self._release(prepared.engine_requests)
+            raise
+        if prepared.request.stream:
+            return self._stream(prepared, streams)
+        try:
+            finals = await asyncio.gather(*(_last(first, it) for first, it in streams))
+        except BaseException as e:
+            raise from_exception(e) from e
+        finally:
+            self._release(prepared.engine_requests)
+        return openai_responses.full_response(prepared, finals, self.engine.tokenizer)
+
+    # ---- validation ----------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise not_found(f"The model `{model}` does not exist.", "model")
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.engine.tokenizer(prompt).input_ids)
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).",
+                              "prompt")
+        return None, list(prompt)
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                request.conversation(), tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                **(request.chat_template_kwargs or {}))
+        except Exception as e:
+            raise bad_request(f"cannot apply the model's chat template: {e}", "messages") from e
+        # The template already placed the special tokens it wants.
+        return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _sampling_params(self, request: Any, prompt_ids: list[int]) -> SamplingParams:
+        n, max_len = len(prompt_ids), self.max_model_len
+        if n == 0:
+            raise bad_request("prompt is empty (0 tokens); at least one token is required.",
+                              "prompt")
+        if n >= max_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{n} tokens, which leaves no room to generate.", "prompt")
+        try:
+            params = request.to_sampling_params(default_max_tokens=max_len - n)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field
+            raise bad_request(str(e), field if field in type(request).model_fields else None) from e
+        if params.max_tokens is not None and n + params.max_tokens > max_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                "max_tokens")
+        return params
+
+    # ---- running -------------------------------------------------------------------------
+    def _admit(self, engine_requests: list[EngineRequest]) -> None:
+        limit = self.max_pending_requests
+        if limit is not None and len(self._pending) + len(engine_requests) > limit:
+            raise overloaded(
+                f"The server is overloaded: {len(self._pending)} requests in flight, at most "
+                f"{limit} allowed. Retry later.")
+        self._pending.update(r.request_id for r in engine_requests)
+
+    def _release(self, engine_requests: list[EngineRequest]) -> None:
+        for r in engine_requests:
+            self._pending.discard(r.request_id)
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        timer = self.metrics.request_timer()
+        finished = False
+        try:
+            stream = self.engine.generate(req.prompt_token_ids, req.params, req.request_id,
+                                          prompt=req.prompt)
+            async with aclosing(stream) if hasattr(stream, "aclose") else nullcontext(stream) as it:
+                async for out in it:
+                    if out.error:
+                        raise EngineDeadError(out.error)
+                    timer.on_output(out)
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+        finally:
+            self._pending.discard(req.request_id)
+            if not finished:
+                # The client went away (or the engine failed): free the request's KV now.
+                try:
+                    await asyncio.shield(self.engine.abort(req.request_id))
+                except BaseException as e:  # the engine may already have dropped it
+                    logger.debug("abort(%s) after an unfinished stream: %r", req.request_id, e)
+
+    async def _open(self, engine_requests: list[EngineRequest]):
+        """Start every engine request and await its first output (errors surface here)."""
+        iterators = [self._generate(r) for r in engine_requests]
+        tasks = [asyncio.ensure_future(anext(it)) for it in iterators]
+        try:
+            firsts = await asyncio.gather(*tasks)
+        except BaseException as e:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for it in iterators:
+                await it.aclose()
+            if isinstance(e, (asyncio.CancelledError, OpenAIError)):
+                raise
+            raise from_exception(e) from e
+        return list(zip(firsts, iterators, strict=True))
+
+    async def _stream(self, prepared: PreparedRequest, streams) -> AsyncIterator[str]:
+        try:
+            lines = openai_responses.sse_lines(prepared, streams, self.engine.tokenizer)
+            async with aclosing(lines):
+                async for line in lines:
+                    yield line
+        finally:
+            for _, it in streams:
+                await it.aclose()
+            self._release(prepared.engine_requests)
+
+
+async def _last(first: RequestOutput, it: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = first
+    async with aclosing(it):
+        async for out in it:
+            last = out
+    return last
+
+
+def _parse(model: type, body: Any):
+    if isinstance(body, model):
+        return body
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        message, param = pydantic_message(e)
+        raise bad_request(message, param) from e

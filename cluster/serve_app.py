@@ -1,0 +1,163 @@
+"""The Ray Serve OpenAI app: one HTTP ingress, one ``LLMServer`` deployment per model.
+
+``build_openai_app({"llm_configs": [...]})`` is the builder named by
+``import_path: raylm.cluster:build_openai_app``. Each LLMServer replica owns an engine client
+(``AsyncLLM`` unless a factory is injected) and reserves its placement group: bundle 0 for the
+replica (co-located with rank 0), then one bundle per TP x PP worker. Tokens stream from the
+replica to the ingress through a DeploymentHandle with ``stream=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from raylm.cluster.openai_api import build_openai_api, serve_stream
+from raylm.cluster.openai_serving import OpenAIServing
+from raylm.cluster.serve_config import LLMConfig, OpenAIAppConfig, load_app_config
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[LLMConfig], Any]
+# The ingress only relays bytes; it must never be the reason a request waits.
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+
+
+def default_engine_factory(llm_config: LLMConfig) -> Any:
+    from raylm.cluster.engine_client import AsyncLLM
+
+    return AsyncLLM.from_llm_config(llm_config)
+
+
+def max_pending_requests(llm_config: LLMConfig) -> int | None:
+    """Requests a replica admits before answering 503: the running batch plus the queue."""
+    kwargs = llm_config.engine_kwargs
+    if kwargs.max_queued_requests is None:
+        return None
+    from raylm.cluster.engine_args import EngineArgs
+
+    max_num_seqs = kwargs.max_num_seqs or EngineArgs.max_num_seqs
+    return (max_num_seqs + kwargs.max_queued_requests) * kwargs.data_parallel_size
+
+
+class LLMServer:
+    """One replica serving one model."""
+
+    def __init__(self, llm_config: LLMConfig | dict[str, Any],
+                 engine_factory: EngineFactory | None = None):
+        self.llm_config = (llm_config if isinstance(llm_config, LLMConfig)
+                           else LLMConfig.model_validate(llm_config))
+        self.engine = (engine_factory or default_engine_factory)(self.llm_config)
+        self.serving = OpenAIServing(self.engine, self.llm_config.model_id,
+                                     max_pending_requests(self.llm_config))
+
+    async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        async for item in serve_stream(self.serving, route, body):
+            yield item
+
+    def model_card(self) -> dict[str, Any]:
+        return self.serving.model_card()
+
+    async def check_health(self) -> None:
+        # Also Serve's periodic replica health check: a dead engine gets the replica replaced.
+        await self.serving.check_health()
+
+    def metrics(self) -> list[Any]:
+        return self.serving.metrics.families()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as e:  # the process is going away; say why, don't raise
+                logger.warning("engine shutdown failed: %r", e)
+
+
+class _HandleBackend:
+    """An LLMServer deployment seen through its DeploymentHandle (see openai_api.ModelBackend)."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self._streaming = handle.options(stream=True)
+
+    def stream(self, route: str, body: dict[str, Any]) -> Any:
+        return self._streaming.handle.remote(route, body)
+
+    async def model_card(self) -> dict[str, Any]:
+        return await self._handle.model_card.remote()
+
+    async def check_health(self) -> None:
+        await self._handle.check_health.remote()
+
+    async def metrics(self) -> list[Any]:
+        return await self._handle.metrics.remote()
+
+
+class OpenAIIngress:
+    """The HTTP entry: routes by ``model`` to the LLMServer deployments."""
+
+    def __init__(self, llm_handles: dict[str, Any], api_keys: dict[str, str | None]):
+        self._backends = {name: _HandleBackend(h) for name, h in llm_handles.items()}
+        self._api_keys = api_keys
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_openai_api(self._backends, self._api_keys)
+
+
+def deployment_name(model_id: str) -> str:
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+def llm_server_options(llm_config: LLMConfig) -> dict[str, Any]:
+    """Serve deployment options: replicas/autoscaling, and the TP x PP placement group."""
+    opts = llm_config.deployment_config.to_serve_options()
+    pg = llm_config.get_placement_group()
+    replica = pg.bundles[0]
+    actor: dict[str, Any] = {"num_cpus": replica.get("CPU", 0), "num_gpus": replica.get("GPU", 0)}
+    if llm_config.runtime_env:
+        actor["runtime_env"] = llm_config.runtime_env
+    opts.update(name=deployment_name(llm_config.model_id), ray_actor_options=actor,
+                placement_group_bundles=[dict(b) for b in pg.bundles],
+                placement_group_strategy=pg.strategy)
+    return opts
+
+
+def ingress_options(app_config: OpenAIAppConfig) -> dict[str, Any]:
+    max_replicas = max(c.deployment_config.num_replicas
+                       or c.deployment_config.autoscaling_config.max_replicas
+                       for c in app_config.llm_configs)
+    return {"name": "OpenAIIngress", "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+            "ray_actor_options": {"num_cpus": 0},
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": max(1, max_replicas),
+                                   "target_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS // 8}}
+
+
+def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
+    """``build_openai_app`` with an injectable engine factory (tests, custom engines)."""
+    from ray import serve
+
+    if isinstance(config, list):
+        config = {"llm_configs": config}
+    app_config = load_app_config(config)
+    handles = {}
+    for llm_config in app_config.llm_configs:
+        server = serve.deployment(LLMServer).options(**llm_server_options(llm_config))
+        handles[llm_config.model_id] = server.bind(llm_config.model_dump(exclude_unset=True), engine_factory)
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
+        **ingress_options(app_config))
+    api_keys = {c.model_id: c.api_key for c in app_config.llm_configs}
+    return ingress.bind(handles, api_keys)
+
+
+def build_openai_app(args: Any) -> Any:
+    """The Serve app builder: ``args`` is ``{"llm_configs": [<LLMConfig dict>, ...]}``
+    (or an LLMConfig, a list of them, or anything ``load_app_config`` accepts)."""
+    if isinstance(args, LLMConfig):
+        args = [args]
+    if isinstance(args, list):
+        args = {"llm_configs": [c.model_dump(exclude_unset=True) if isinstance(c, LLMConfig) else c
+                                for c in args]}
+    return build_app(args)
