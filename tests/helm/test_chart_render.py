@@ -58,8 +58,12 @@ def _args(rayservice: dict) -> dict:
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_lint(helm_bin, strict):
+@pytest.mark.parametrize("override", [False, True])
+def test_lint(helm_bin, tmp_path, strict, override):
     cmd = [helm_bin, "lint", str(CHART)] + (["--strict"] if strict else [])
+    if override:
+        (tmp_path / "values.yaml").write_text(yaml.safe_dump(OVERRIDE))
+        cmd += ["--values", str(tmp_path / "values.yaml")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
@@ -208,3 +212,30 @@ def test_validator_rejects_broken_manifests(helm_template, crd_errors):
     errs = broken(lambda c: c["headGroupSpec"]["rayStartParams"].update({"num-gpus": 0}))
     assert any("rayStartParams/num-gpus" in e for e in errs), errs
     assert cluster == svc["spec"]["rayClusterConfig"]  # the rendered manifest was not touched
+
+
+def test_cpu_only_render(helm_template, crd_errors):
+    """A worker group without GPUs: no GPU resources, and the LLMConfig runs on CPU."""
+    cpu_group = {"name": "cpu", "minReplicas": 1, "maxReplicas": 3, "gpus": 0,
+                 "resources": {"limits": {"cpu": "4", "memory": "8Gi"}}}
+    svc = helm_template({"workerGroups": [cpu_group],
+                         "llmConfig": {"engine_kwargs": {"tensor_parallel_size": 2}}}
+                        ).one("RayService")
+    assert crd_errors(svc) == []
+    (group,) = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert _container(group["template"])["resources"] == {"limits": {"cpu": "4", "memory": "8Gi"}}
+    assert "tolerations" not in group["template"]["spec"]
+    cfg = load_app_config(_args(svc)).llm_configs[0]
+    assert cfg.num_gpus_per_worker == 0 and not cfg.use_gpu
+    assert cfg.default_placement_group().bundles == [{"CPU": 1.0}] * 3
+
+
+def test_fixed_replica_count_replaces_autoscaling(helm_template, crd_errors):
+    svc = helm_template({"llmConfig": {"deployment_config": {"num_replicas": 3}}}
+                        ).one("RayService")
+    assert crd_errors(svc) == []
+    (llm,) = _args(svc)["llm_configs"]
+    assert "autoscaling_config" not in llm["deployment_config"]
+    cfg = load_app_config(_args(svc)).llm_configs[0]
+    assert cfg.deployment_config.to_serve_options() == {
+        "max_ongoing_requests": 64, "num_replicas": 3, "graceful_shutdown_timeout_s": 60}

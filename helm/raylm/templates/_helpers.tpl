@@ -86,10 +86,16 @@ The largest GPU count of one pod among the worker groups that serve the LLM.
 
 {{/*
 The LLMConfig handed to raylm.cluster:build_openai_app, as YAML: llmConfig from the values,
-with num_gpus_per_worker resolved (null: 1 when a worker group has GPUs, else 0).
+with num_gpus_per_worker resolved (null: 1 when a worker group has GPUs, else 0) and
+autoscaling_config dropped when num_replicas is set.
 */}}
 {{- define "raylm.llmConfig" -}}
 {{- $cfg := deepCopy .Values.llmConfig }}
+{{- $dc := $cfg.deployment_config }}
+{{- if not (kindIs "invalid" (get $dc "num_replicas")) }}
+{{- /* A fixed replica count replaces autoscaling; LLMConfig rejects both at once. */}}
+{{- $_ := unset $dc "autoscaling_config" }}
+{{- end }}
 {{- if kindIs "invalid" (get $cfg "num_gpus_per_worker") }}
 {{- $gpu := 0 }}
 {{- if gt (float64 (include "raylm.maxGpusPerPod" .)) 0.0 }}{{ $gpu = 1 }}{{ end }}

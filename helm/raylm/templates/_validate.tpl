@@ -14,7 +14,7 @@ Checks values.schema.json cannot express. Each failure names the value and what 
 {{- if gt (float64 $as.min_replicas) (float64 $as.max_replicas) }}
 {{- fail (printf "raylm: llmConfig.deployment_config.autoscaling_config.min_replicas (%v) must not exceed max_replicas (%v)." $as.min_replicas $as.max_replicas) }}
 {{- end }}
-{{- if gt (float64 $as.target_ongoing_requests) (float64 $dc.max_ongoing_requests) }}
+{{- if and (kindIs "invalid" $dc.num_replicas) (gt (float64 $as.target_ongoing_requests) (float64 $dc.max_ongoing_requests)) }}
 {{- fail (printf "raylm: llmConfig.deployment_config.autoscaling_config.target_ongoing_requests (%v) exceeds max_ongoing_requests (%v): a replica could never reach its target." $as.target_ongoing_requests $dc.max_ongoing_requests) }}
 {{- end }}
 
