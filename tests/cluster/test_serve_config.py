@@ -196,3 +196,12 @@ def test_engine_kwargs_are_engine_arguments():
 
     accepted = {f.name for f in fields(EngineArgs)}
     assert set(EngineKwargs.model_fields) <= accepted, set(EngineKwargs.model_fields) - accepted
+
+
+def test_model_source_resolution():
+    from raylm.cluster.serve_config import ModelLoadingConfig
+
+    real = ModelLoadingConfig(model_id="m", model_source="/models/m")
+    assert not real.is_demo and real.resolve_model_source() == "/models/m"
+    assert ModelLoadingConfig(model_id="m", model_source="demo").is_demo
+    assert ModelLoadingConfig(model_id="m").is_demo
