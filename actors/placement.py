@@ -1,0 +1,105 @@
+"""Placement groups for one engine: a bundle per worker rank, an optional one for the EngineCore.
+
+A placement group that cannot be placed is reported within a bounded wait with the
+resources that are missing, never left pending forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from raylm.scheduler import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 30.0
+
+
+class PlacementGroupError(RuntimeError):
+    """The cluster cannot (or not in time) hold the bundles an engine asked for."""
+
+
+def ensure_ray_initialized() -> None:
+    """Library code joins the configured cluster, or starts a local one, only if needed."""
+    if not ray.is_initialized():
+        ray.init(address=envs.ray_address(), include_dashboard=False)
+
+
+def default_worker_resource() -> str:
+    """``GPU`` when the cluster has GPUs, else ``CPU``."""
+    return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
+
+
+def worker_bundles(world_size: int, resource: str, cpus_per_worker: float = 1.0) -> list[dict]:
+    """One bundle per TP x PP rank: ``{"GPU": 1}`` on GPU clusters, ``{"CPU": n}`` otherwise."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if resource not in ("CPU", "GPU"):
+        raise ValueError(f"resource must be 'CPU' or 'GPU', got {resource!r}.")
+    if not cpus_per_worker > 0:
+        raise ValueError(f"cpus_per_worker must be positive, got {cpus_per_worker}.")
+    bundle = {"GPU": 1.0} if resource == "GPU" else {"CPU": float(cpus_per_worker)}
+    return [dict(bundle) for _ in range(world_size)]
+
+
+def create_placement_group(bundles: list[dict], strategy: str = "PACK",
+                           timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+                           name: str | None = None) -> PlacementGroup:
+    """Create and wait for a placement group; raise PlacementGroupError after ``timeout_s``."""
+    if not bundles:
+        raise ValueError("bundles must not be empty.")
+    if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        raise ValueError(f"strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
+                         f"got {strategy!r}.")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+    ensure_ray_initialized()
+    pg = placement_group(bundles, strategy=strategy,
+                         name=name or f"raylm-{uuid.uuid4().hex[:8]}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        why = describe_missing_resources(bundles, strategy)
+        remove_placement_group(pg)
+        raise PlacementGroupError(
+            f"placement group of {len(bundles)} bundles {_summarize(bundles)} "
+            f"(strategy {strategy}) could not be placed within {timeout_s:g}s: {why}")
+    return pg
+
+
+def _summarize(bundles: list[dict]) -> str:
+    counts = Counter(tuple(sorted(b.items())) for b in bundles)
+    return " + ".join(f"{n} x {dict(k)}" for k, n in counts.items())
+
+
+def describe_missing_resources(bundles: list[dict], strategy: str) -> str:
+    """Compare what the bundles need with what the cluster has (in total, free, per node)."""
+    requested: Counter = Counter()
+    for b in bundles:
+        requested.update(b)
+    total = ray.cluster_resources()
+    available = ray.available_resources()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    problems = []
+    for res, need in sorted(requested.items()):
+        have_total, have_free = total.get(res, 0.0), available.get(res, 0.0)
+        if need > have_free:
+            problems.append(f"{res}: requested {need:g}, available {have_free:g} of "
+                            f"{have_total:g} in the cluster (missing {need - have_free:g})")
+    for b in bundles:
+        if not any(all(node.get(r, 0.0) >= q for r, q in b.items()) for node in nodes):
+            problems.append(f"bundle {b} fits on no node")
+            break
+    if strategy == "STRICT_PACK":
+        if not any(all(node.get(r, 0.0) >= q for r, q in requested.items()) for node in nodes):
+            problems.append(f"STRICT_PACK needs {dict(requested)} on one node; no node has it")
+    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
+        problems.append(f"STRICT_SPREAD needs {len(bundles)} nodes, the cluster has {len(nodes)}")
+    if not problems:
+        problems.append(f"the cluster has enough in total ({dict(available)} free); other "
+                        "placement groups or actors may hold it, or nodes are still starting")
+    return "; ".join(problems) + "."

@@ -1,0 +1,157 @@
+"""One TP x PP rank as a Ray actor, wrapping ``raylm.runner.worker.Worker``.
+
+Every rank receives every SchedulerOutput and runs ``Worker.execute_model`` for every
+step (a PP stage receives/sends its intermediate tensors inside it over torch.distributed);
+only the output rank (TP rank 0 of the last PP stage) sends its result back. Steps arrive
+either over the step stream (``start_step_server``, the default) or as Ray calls
+(``execute_model``); control calls (init, load, KV cache, health) are always Ray calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from typing import Any
+
+import ray
+
+from raylm.actors.step_channel import StepServer
+from raylm.scheduler.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def output_rank(tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
+    """TP rank 0 of the last PP stage (vLLM layout: ``rank = pp_rank * tp + tp_rank``)."""
+    return (pipeline_parallel_size - 1) * tensor_parallel_size
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(16)
+
+
+@ray.remote
+class WorkerActor:
+    """Construct with ``.options(num_cpus=..., num_gpus=..., scheduling_strategy=...)``.
+
+    The actor is a plain (single-threaded) Ray actor: Ray runs one caller's calls in
+    submission order, which keeps the Ray-call step path ordered; ``execute_model``
+    checks the sequence number anyway. The step-stream path runs on its own thread.
+    """
+
+    def __init__(self, rank: int, num_threads: int, env: dict[str, str] | None = None) -> None:
+        # Values the executor read through raylm.scheduler.envs, exported for torch/gloo here.
+        os.environ.update(env or {})
+        self.rank = rank
+        self.num_threads = num_threads
+        self.worker: Any = None
+        self.is_output_rank = False
+        self._next_seq = 0
+        self._step_server: StepServer | None = None
+        self._set_threads()
+
+    def _set_threads(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.num_threads)
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def get_node_info(self) -> dict[str, Any]:
+        return {"node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+    def get_distributed_init_method(self) -> str:
+        """Rank 0 publishes the rendezvous: a free port on its node's IP."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def init_worker(self, engine_config: EngineConfig, distributed_init_method: str | None,
+                    local_rank: int = 0, worker_cls: type | None = None,
+                    dist_timeout_s: float = 300.0) -> None:
+        """Join torch.distributed (world size > 1), build the Worker, bind its device."""
+        pc = engine_config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.is_output_rank = self.rank == output_rank(tp, pp)
+        ctx = None
+        if pc.world_size > 1:
+            from raylm.parallel.distributed import init_distributed_environment
+
+            ctx = init_distributed_environment(
+                world_size=pc.world_size, rank=self.rank,
+                distributed_init_method=distributed_init_method,
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, local_rank=local_rank,
+                timeout_s=dist_timeout_s)
+        if worker_cls is None:
+            from raylm.runner.worker import Worker as worker_cls
+        self.worker = worker_cls(engine_config, rank=self.rank, local_rank=local_rank,
+                                 distributed_init_method=distributed_init_method)
+        self.worker.init_device(ctx)
+
+    def load_model(self) -> None:
+        self.worker.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        return int(self.worker.determine_num_kv_blocks())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``collective_rpc``'s one string dispatch: a public Worker method by name."""
+        if method.startswith("_") or not callable(getattr(self.worker, method, None)):
+            raise ValueError(f"Worker has no public method {method!r}.")
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def _run_step(self, scheduler_output: Any) -> Any:
+        out = self.worker.execute_model(scheduler_output)
+        return out if self.is_output_rank else None
+
+    def execute_model(self, seq: int, scheduler_output: Any) -> Any:
+        """The Ray-call step path: run one step and return its resolved output (output rank)."""
+        if seq != self._next_seq:
+            raise RuntimeError(f"worker rank {self.rank} got step #{seq}, expected #{self._next_seq}")
+        self._next_seq += 1
+        out = self._run_step(scheduler_output)
+        return out.get_output() if hasattr(out, "get_output") else out
+
+    def start_step_server(self, token: bytes) -> tuple[str, int]:
+        """Open the step stream; the executor connects to the returned address."""
+        def on_thread_start() -> None:
+            # Thread-local state torch keeps per thread: device and intra-op threads.
+            self._set_threads()
+            device = getattr(getattr(self.worker, "ctx", None), "device", None)
+            if device is not None and device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(device)
+
+        self._step_server = StepServer(self._run_step, self.is_output_rank, token,
+                                       ray.util.get_node_ip_address(), on_thread_start)
+        self._step_server.start()
+        return self._step_server.address
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._step_server is not None and self._step_server.error is not None:
+            raise RuntimeError(f"worker rank {self.rank} failed a step: {self._step_server.error}")
+        if self.worker is not None and hasattr(self.worker, "check_health"):
+            self.worker.check_health()
+
+    def shutdown(self) -> None:
+        if self._step_server is not None:
+            self._step_server.close()
+        if self.worker is not None and hasattr(self.worker, "shutdown"):
+            self.worker.shutdown()
+        from raylm.parallel.distributed import destroy_distributed_environment
+
+        destroy_distributed_environment()
