@@ -1,0 +1,61 @@
+"""Where this rank sits in the TP x PP (x DP) layout, passed explicitly to layers and models.
+
+There are no module-level process groups: whoever builds a model hands it a
+``ParallelContext``. Single-process runs use ``ParallelContext.single(device)``; the
+distributed bootstrap (a later layer) fills in the ranks and the torch.distributed groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    device: torch.device
+    # torch.distributed ProcessGroup objects, or None when the dimension has size 1.
+    tp_group: Any = None
+    pp_group: Any = None
+
+    def __post_init__(self) -> None:
+        for name, rank, size in (("tp_rank", self.tp_rank, self.tp_size),
+                                 ("pp_rank", self.pp_rank, self.pp_size)):
+            if size < 1:
+                raise ValueError(f"{name.replace('rank', 'size')} must be at least 1, got {size}.")
+            if not 0 <= rank < size:
+                raise ValueError(f"{name} must be in [0, {size}), got {rank}.")
+        if self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be non-negative, got {self.dp_rank}.")
+        if self.tp_size > 1 and self.tp_group is None:
+            raise ValueError(f"tp_size={self.tp_size} needs a tp_group, got None.")
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
+        return cls(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0,
+                   device=torch.device(device))
+
+    @property
+    def is_first_pp_rank(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp_rank(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def rank(self) -> int:
+        """Rank in the TP x PP world of one DP replica (vLLM layout: tp fastest)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank whose ModelRunnerOutput goes back to the EngineCore."""
+        return self.tp_rank == 0 and self.is_last_pp_rank

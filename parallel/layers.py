@@ -1,0 +1,224 @@
+"""Tensor-parallel linear layers (Megatron layout, vLLM's names).
+
+Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: it receives
+the *full* checkpoint tensor and copies this rank's shard into ``param``. Column-parallel
+layers split the output features, row-parallel ones the input features (then all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.parallel.communication import tp_all_gather, tp_all_reduce
+from raylm.parallel.context import ParallelContext
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}.")
+    return numerator // denominator
+
+
+def get_pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers [start, end) owned by ``pp_rank``; the first ``num_layers % pp_size`` ranks
+    take one extra layer."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}.")
+    if num_layers < pp_size:
+        raise ValueError(
+            f"num_hidden_layers={num_layers} is smaller than pipeline_parallel_size={pp_size}.")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+def _check_shape(param: torch.Tensor, shard: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(shard.shape):
+        raise ValueError(
+            f"{name}: checkpoint shard has shape {tuple(shard.shape)}, "
+            f"parameter expects {tuple(param.shape)}.")
+
+
+def _new_param(shape: tuple[int, ...], ctx: ParallelContext, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (which checks it was).
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=ctx.device), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split along the output dim; output stays sharded unless
+    ``gather_output``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, *, ctx: ParallelContext,
+                 params_dtype: torch.dtype, gather_output: bool = False) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, ctx.tp_size, "output_size")
+        self.gather_output = gather_output
+        self.weight = _new_param((self.output_size_per_partition, input_size), ctx, params_dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _new_param((self.output_size_per_partition,), ctx, params_dtype)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        size = param.shape[0]
+        shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
+        _check_shape(param, shard, type(self).__name__)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(out, self.ctx) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stacked into one matmul (gate_up_proj).
+    ``shard_id`` is the index of the projection in ``output_sizes``."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, *,
+                 ctx: ParallelContext, params_dtype: torch.dtype) -> None:
+        for size in output_sizes:
+            divide(size, ctx.tp_size, "output_size")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, ctx=ctx, params_dtype=params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear shard_id must be an index into "
+                             f"{self.output_sizes}, got {shard_id!r}.")
+        tp = self.ctx.tp_size
+        size = self.output_sizes[shard_id] // tp
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, shard, f"gate_up shard {shard_id}")
+        target.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; query and KV heads are both split over TP
+    (each rank holds num_heads/tp query heads and num_kv_heads/tp KV heads)."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool, *, ctx: ParallelContext,
+                 params_dtype: torch.dtype) -> None:
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, ctx.tp_size, "num_attention_heads")
+        self.num_kv_heads = divide(total_num_kv_heads, ctx.tp_size, "num_key_value_heads")
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias, ctx=ctx, params_dtype=params_dtype)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        if shard_id not in offsets:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
+        offset, size = offsets[shard_id]
+        shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, shard, f"qkv shard {shard_id}")
+        target.copy_(shard)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split along the input dim; partial sums are all-reduced, and
+    the bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, *, ctx: ParallelContext,
+                 params_dtype: torch.dtype, reduce_results: bool = True) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.input_size_per_partition = divide(input_size, ctx.tp_size, "input_size")
+        self.output_size = output_size
+        self.reduce_results = reduce_results
+        self.weight = _new_param((output_size, self.input_size_per_partition), ctx, params_dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _new_param((output_size,), ctx, params_dtype)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            shard = loaded_weight
+        else:
+            size = param.shape[1]
+            shard = loaded_weight.narrow(1, self.ctx.tp_rank * size, size)
+        _check_shape(param, shard, type(self).__name__)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = tp_all_reduce(out, self.ctx)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over TP ranks (each holds ceil(vocab/tp) rows,
+    zero-padded). Ids outside this rank's range look up zeros; the all-reduce sums the
+    one rank that owns each id."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ParallelContext,
+                 params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // ctx.tp_size)
+        self.vocab_start_index = ctx.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition,
+                                   num_embeddings)
+        self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), ctx,
+                                 params_dtype)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(f"embedding has {loaded_weight.shape[0]} rows in the checkpoint, "
+                             f"vocab_size is {self.num_embeddings}.")
+        n = self.vocab_end_index - self.vocab_start_index
+        shard = loaded_weight.narrow(0, self.vocab_start_index, n)
+        _check_shape(param.data[:n], shard, type(self).__name__)
+        param.data[:n].copy_(shard)
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index) * in_range
+        out = F.embedding(local_ids, self.weight)
+        out.masked_fill_(~in_range.unsqueeze(-1), 0)
+        return tp_all_reduce(out, self.ctx)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharded like the embedding; ``compute_logits`` returns full-vocab
+    logits on every TP rank (all-gather), so every rank samples the same token."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        logits = tp_all_gather(logits, self.ctx, dim=-1)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits().")
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a layer that lives on another pipeline stage."""

@@ -1,0 +1,123 @@
+"""In-process Executor: one worker thread runs steps strictly in order, a second thread
+waits for each step's output to reach the host and resolves its future.
+
+So the worker thread starts step t+1 while step t's sampled ids are still being copied,
+and the EngineCore thread schedules meanwhile (torch releases the GIL in its kernels).
+Futures resolve in submission order because every result, failures included, passes
+through the one output queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+
+from raylm.runner.async_output import AsyncModelRunnerOutput
+from raylm.runner.worker import Worker
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+_STOP = object()
+
+
+class _Failed:
+    def __init__(self, error: EngineDeadError) -> None:
+        self.error = error
+
+
+class UniProcExecutor:
+    supports_async_scheduling = True
+
+    def __init__(self, engine_config: EngineConfig, worker: Worker | None = None,
+                 num_threads: int | None = None) -> None:
+        if engine_config.scheduler_config.async_scheduling is None:
+            engine_config = engine_config.resolve_async_scheduling(executor_supports_async=True)
+        self.engine_config = engine_config
+        self.max_concurrent_batches = engine_config.max_concurrent_batches
+        if worker is None:
+            worker = Worker(engine_config)
+            worker.init_device(num_threads=num_threads)
+            worker.load_model()
+        self.worker = worker
+        self._dead: EngineDeadError | None = None
+        self._lock = threading.Lock()
+        self._steps: queue.Queue = queue.Queue()
+        self._outputs: queue.Queue = queue.Queue()
+        self._step_thread = threading.Thread(target=self._step_loop, name="raylm-worker",
+                                             daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop,
+                                               name="raylm-output", daemon=True)
+        self._step_thread.start()
+        self._output_thread.start()
+
+    # ---------------------------------------------------------------- Executor protocol
+    def determine_num_kv_blocks(self) -> int:
+        self.check_health()
+        return self.worker.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.check_health()
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        self.check_health()
+        future: Future[ModelRunnerOutput] = Future()
+        self._steps.put((scheduler_output, future))
+        return future if non_block else future.result()
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def shutdown(self) -> None:
+        self._steps.put(_STOP)
+        self._step_thread.join(timeout=30)
+        self._output_thread.join(timeout=30)
+        self.worker.shutdown()
+
+    # ---------------------------------------------------------------- threads
+    def _mark_dead(self, error: BaseException) -> EngineDeadError:
+        with self._lock:
+            if self._dead is None:
+                dead = EngineDeadError(f"worker step failed: {type(error).__name__}: {error}")
+                dead.__cause__ = error
+                self._dead = dead
+                self.worker.mark_dead(error)
+            return self._dead
+
+    def _step_loop(self) -> None:
+        while True:
+            item = self._steps.get()
+            if item is _STOP:
+                self._outputs.put(_STOP)
+                return
+            scheduler_output, future = item
+            if self._dead is not None:
+                self._outputs.put((_Failed(self._dead), future))
+                continue
+            try:
+                out = self.worker.execute_model(scheduler_output)
+            except BaseException as e:  # noqa: BLE001 - any failure kills the engine
+                out = _Failed(self._mark_dead(e))
+            self._outputs.put((out, future))
+
+    def _output_loop(self) -> None:
+        while True:
+            item = self._outputs.get()
+            if item is _STOP:
+                return
+            out, future = item
+            if not isinstance(out, _Failed) and isinstance(out, AsyncModelRunnerOutput):
+                try:
+                    out = out.get_output()
+                except BaseException as e:  # noqa: BLE001
+                    out = _Failed(self._mark_dead(e))
+            if future.cancelled():
+                continue
+            if isinstance(out, _Failed):
+                future.set_exception(out.error)
+            else:
+                future.set_result(out)

@@ -1,0 +1,211 @@
+"""Per-request worker state and the persistent batch it lives in.
+
+The scheduler sends diffs, so the worker keeps, for every request it has been told about,
+its tokens, block table and sampling parameters in row-major numpy arrays. Rows stay put
+from step to step (the common case: the batch is unchanged and in order); removals are
+filled by moving the last rows into the holes (``condense``), like vLLM's InputBatch.
+
+Token history: ``token_ids[row, :num_tokens]`` is prompt + outputs. Under async
+scheduling an output the device has sampled but the CPU has not yet seen is ``-1`` (a
+placeholder); it is filled only when something needs its value (penalties, or an input
+that cannot be taken from the previous step's device tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from raylm.runner.rng import to_int64_seed
+from raylm.scheduler.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)  # -1 = still on the device
+    # Tokens that must not be sampled before ``min_tokens`` outputs (stop ids + EOS).
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    row: int | None = None  # row in the InputBatch; None once the request is dropped
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_model_len = max_model_len
+        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.num_reqs = 0
+        self.req_ids: list[str] = []
+        self.states: list[CachedRequestState] = []
+        self.req_id_to_index: dict[str, int] = {}
+        self._capacity = 0
+        self._grow(max(1, max_num_reqs))
+        # Async scheduling (vLLM's names): the previous step's sampled ids, still on the
+        # device ([B_prev, 1] tensor), and the row of each request that sampled in them.
+        self.prev_sampled_token_ids: Any = None
+        self.prev_req_id_to_index: dict[str, int] = {}
+
+    def _grow(self, capacity: int) -> None:
+        def grow(name: str, shape: tuple[int, ...], dtype, fill) -> None:
+            new = np.full((capacity, *shape), fill, dtype=dtype)
+            if self._capacity:
+                new[: self._capacity] = getattr(self, name)
+            setattr(self, name, new)
+
+        grow("token_ids", (self.max_model_len,), np.int32, 0)
+        grow("block_table", (self.max_num_blocks_per_req,), np.int32, 0)
+        for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks",
+                     "top_k", "seeds", "min_tokens"):
+            grow(name, (), np.int64, 0)
+        grow("last_sampled_pos", (), np.int64, -1)  # position of the newest sampled token
+        grow("num_logprobs", (), np.int64, -1)  # -1: no logprobs
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            grow(name, (), np.float32, 0.0)
+        grow("is_greedy", (), np.bool_, False)
+        grow("needs_history", (), np.bool_, False)
+        self._capacity = capacity
+
+    # ---------------------------------------------------------------- membership
+    def add_request(self, state: CachedRequestState) -> int:
+        if self.num_reqs == self._capacity:
+            self._grow(2 * self._capacity)
+        row = self.num_reqs
+        self.num_reqs += 1
+        num_prompt, num_tokens = state.num_prompt_tokens, state.num_tokens
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r} has {num_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}.")
+        self.token_ids[row, :num_prompt] = state.prompt_token_ids
+        self.token_ids[row, num_prompt:num_tokens] = state.output_token_ids
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_tokens[row] = num_tokens
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, state.block_ids)
+        self.last_sampled_pos[row] = -1
+        sp = state.sampling_params
+        greedy = sp.temperature < 1e-5
+        self.is_greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else sp.temperature
+        self.top_k[row] = sp.top_k
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.needs_history[row] = sp.needs_output_history
+        self.seeds[row] = to_int64_seed(state.seed)
+        self.min_tokens[row] = sp.min_tokens
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.req_ids.append(state.req_id)
+        self.states.append(state)
+        self.req_id_to_index[state.req_id] = row
+        state.row = row
+        return row
+
+    def remove_requests(self, req_ids: set[str]) -> None:
+        """Drop rows, then fill the holes with the last rows (order changes only then)."""
+        holes = sorted(self.req_id_to_index.pop(r) for r in req_ids if r in self.req_id_to_index)
+        for row in holes:
+            self.states[row].row = None
+        last = self.num_reqs - 1
+        removed = set(holes)
+        for hole in holes:
+            while last in removed and last > hole:
+                last -= 1
+            if last <= hole:
+                break
+            self._move_row(last, hole)
+            removed.add(last)
+            last -= 1
+        self.num_reqs -= len(holes)
+        del self.req_ids[self.num_reqs:]
+        del self.states[self.num_reqs:]
+
+    def _move_row(self, src: int, dst: int) -> None:
+        for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks",
+                     "top_k", "seeds", "min_tokens", "last_sampled_pos", "num_logprobs",
+                     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "is_greedy", "needs_history"):
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        nb = self.num_blocks[src]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        state = self.states[src]
+        self.req_ids[dst], self.states[dst] = state.req_id, state
+        self.req_id_to_index[state.req_id] = dst
+        state.row = dst
+
+    # ---------------------------------------------------------------- per-row updates
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        end = start + len(block_ids)
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(f"request {self.req_ids[row] if row < len(self.req_ids) else row!r} "
+                             f"would hold {end} blocks, more than max_model_len allows "
+                             f"({self.max_num_blocks_per_req}).")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray | None) -> np.ndarray:
+        """Append one token per row (``None``: a -1 placeholder each); returns positions."""
+        positions = self.num_tokens[rows].copy()
+        if (positions >= self.max_model_len).any():
+            raise ValueError(f"sampling past max_model_len={self.max_model_len} "
+                             f"(positions {positions.tolist()}).")
+        values = PLACEHOLDER_TOKEN_ID if token_ids is None else token_ids
+        self.token_ids[rows, positions] = values
+        self.num_tokens[rows] = positions + 1
+        self.last_sampled_pos[rows] = positions
+        listed = [PLACEHOLDER_TOKEN_ID] * len(rows) if token_ids is None else token_ids.tolist()
+        for row, token in zip(rows.tolist(), listed, strict=True):
+            self.states[row].output_token_ids.append(token)
+        return positions
+
+    def receive_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Tokens this rank could not sample itself (sent by the scheduler): they fill the
+        oldest placeholders first, the rest are appended."""
+        state = self.states[row]
+        for token in token_ids:
+            out = state.output_token_ids
+            try:
+                index = out.index(PLACEHOLDER_TOKEN_ID)
+            except ValueError:
+                index = len(out)
+                out.append(token)
+                self.num_tokens[row] += 1
+            out[index] = token
+            self.token_ids[row, state.num_prompt_tokens + index] = token
+
+    @staticmethod
+    def fill_placeholder(state: CachedRequestState, position: int, token_id: int,
+                         token_ids: np.ndarray) -> None:
+        """Settle the placeholder at sequence ``position`` of ``state``, if it is still there.
+        Hazard: the request may have finished or been preempted while its step was in
+        flight; then ``state.row`` is None (or the state was replaced) and nothing is written."""
+        if state.row is None:
+            return
+        index = position - state.num_prompt_tokens
+        if 0 <= index < len(state.output_token_ids) and \
+                state.output_token_ids[index] == PLACEHOLDER_TOKEN_ID:
+            state.output_token_ids[index] = token_id
+            token_ids[state.row, position] = token_id

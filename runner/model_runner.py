@@ -1,0 +1,224 @@
+"""One rank's model runner: apply the SchedulerOutput diff, prepare inputs, run the model,
+sample, and hand back the result (at once in sync mode, as a pending copy in async mode).
+
+Async scheduling (DESIGN section 3, rule 6): the sampled ids stay on the device as
+``input_batch.prev_sampled_token_ids`` and feed the next step's inputs there; the host
+copy starts right after sampling and is awaited only by ``AsyncModelRunnerOutput
+.get_output()`` (the executor's output thread) or when penalties need the history. The
+runner's own token history holds -1 placeholders until then.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from raylm.parallel.context import ParallelContext
+from raylm.runner.async_output import (
+    AsyncCopy,
+    AsyncModelRunnerOutput,
+    AsyncOutputCopier,
+    build_model_runner_output,
+)
+from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.runner.models.llama import IntermediateTensors
+from raylm.runner.prepare_inputs import InputPreparer, StepBatch
+from raylm.runner.sampler import Sampler, SamplerOutput
+from raylm.runner.sampling_metadata import build_sampling_metadata
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+# Settled copies are drained without blocking each step; past this many unsettled steps
+# the oldest is waited for, so the backlog (and the tensors it keeps alive) stays bounded.
+_MAX_PENDING_STEPS = 4
+
+
+@dataclass
+class _PendingTokens:
+    """Placeholders written by one async step, to settle once its copy lands."""
+
+    copy: AsyncCopy
+    states: list[CachedRequestState]
+    positions: np.ndarray  # sequence position of each placeholder
+    indices: np.ndarray  # row of each in the step's sampled tensor
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, ctx: ParallelContext) -> None:
+        if engine_config.scheduler_config.async_scheduling is None:
+            engine_config = engine_config.resolve_async_scheduling()
+        self.engine_config = engine_config
+        self.ctx = ctx
+        self.device = ctx.device
+        self.model_config = engine_config.model_config
+        self.block_size = engine_config.cache_config.block_size
+        self.use_async_scheduling = engine_config.async_scheduling
+        self.dtype = resolve_dtype(self.model_config.dtype, self.device)
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = tuple(sorted(self.model_config.eos_token_ids))
+        self.requests: dict[str, CachedRequestState] = {}
+        sched = engine_config.scheduler_config
+        self.input_batch = InputBatch(sched.max_num_seqs, self.model_config.max_model_len,
+                                      self.block_size)
+        self.input_preparer = InputPreparer(self.input_batch, self.block_size,
+                                            sched.max_num_batched_tokens, self.device)
+        self.copier = AsyncOutputCopier(self.device)
+        self._pending: deque[_PendingTokens] = deque()
+        self.model: nn.Module | None = None
+        self.sampler: Sampler | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---------------------------------------------------------------- setup
+    def load_model(self, model: nn.Module | None = None) -> None:
+        """Load from ``model_config.model`` (or take an already built model: tests)."""
+        self.model = model if model is not None else get_model(self.model_config, self.ctx)
+        if self.ctx.is_last_pp_rank:
+            self.sampler = Sampler(self.vocab_size, self.device)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+                   for a in self.model.attention_layers)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        self.kv_caches = []
+        for attn in self.model.attention_layers:
+            shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
+            # Zeros, not empty: padded decode positions read (masked) slots, and 0 * NaN
+            # garbage would poison the attention output.
+            cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                     torch.zeros(shape, dtype=self.dtype, device=self.device))
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+        self.num_kv_blocks = num_blocks
+
+    @property
+    def async_input_stats(self):
+        return self.input_preparer.stats
+
+    # ---------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      intermediate_tensors: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors:
+        """Run one step. The last PP stage returns the step's output (an
+        AsyncModelRunnerOutput under async scheduling); other stages return the
+        IntermediateTensors to send to the next stage."""
+        so = scheduler_output
+        if so.scheduled_spec_decode_tokens:
+            raise ValueError("scheduled_spec_decode_tokens is not empty: speculative decoding "
+                             "is not supported by this runner.")
+        self._settle_placeholders(block=False)
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        batch = self.input_preparer.prepare(so, self._settle_placeholders)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                            intermediate_tensors)
+        if not self.ctx.is_last_pp_rank:
+            self._bookkeeping_non_last(batch)
+            return hidden
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
+                                     self._settle_placeholders)
+        return self._bookkeeping(batch, self.sampler(logits, md))
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        gone = so.finished_req_ids | so.preempted_req_ids
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.requests:
+                gone = gone | {new.req_id}  # re-sent (resumed): rebuild from scratch
+        # Hazard: a request finished or preempted while a step that sampled for it was in
+        # flight. Dropping its state is safe: that step's placeholder is settled only
+        # through ``state.row``, which becomes None here.
+        for req_id in gone:
+            self.requests.pop(req_id, None)
+        ib.remove_requests(gone)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            stop_ids = tuple(sorted(set(sp.stop_token_ids) | (
+                set() if sp.ignore_eos else set(self.eos_token_ids))))
+            state = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=sp, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens, seed=new.sampling_seed,
+                output_token_ids=list(new.output_token_ids), min_tokens_stop_ids=stop_ids)
+            self.requests[new.req_id] = state
+            ib.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"cached request {req_id!r} is unknown to the worker.")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            ib.num_computed_tokens[state.row] = state.num_computed_tokens
+            if cached.new_block_ids[i]:
+                state.block_ids.extend(cached.new_block_ids[i])
+                ib.append_block_ids(state.row, cached.new_block_ids[i])
+            if cached.new_token_ids and cached.new_token_ids[i]:
+                ib.receive_tokens(state.row, cached.new_token_ids[i])
+
+    def _bookkeeping(self, batch: StepBatch, out: SamplerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        ib = self.input_batch
+        sampled = out.sampled_token_ids  # [B, 1]
+        lp = out.logprobs_tensors
+        tensors = [sampled]
+        if lp is not None:
+            tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
+        valid = np.flatnonzero(batch.sample_mask)  # non-final prefill chunks are discarded
+        rows_valid = batch.rows[valid]
+        req_id_to_index = {r: i for i, r in enumerate(batch.req_ids)}
+        num_logprobs = ib.num_logprobs[batch.rows]
+        if not self.use_async_scheduling:
+            host = [t.cpu().numpy() for t in tensors]  # the sync point of sync mode
+            ib.append_sampled(rows_valid, host[0][valid, 0])
+            return build_model_runner_output(batch.req_ids, req_id_to_index, batch.sample_mask,
+                                             host[0][:, 0], num_logprobs,
+                                             host[1:] if lp is not None else None)
+        copy = self.copier.start(tensors)
+        positions = ib.append_sampled(rows_valid, None)
+        ib.prev_sampled_token_ids = sampled
+        ib.prev_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
+        self._pending.append(_PendingTokens(copy, [ib.states[r] for r in rows_valid.tolist()],
+                                            positions, valid))
+        return AsyncModelRunnerOutput(batch.req_ids, req_id_to_index, batch.sample_mask,
+                                      num_logprobs, copy, has_logprobs=lp is not None)
+
+    def _bookkeeping_non_last(self, batch: StepBatch) -> None:
+        """A stage that does not sample: under async scheduling it books placeholders
+        exactly as the last stage does; the ids themselves arrive from the last stage
+        (the PP layer sets ``input_batch.prev_sampled_token_ids``). In sync mode they come
+        in ``CachedRequestData.new_token_ids``."""
+        if not self.use_async_scheduling:
+            return
+        valid = np.flatnonzero(batch.sample_mask)
+        self.input_batch.append_sampled(batch.rows[valid], None)
+        self.input_batch.prev_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
+
+    def _settle_placeholders(self, block: bool = True) -> None:
+        """Write the real ids of earlier async steps over their -1 placeholders.
+        ``block=False`` only takes copies that have already landed (plus the oldest ones
+        beyond the backlog bound)."""
+        ib = self.input_batch
+        while self._pending:
+            entry = self._pending[0]
+            if not (block or entry.copy.done() or len(self._pending) > _MAX_PENDING_STEPS):
+                return
+            sampled = entry.copy.wait()[0]
+            self._pending.popleft()
+            tokens = sampled[entry.indices, 0].tolist()
+            for state, pos, token in zip(entry.states, entry.positions.tolist(), tokens,
+                                         strict=True):
+                InputBatch.fill_placeholder(state, pos, token, ib.token_ids)
+
+    def shutdown(self) -> None:
+        self.copier.shutdown()
+        self._pending.clear()

@@ -1,0 +1,264 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3) over one flattened mixed batch.
+
+``forward(input_ids [T], positions [T], attn_metadata)`` runs every scheduled token of every
+request at once (prefills, chunks and decodes together). With pipeline parallelism the
+model holds only its stage's layers: the first stage owns the embedding, the last the final
+norm and LM head; a non-last stage returns ``IntermediateTensors`` (hidden states and the
+residual, both [T, hidden]) that the next stage passes back in as ``intermediate_tensors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.parallel.context import ParallelContext
+from raylm.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    PPMissingLayer,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    get_pp_layer_range,
+)
+from raylm.runner.attention import Attention, AttentionMetadata
+from raylm.runner.models.config import DecoderConfig
+from raylm.runner.rotary import RotaryEmbedding
+
+
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands to the next."""
+
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: object = None) -> None:
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                         f"parameter expects {tuple(param.shape)}.")
+    param.data.copy_(loaded_weight)
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm (normalise in float32, cast back, then scale), with the residual add
+    fused in front as in vLLM: ``forward(x, residual)`` returns (norm(x + residual), x + residual)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size],
+                                                       cfg.mlp_bias, ctx=ctx, params_dtype=dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, ctx=ctx,
+                                           params_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.qkv_bias, ctx=ctx,
+                                          params_dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size,
+                                        cfg.o_bias, ctx=ctx, params_dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device)
+        # Shared across layers; a plain attribute so it is not registered once per layer.
+        self.__dict__["rotary_emb"] = rotary_emb
+        self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden_states.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device)
+        self.self_attn = LlamaAttention(cfg, ctx, dtype, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                ctx.device)
+        self.mlp = LlamaMLP(cfg, ctx, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 max_position: int) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.start_layer, self.end_layer = get_pp_layer_range(
+            cfg.num_hidden_layers, ctx.pp_rank, ctx.pp_size)
+        self.embed_tokens: nn.Module = PPMissingLayer()
+        if ctx.is_first_pp_rank:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
+                                                       params_dtype=dtype)
+        rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_position, dtype, ctx.device)
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ctx, dtype, rotary)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(cfg.num_hidden_layers))
+        self.norm: nn.Module = PPMissingLayer()
+        if ctx.is_last_pp_rank:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None):
+        if self.ctx.is_first_pp_rank:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError("a non-first pipeline stage needs intermediate_tensors.")
+            hidden_states = intermediate_tensors.hidden_states
+            residual = intermediate_tensors.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if not self.ctx.is_last_pp_rank:
+            return IntermediateTensors(hidden_states, residual)
+        if residual is None:  # a last stage without layers (not a useful split, but valid)
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# (checkpoint name fragment, parameter name fragment, shard id)
+_STACKED_PARAMS = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ctx = ctx
+        self.model = LlamaModel(cfg, ctx, dtype, max_position or cfg.max_position_embeddings)
+        self.lm_head: nn.Module = PPMissingLayer()
+        if ctx.is_last_pp_rank:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
+                                          params_dtype=dtype)
+            if cfg.tie_word_embeddings and ctx.is_first_pp_rank:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        """This stage's attention modules, in layer order (the KV cache binds to them)."""
+        layers = self.model.layers[self.model.start_layer:self.model.end_layer]
+        return [layer.self_attn.attn for layer in layers]
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None):
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full-vocab float32 logits on every TP rank of the last stage."""
+        return self.lm_head.compute_logits(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises ValueError on unknown names or unloaded parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        start, end = self.model.start_layer, self.model.end_layer
+        tied = self.config.tie_word_embeddings
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("model.layers."):
+                index = int(name.split(".")[2])
+                if not start <= index < end:
+                    continue  # another pipeline stage's layer
+            if name == "lm_head.weight" and tied:
+                continue  # tied: the LM head reads the embedding
+            if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
+                # Tied, and this stage has the LM head but no embedding (pipeline split).
+                params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor)
+                loaded.add("lm_head.weight")
+            if name.split(".")[0:2] == ["model", "embed_tokens"] and not self.ctx.is_first_pp_rank:
+                continue
+            if name.startswith(("model.norm.", "lm_head.")) and not self.ctx.is_last_pp_rank:
+                continue
+            for ckpt_part, param_part, shard_id in _STACKED_PARAMS:
+                if ckpt_part in name:
+                    target = name.replace(ckpt_part, param_part)
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)
+                    break
+            else:
+                target = name
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                     f"{self.config.architecture}.")
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"parameters missing from the checkpoint: {missing}.")

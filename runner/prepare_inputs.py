@@ -1,0 +1,207 @@
+"""Turn one SchedulerOutput (already applied to the InputBatch) into device inputs.
+
+Everything is vectorised with numpy over the scheduled rows; the only per-request Python
+is the dict lookups that map request ids to rows. Host staging buffers are reused from
+step to step and copied to separate device buffers.
+
+Async scheduling: a decode row whose input is the token sampled in the previous step gets
+it on the device, from ``input_batch.prev_sampled_token_ids``: one slice copy when those
+rows are the first n rows in the same order as before (the steady state), else one index
+scatter. The index tensors are built from positions only; the CPU never reads a token
+value to build inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from raylm.runner.attention import AttentionMetadata, build_attention_metadata
+from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
+from raylm.scheduler.outputs import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    req_ids: list[str]
+    rows: np.ndarray  # [B] InputBatch rows, ascending (the order of the step's outputs)
+    num_scheduled: np.ndarray  # [B]
+    seq_lens: np.ndarray  # [B] context + this step's tokens = position of a sampled token
+    sample_mask: np.ndarray  # [B] True where this step ends the known tokens (samples)
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [B] last token of each row
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class AsyncInputStats:
+    """How previous-step tokens reached the inputs (tests and benchmarks read it)."""
+
+    slice_copy: int = 0
+    scatter: int = 0
+
+
+class InputPreparer:
+    def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
+                 device: torch.device) -> None:
+        self.input_batch = input_batch
+        self.block_size = block_size
+        self.device = device
+        self.pin_memory = device.type == "cuda"
+        # On CUDA the host->device copies below are non-blocking, so a reused host buffer
+        # may still be read by the previous step's copy: this event fences it.
+        self.prepare_inputs_event = torch.cuda.Event() if device.type == "cuda" else None
+        self.stats = AsyncInputStats()
+        self._capacity = 0
+        self._allocate(max_num_tokens)
+
+    def _allocate(self, num_tokens: int) -> None:
+        def host(dtype):
+            return torch.zeros(num_tokens, dtype=dtype, pin_memory=self.pin_memory)
+
+        self.input_ids_cpu, self.positions_cpu, self.slot_mapping_cpu = (
+            host(torch.int64), host(torch.int64), host(torch.int64))
+        self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self.slot_mapping = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self._capacity = num_tokens
+
+    @contextmanager
+    def synchronize_input_prep(self):
+        """Hazard: reused host buffers vs in-flight async H2D copies. Wait until the
+        previous step's uploads have read them, and fence this step's uploads after."""
+        if self.prepare_inputs_event is None:
+            yield
+            return
+        self.prepare_inputs_event.synchronize()
+        try:
+            yield
+        finally:
+            self.prepare_inputs_event.record()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def prepare(self, so: SchedulerOutput,
+                settle_placeholders: Callable[[], None]) -> StepBatch:
+        ib = self.input_batch
+        rows, req_ids, num_sched = self._scheduled_rows(so)
+        num_tokens_total = int(num_sched.sum())
+        if num_tokens_total != so.total_num_scheduled_tokens:
+            raise ValueError(f"num_scheduled_tokens sums to {num_tokens_total}, "
+                             f"total_num_scheduled_tokens is {so.total_num_scheduled_tokens}.")
+        if num_tokens_total > self._capacity:
+            self._allocate(max(num_tokens_total, 2 * self._capacity))
+        cu = np.cumsum(num_sched)
+        query_start_loc = np.concatenate(([0], cu))
+        req_index = np.repeat(np.arange(len(rows)), num_sched)
+        offsets = np.arange(num_tokens_total) - np.repeat(cu - num_sched, num_sched)
+        num_computed = ib.num_computed_tokens[rows]
+        seq_lens = num_computed + num_sched
+        known = ib.num_tokens[rows]
+        if (seq_lens > known).any():
+            bad = int(np.flatnonzero(seq_lens > known)[0])
+            raise ValueError(
+                f"request {req_ids[bad]!r}: scheduled up to position {int(seq_lens[bad])} but "
+                f"only {int(known[bad])} tokens are known (num_computed_tokens="
+                f"{int(num_computed[bad])}, num_scheduled={int(num_sched[bad])}).")
+        sample_mask = seq_lens >= known
+        token_rows = rows[req_index]
+        positions = num_computed[req_index] + offsets
+        fill_rows, fill_src = self._device_fill_rows(req_ids, rows, seq_lens)
+        fill_flat = cu[fill_rows] - 1
+
+        with self.synchronize_input_prep():
+            input_ids = self.input_ids_cpu.numpy()[:num_tokens_total]
+            flat = token_rows * ib.max_model_len + positions
+            input_ids[:] = ib.token_ids.reshape(-1)[flat]
+            unknown = input_ids == PLACEHOLDER_TOKEN_ID
+            unknown[fill_flat] = False
+            if unknown.any():
+                # Inputs that are neither known on the CPU nor in the previous step's device
+                # tensor (the request skipped a step): settle placeholders from older steps.
+                settle_placeholders()
+                input_ids[:] = ib.token_ids.reshape(-1)[flat]
+                unknown = input_ids == PLACEHOLDER_TOKEN_ID
+                unknown[fill_flat] = False
+                if unknown.any():
+                    raise RuntimeError(f"input positions {np.flatnonzero(unknown).tolist()} "
+                                       "have no token on the host or the device.")
+            self.positions_cpu.numpy()[:num_tokens_total] = positions
+            block_ids = ib.block_table[token_rows, positions // self.block_size]
+            self.slot_mapping_cpu.numpy()[:num_tokens_total] = (
+                block_ids * self.block_size + positions % self.block_size)
+            n = num_tokens_total
+            self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=True)
+            self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=True)
+            self.slot_mapping[:n].copy_(self.slot_mapping_cpu[:n], non_blocking=True)
+            max_blocks = -(-int(seq_lens.max()) // self.block_size)
+            block_table = self._to_device(ib.block_table[rows, :max_blocks].astype(np.int64))
+            logits_indices = self._to_device((cu - 1).astype(np.int64))
+        if fill_rows.size:
+            self._fill_from_previous_step(fill_rows, fill_src, fill_flat)
+        meta = build_attention_metadata(query_start_loc, seq_lens, self.slot_mapping[:n],
+                                        block_table, self.block_size)
+        return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
+                         self.positions[:n], meta, logits_indices)
+
+    def _scheduled_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str], np.ndarray]:
+        ib = self.input_batch
+        scheduled = so.num_scheduled_tokens
+        try:
+            if len(scheduled) == ib.num_reqs:  # common case: every live request runs
+                req_ids = list(ib.req_ids)
+                rows = np.arange(ib.num_reqs)
+                num_sched = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
+                return rows, req_ids, num_sched
+            rows = np.fromiter((ib.req_id_to_index[r] for r in scheduled), np.int64,
+                               len(scheduled))
+        except KeyError as e:
+            raise ValueError(f"request {e.args[0]!r} is scheduled but unknown to the worker.") \
+                from None
+        rows.sort()
+        req_ids = [ib.req_ids[r] for r in rows.tolist()]
+        num_sched = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
+        return rows, req_ids, num_sched
+
+    def _device_fill_rows(self, req_ids: list[str], rows: np.ndarray,
+                          seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows whose last input is the token sampled for them in the previous step
+        (matched by request id and by that token's position, so a request preempted and
+        re-added meanwhile never matches), and their row in that step."""
+        ib = self.input_batch
+        prev = ib.prev_req_id_to_index
+        if ib.prev_sampled_token_ids is None or not prev:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        prev_index = np.fromiter((prev.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+        match = (prev_index >= 0) & (ib.last_sampled_pos[rows] == seq_lens - 1)
+        fill_rows = np.flatnonzero(match)
+        return fill_rows, prev_index[fill_rows]
+
+    def _fill_from_previous_step(self, fill_rows: np.ndarray, fill_src: np.ndarray,
+                                 fill_flat: np.ndarray) -> None:
+        prev = self.input_batch.prev_sampled_token_ids
+        n = fill_rows.size
+        steady = np.arange(n)
+        if (np.array_equal(fill_rows, steady) and np.array_equal(fill_src, steady)
+                and np.array_equal(fill_flat, steady)):
+            # The batch is unchanged and in order: one device-to-device slice copy.
+            self.input_ids[:n].copy_(prev[:n, 0], non_blocking=True)
+            self.stats.slice_copy += 1
+            return
+        index = self._to_device(fill_flat.astype(np.int64))
+        src_index = self._to_device(fill_src.astype(np.int64))
+        self.input_ids.scatter_(0, index, prev[src_index, 0])
+        self.stats.scatter += 1

@@ -1,0 +1,63 @@
+"""Stateless, counter-based random numbers for sampling.
+
+The uniform for vocabulary entry ``v`` of the token at sequence position ``p`` of a request
+with seed ``s`` is a pure hash of ``(s, p, v)``. Nothing advances: the same request draws
+the same token alone or in any batch, at any timing, with any parallelism, and tokens
+sampled for discarded prefill chunks consume nothing.
+
+The hash is a 32-bit integer mixer (two xor-shift-multiply rounds) evaluated on int64
+tensors holding values below 2**32; the multiplier is below 2**27, so no product
+overflows int64 and the same integers come out on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MUL = 0x045D9F3B  # < 2**27: (2**32 - 1) * _MUL fits in int64
+_GOLDEN = 0x9E3779B1
+_SEED_SALT = 0x3C6EF372
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective avalanche mix of 32-bit values held in an int64 tensor (in place)."""
+    x ^= x >> 16
+    x.mul_(_MUL).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    x.mul_(_MUL).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    return x
+
+
+def to_int64_seed(seed: int) -> int:
+    """Any Python int as the int64 with the same low 64 bits (what a tensor can hold)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from int64 ``seeds`` and ``positions`` [B]."""
+    lo = seeds & _MASK32
+    hi = (seeds >> 32) & _MASK32
+    h = _mix32((lo + _SEED_SALT) & _MASK32)
+    h = _mix32(h ^ hi)
+    return _mix32(h ^ (positions & _MASK32))
+
+
+def vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """One 32-bit key per vocabulary entry [V] (cache it: it never changes)."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    return _mix32((ids * _GOLDEN) & _MASK32)
+
+
+def uniform(row_key: torch.Tensor, vocab_key: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float32 [B, V]: 24 hash bits, offset by half a step."""
+    x = _mix32(row_key[:, None] ^ vocab_key[None, :])
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(row_key: torch.Tensor, vocab_key: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise [B, V]: argmax(logits + noise) samples softmax(logits)."""
+    u = uniform(row_key, vocab_key)
+    return u.log_().neg_().log_().neg_()

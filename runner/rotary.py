@@ -1,0 +1,82 @@
+"""Rotary position embedding (HF "rotate_half" layout) with a precomputed cos/sin cache.
+
+Default RoPE is computed here; every other ``rope_type`` (linear, dynamic, yarn, llama3,
+longrope) takes its inverse frequencies and attention scaling from transformers'
+``ROPE_INIT_FUNCTIONS``, so the numbers are the reference implementation's. Dynamic-NTK
+and longrope switch frequencies on sequence length in HF; here the frequencies for
+``max_position_embeddings`` are used throughout (the same as HF below that length).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (transformers >= 5) or the older ``rope_scaling``/``rope_theta``."""
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(hf_config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def compute_inv_freq(hf_config: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention_scaling applied to cos and sin)."""
+    params = rope_parameters(hf_config)
+    if float(params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported, got "
+                         f"{params.get('partial_rotary_factor', hf_config.get('partial_rotary_factor'))!r}.")
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        return 1.0 / (base ** exponent), 1.0
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; "
+                         f"known: {['default', *ROPE_INIT_FUNCTIONS]}.")
+    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures")}
+    fields.setdefault("head_dim", head_dim)
+    config = AutoConfig.for_model(hf_config.get("model_type", "llama"), **fields)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.to(torch.float32), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config: dict[str, Any], head_dim: int, max_position: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+        # As HF: angles in float32, cos/sin scaled, then cast to the activation dtype.
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", (emb.cos() * scaling).to(dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scaling).to(dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, Hq, D]; key [T, Hkv, D]."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _apply(query, cos, sin), _apply(key, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,132 @@
+"""One rank on one device: owns the ModelRunner, sizes and allocates the KV cache.
+
+The distributed layer builds the ``ParallelContext`` (process groups) and, for pipeline
+parallelism, supplies a ``PPTransport`` that moves IntermediateTensors between stages;
+single-process use needs neither.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from raylm.parallel.context import ParallelContext
+from raylm.runner.async_output import AsyncModelRunnerOutput
+from raylm.runner.model_runner import ModelRunner
+from raylm.runner.models.llama import IntermediateTensors
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class PPTransport(Protocol):
+    """Moves hidden states between pipeline stages (implemented by raylm.parallel)."""
+
+    def recv_intermediate(self, scheduler_output: SchedulerOutput) -> IntermediateTensors: ...
+
+    def send_intermediate(self, tensors: IntermediateTensors) -> None: ...
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class Worker:
+    def __init__(self, engine_config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
+        if engine_config.scheduler_config.async_scheduling is None:
+            engine_config = engine_config.resolve_async_scheduling()
+        self.engine_config = engine_config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.ctx: ParallelContext | None = None
+        self.model_runner: ModelRunner | None = None
+        self.pp_transport: PPTransport | None = None
+        self._dead: BaseException | None = None
+
+    def init_device(self, ctx: ParallelContext | None = None, num_threads: int | None = None) -> None:
+        if ctx is None:
+            device = (torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available()
+                      else torch.device("cpu"))
+            ctx = ParallelContext.single(device)
+        if ctx.device.type == "cuda":
+            torch.cuda.set_device(ctx.device)
+        torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        self.ctx = ctx
+        self.model_runner = ModelRunner(self.engine_config, ctx)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        cache = self.engine_config.cache_config
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.ctx.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.ctx.device)
+            # What the utilisation cap leaves, minus a reserve for activations and logits.
+            budget = int(free - total * (1.0 - cache.gpu_memory_utilization))
+            budget -= self._activation_reserve_bytes()
+        else:
+            budget = min(_CPU_DEFAULT_KV_BYTES, _available_host_memory() // 2)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
+                             f"({per_block} bytes per block); raise kv_cache_memory_bytes or "
+                             "gpu_memory_utilization.")
+        return int(num_blocks)
+
+    def _activation_reserve_bytes(self) -> int:
+        hf = self.engine_config.model_config.hf_config
+        sched = self.engine_config.scheduler_config
+        width = int(hf["hidden_size"]) * 4 + 3 * int(hf["intermediate_size"])
+        elem = torch.empty((), dtype=self.model_runner.dtype).element_size()
+        logits = sched.max_num_seqs * int(hf["vocab_size"]) * 4 * 6  # float32 sampler temps
+        return 2 * sched.max_num_batched_tokens * width * elem + logits + (256 << 20)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """Run one step; only the driver rank (TP rank 0 of the last stage) returns output."""
+        intermediate = None
+        if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
+            intermediate = self._transport().recv_intermediate(scheduler_output)
+        out = self.model_runner.execute_model(scheduler_output, intermediate)
+        if isinstance(out, IntermediateTensors):
+            self._transport().send_intermediate(out)
+            return None
+        return out if self.ctx.is_driver else None
+
+    def _transport(self) -> PPTransport:
+        if self.pp_transport is None:
+            raise RuntimeError(f"pipeline stage {self.ctx.pp_rank}/{self.ctx.pp_size} has no "
+                               "pp_transport to exchange hidden states.")
+        return self.pp_transport
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"worker rank {self.rank} is dead: {self._dead!r}")
+
+    def mark_dead(self, error: BaseException) -> None:
+        self._dead = error
+
+    def shutdown(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
