@@ -1,0 +1,203 @@
+"""EngineCore loops against the fake executor: sync vs async identity, aborts, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sched_fake_executor import (
+    FakeExecutor,
+    collect,
+    expected_stream,
+    make_config,
+    make_request,
+    prompt_tokens,
+)
+
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.outputs import FinishReason
+
+
+def _workload():
+    shared = prompt_tokens("shared", 24)
+    reqs = []
+    for i in range(10):
+        if i % 3 == 0:
+            prompt = shared + prompt_tokens(f"tail{i}", 3 + i)  # prefix-cache hits
+        else:
+            prompt = prompt_tokens(f"p{i}", 5 + 7 * i)  # long ones are chunked
+        reqs.append(make_request(f"r{i}", prompt, max_tokens=3 + (i * 5) % 17))
+    return reqs
+
+
+def _run(async_scheduling: bool, num_blocks: int, mode: str = "lazy", **kw):
+    config = make_config(async_scheduling=async_scheduling, num_kv_blocks=num_blocks,
+                         max_num_batched_tokens=16, max_num_seqs=6, **kw)
+    executor = FakeExecutor(num_blocks=num_blocks, mode=mode)
+    engine = EngineCore(config, executor)
+    reqs = _workload()
+    # Half now, half after a few steps (prefix hits need the first ones settled).
+    for r in reqs[:5]:
+        engine.add_request(r)
+    outputs = []
+    for _ in range(6):
+        out, _ = engine.step_fn()
+        if out is not None:
+            outputs += out.outputs
+    for r in reqs[5:]:
+        engine.add_request(r)
+    outputs += engine.run_until_idle()
+    return reqs, outputs, engine, executor
+
+
+@pytest.mark.parametrize("num_blocks", [200, 24])
+def test_sync_and_async_streams_identical(num_blocks):
+    streams = {}
+    for async_scheduling in (False, True):
+        reqs, outputs, engine, executor = _run(async_scheduling, num_blocks)
+        tokens, finals = collect(outputs)
+        for r in reqs:
+            assert tokens[r.request_id] == expected_stream(r), r.request_id
+            assert len(finals[r.request_id]) == 1
+            cached = finals[r.request_id][0].num_cached_tokens
+            assert cached % 4 == 0 and cached == r.num_cached_tokens
+            assert r.num_prompt_tokens + r.max_tokens - 1 - cached <= (
+                executor.runner.scheduled_tokens[r.request_id])
+        metrics = engine.get_metrics()
+        assert metrics["raylm:generation_tokens"] == sum(r.max_tokens for r in reqs)
+        assert metrics["raylm:prompt_tokens"] == sum(r.num_prompt_tokens for r in reqs)
+        assert metrics["raylm:prefix_cache_hits"] > 0
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+        if num_blocks == 24:
+            assert metrics["raylm:num_preemptions"] > 0, async_scheduling
+        else:
+            assert metrics["raylm:num_preemptions"] == 0
+            for r in reqs:  # no preemption: exactly prompt + N - 1 - hits scheduled
+                assert executor.runner.scheduled_tokens[r.request_id] == (
+                    r.num_prompt_tokens + r.max_tokens - 1 - r.num_cached_tokens)
+        # Chunked prefill happened: some step scheduled part of a prompt.
+        assert any(0 < n < 16 and so.num_scheduled_tokens.get(rid) for so in executor.history
+                   for rid, n in so.num_scheduled_tokens.items()) and max(
+            so.total_num_scheduled_tokens for so in executor.history) <= 16
+        engine.scheduler.check_integrity(no_steps_in_flight=True)
+        streams[async_scheduling] = tokens
+    assert streams[False] == streams[True]
+
+
+def test_threaded_executor_same_streams():
+    reqs, outputs, engine, executor = _run(True, 24, mode="thread")
+    tokens, finals = collect(outputs)
+    assert all(tokens[r.request_id] == expected_stream(r) for r in reqs)
+    engine.shutdown()
+    assert executor.shut_down
+
+
+def test_batch_queue_does_not_block_while_it_has_room():
+    config = make_config(async_scheduling=True)
+    executor = FakeExecutor()
+    engine = EngineCore(config, executor)
+    assert engine.step_fn == engine.step_with_batch_queue and engine.batch_queue_size == 2
+    engine.add_request(make_request("a", 6, max_tokens=4))
+    out, executed = engine.step_fn()
+    assert out is None and executed and len(executor.pending) == 1  # step 1 not awaited
+    out, executed = engine.step_fn()  # plans step 2, then blocks on step 1 only
+    assert [o.new_token_ids for o in out.outputs] == [expected_stream(
+        make_request("a", 6, max_tokens=4))[:1]]
+    assert len(executor.pending) == 1 and executor.pending[0][1].step_id == 2
+
+
+def test_sync_engine_uses_step():
+    engine = EngineCore(make_config(async_scheduling=False), FakeExecutor())
+    assert engine.step_fn == engine.step and engine.batch_queue_size == 1
+
+
+def test_empty_steps_not_sent_without_pp():
+    reqs, outputs, engine, executor = _run(True, 200)
+    for so in executor.history:
+        assert not so.is_empty or so.finished_req_ids or so.preempted_req_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_racing_the_final_token(async_scheduling):
+    config = make_config(async_scheduling=async_scheduling)
+    executor = FakeExecutor()
+    engine = EngineCore(config, executor)
+    engine.add_request(make_request("a", 6, max_tokens=2))
+    engine.add_request(make_request("b", 6, max_tokens=2))
+    outputs = []
+    out, _ = engine.step_fn()  # prefill (async: in flight)
+    outputs += out.outputs if out else []
+    if async_scheduling:
+        out, _ = engine.step_fn()  # plans the final decode, settles the prefill
+        outputs += out.outputs
+        assert len(executor.pending) == 1  # a's final token is in flight
+    engine.abort_requests(["a"])
+    outputs += engine.run_until_idle()
+    tokens, finals = collect(outputs)
+    assert [o.finish_reason for o in finals["a"]] == [FinishReason.ABORT]
+    assert len(tokens["a"]) == 1
+    assert [o.finish_reason for o in finals["b"]] == [FinishReason.LENGTH]
+    engine.abort_requests(["a", "b", "unknown"])  # after the end: no second final output
+    assert engine.run_until_idle() == []
+    engine.scheduler.check_integrity(no_steps_in_flight=True)
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 64
+
+
+def test_abort_from_another_thread():
+    config = make_config(async_scheduling=True, max_num_batched_tokens=16)
+    executor = FakeExecutor(mode="thread", step_time=0.001)
+    engine = EngineCore(config, executor)
+    reqs = [make_request(f"r{i}", 10, max_tokens=40) for i in range(6)]
+    for r in reqs:
+        engine.add_request(r)
+    aborter = threading.Timer(0.02, engine.abort_requests, args=(["r1", "r4"],))
+    aborter.start()
+    outputs = engine.run_until_idle()
+    aborter.join()
+    tokens, finals = collect(outputs)
+    for r in reqs:
+        assert len(finals[r.request_id]) == 1
+        assert tokens.get(r.request_id, []) == expected_stream(r)[:len(tokens.get(r.request_id, []))]
+    engine.shutdown()
+
+
+def test_executor_failure_aborts_everything_and_raises():
+    config = make_config(async_scheduling=True)
+    executor = FakeExecutor(fail_at_step=3)
+    engine = EngineCore(config, executor)
+    for i in range(3):
+        engine.add_request(make_request(f"r{i}", 6, max_tokens=10))
+    with pytest.raises(EngineDeadError, match="fake device fault at step 3") as info:
+        engine.run_until_idle()
+    finals = info.value.outputs.outputs
+    assert sorted(o.request_id for o in finals) == ["r0", "r1", "r2"]
+    assert all(o.finish_reason == FinishReason.ABORT for o in finals)
+    with pytest.raises(EngineDeadError, match="fake device fault"):
+        engine.step_fn()
+    with pytest.raises(EngineDeadError):
+        engine.add_request(make_request("late", 4))
+
+
+def test_add_request_validation():
+    config = make_config(async_scheduling=True, num_kv_blocks=8, block_size=4)
+    engine = EngineCore(config, FakeExecutor(num_blocks=64))
+    assert engine.num_kv_blocks == 8  # the explicit pool size caps the executor's
+    with pytest.raises(ValueError, match=r"needs 9 KV blocks .* pool holds only 8"):
+        engine.add_request(make_request("big", 20, max_tokens=16))
+    engine.add_request(make_request("ok", 20, max_tokens=12))
+    with pytest.raises(ValueError, match="'ok' is already in use"):
+        engine.add_request(make_request("ok", 3))
+    tokens, finals = collect(engine.run_until_idle())
+    assert len(tokens["ok"]) == 12
+
+
+def test_idle_engine_checks_integrity(monkeypatch):
+    engine = EngineCore(make_config(async_scheduling=True), FakeExecutor())
+    calls = []
+    original = engine.scheduler.check_integrity
+    monkeypatch.setattr(engine.scheduler, "check_integrity",
+                        lambda **kw: (calls.append(kw), original(**kw)))
+    engine.add_request(make_request("a", 5, max_tokens=3))
+    engine.run_until_idle()
+    assert calls and calls[-1] == {"no_steps_in_flight": True}
