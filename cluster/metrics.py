@@ -94,6 +94,13 @@ class RequestTimer:
                 self._m.request_success.labels(self._m.model_name, c.finish_reason or "abort").inc()
 
 
+    def on_abort(self) -> None:
+        """The stream ended before the request finished (client gone, engine failure)."""
+        if not self._done:
+            self._done = True
+            self._m.request_success.labels(self._m.model_name, "abort").inc()
+
+
 class ServingMetrics:
     def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]]):
         self.model_name = model_name

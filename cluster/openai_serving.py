@@ -218,6 +218,7 @@ class OpenAIServing:
         finally:
             self._pending.discard(req.request_id)
             if not finished:
+                timer.on_abort()
                 # The client went away (or the engine failed): free the request's KV now.
                 try:
                     await asyncio.shield(self.engine.abort(req.request_id))

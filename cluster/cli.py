@@ -1,0 +1,235 @@
+"""The ``raylm`` command: demo-model, generate, serve, batch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from raylm.scheduler import envs
+
+logger = logging.getLogger("raylm.cli")
+
+# CLI flag dest -> engine argument (the fields of serve_config.EngineKwargs / EngineArgs).
+_ENGINE_ARGS = (
+    "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
+    "seed", "async_scheduling", "tensor_parallel_size", "pipeline_parallel_size",
+    "data_parallel_size", "distributed_executor_backend", "max_queued_requests",
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--served-model-name", help="the name clients send as `model`")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    for flag in ("max-model-len", "max-num-seqs", "max-num-batched-tokens", "block-size",
+                 "num-kv-blocks", "kv-cache-memory-bytes", "seed", "max-queued-requests"):
+        g.add_argument(f"--{flag}", type=int)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int)
+    g.add_argument("--data-parallel-size", "-dp", type=int)
+    g.add_argument("--gpu-memory-utilization", type=float)
+    g.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(checkpoint folder, served model name); the demo model when no model is given."""
+    from raylm.cluster.demo import DEMO_MODEL_ID, ensure_demo_model
+
+    if args.model:
+        path = os.path.abspath(args.model)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"raylm: model {args.model!r} is not a folder with a config.json.")
+        return path, args.served_model_name or args.model
+    path = ensure_demo_model()
+    return path, args.served_model_name or DEMO_MODEL_ID
+
+
+# ---- subcommands ---------------------------------------------------------------------------
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from raylm.cluster.demo import ensure_demo_model
+
+    print(ensure_demo_model(args.path, args.size))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from raylm.cluster.llm import LLM
+    from raylm.scheduler.sampling_params import SamplingParams
+
+    path, _ = resolve_model(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed_sampling,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(path, **engine_kwargs(args))
+    try:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        else:
+            out = llm.generate([args.prompt], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from raylm.cluster.batch import run_batch_file
+    from raylm.cluster.engine_client import AsyncLLM
+
+    if not os.path.isfile(args.input):
+        raise SystemExit(f"raylm batch: input file {args.input!r} does not exist.")
+    path, name = resolve_model(args)
+    engine = AsyncLLM.from_engine_args(path, **{**engine_kwargs(args), "served_model_name": name})
+    try:
+        result = asyncio.run(run_batch_file(
+            engine, args.input, args.output, name, model_aliases=(path, args.model or path),
+            max_concurrency=args.max_concurrency, progress=not args.no_progress))
+    finally:
+        engine.shutdown()
+    print(f"raylm batch: {result.num_rows} rows, {result.num_errors} errors -> {args.output}",
+          file=sys.stderr)
+    if result.engine_error:
+        print(f"raylm batch: the engine died: {result.engine_error}", file=sys.stderr)
+    return result.exit_code
+
+
+def build_llm_config(args: argparse.Namespace) -> Any:
+    from raylm.cluster.serve_config import LLMConfig
+
+    joined = envs.ray_address() is not None
+    if args.model:
+        path, name = resolve_model(args)
+        source: str | None = path
+    else:
+        # Joining a cluster, each node writes its own demo model; locally, write it now.
+        from raylm.cluster.demo import DEMO_MODEL_ID
+
+        source = None if joined else resolve_model(args)[0]
+        name = args.served_model_name or DEMO_MODEL_ID
+    deployment: dict[str, Any] = {}
+    if args.max_ongoing_requests is not None:
+        deployment["max_ongoing_requests"] = args.max_ongoing_requests
+    if args.num_replicas is not None:
+        deployment["num_replicas"] = args.num_replicas
+    else:
+        autoscaling = {k: getattr(args, k) for k in ("min_replicas", "max_replicas",
+                                                     "target_ongoing_requests")
+                       if getattr(args, k) is not None}
+        if autoscaling:
+            deployment["autoscaling_config"] = autoscaling
+    return LLMConfig.model_validate({
+        "model_loading_config": {"model_id": name, "model_source": source},
+        "engine_kwargs": engine_kwargs(args), "deployment_config": deployment,
+        "api_key": args.api_key,
+    })
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from raylm.cluster.serve_app import build_openai_app
+
+    llm_config = build_llm_config(args)
+    address = envs.ray_address()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_openai_app([llm_config]), name=args.app_name, route_prefix="/")
+        print(f"raylm: serving {llm_config.model_id!r} at http://{args.host}:{args.port}/v1 "
+              "(Ctrl-C to stop)", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("raylm: shutting down", flush=True)
+    finally:
+        try:
+            if address:
+                serve.delete(args.app_name)  # leave the cluster's other apps alone
+            else:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+# ---- parser --------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylm", description="raylm: LLM serving on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-model", help="write the random-weight demo model")
+    p.add_argument("path", nargs="?", default=None, help=f"folder (default {envs.demo_model_dir()})")
+    p.add_argument("--size", default="6m", choices=["tiny", "6m", "120m"])
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("generate", help="generate offline for one prompt and print the text")
+    p.add_argument("prompt")
+    p.add_argument("--model", help="checkpoint folder (default: the demo model)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: demo)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--app-name", default="raylm")
+    p.add_argument("--num-replicas", type=int)
+    p.add_argument("--min-replicas", type=int)
+    p.add_argument("--max-replicas", type=int)
+    p.add_argument("--target-ongoing-requests", type=float)
+    p.add_argument("--max-ongoing-requests", type=int)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("batch", help="run an OpenAI Batch jsonl file offline")
+    p.add_argument("--input", "-i", required=True)
+    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--model", help="checkpoint folder (default: the demo model)")
+    p.add_argument("--max-concurrency", type=int, default=256)
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_batch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad engine or config values: one clear line, no traceback
+        print(f"raylm {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""End to end: real Ray, real Serve HTTP on loopback, the real AsyncLLM on the tiny llama,
+the official openai client. One Ray instance and one Serve app (two models) for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_openai_fakes import free_port
+
+pytestmark = pytest.mark.ray
+
+MODEL, SMALL = "tiny-llama", "tiny-llama-small"
+
+
+@pytest.fixture(scope="module")
+def base_url(llama_path):
+    import ray
+    from ray import serve
+
+    from raylm.cluster import build_openai_app
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"llm_configs": [
+            {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
+             "engine_kwargs": {"max_num_seqs": 64},
+             "deployment_config": {"max_ongoing_requests": 128}},
+            # A second model, to test routing and a deliberately tiny admission limit.
+            {"model_loading_config": {"model_id": SMALL, "model_source": llama_path},
+             "engine_kwargs": {"max_num_seqs": 1, "max_queued_requests": 1}},
+        ]}
+        serve.run(build_openai_app(args), name="raylm", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(base_url: str, name: str, model: str = MODEL, **labels: str) -> float:
+    want = [f'model_name="{model}"'] + [f'{k}="{v}"' for k, v in labels.items()]
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_models_health_and_metric_names(client, base_url):
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    cards = {m.id: m.model_dump() for m in client.models.list().data}
+    assert set(cards) == {MODEL, SMALL}
+    assert cards[MODEL]["max_model_len"] == 1024 and cards[MODEL]["owned_by"] == "raylm"
+    client.completions.create(model=MODEL, prompt="warm up", max_tokens=2)
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in ("raylm:num_requests_running", "raylm:num_requests_waiting",
+                 "raylm:kv_cache_usage_perc", "raylm:prompt_tokens_total",
+                 "raylm:generation_tokens_total", "raylm:num_preemptions_total",
+                 "raylm:request_success_total", "raylm:time_to_first_token_seconds_bucket",
+                 "raylm:inter_token_latency_seconds_bucket", "raylm:e2e_request_latency_seconds_sum"):
+        assert f'{name}{{' in text, name
+        assert f'model_name="{MODEL}"' in next(ln for ln in text.splitlines()
+                                                if ln.startswith(name + "{"))
+
+
+def test_greedy_stream_equals_non_stream(client):
+    body = dict(model=MODEL, prompt="the quick brown fox", max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})
+    full = client.completions.create(**body)
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True)
+                       if c.choices)
+    assert streamed == full.choices[0].text
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**chat)
+    chunks = list(client.chat.completions.create(**chat, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens == 10
+    assert r.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
+
+
+def test_n_logprobs_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=5, n=2,
+                                  temperature=1.0, seed=7, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 20
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 5
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
+    greedy = client.completions.create(model=MODEL, prompt="stop test", max_tokens=16,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2:][:2]
+    cut = client.completions.create(model=MODEL, prompt="stop test", max_tokens=16,
+                                    temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.find(stop)]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 3
+
+
+def test_bad_input_is_400_in_the_envelope(base_url):
+    long_prompt = [5 + i % 400 for i in range(1025)]
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": long_prompt})
+    assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
+    assert "1025" in r.json()["error"]["message"]
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": "gone", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(f"{base_url}/v1/chat/completions", content=b"{oops",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+def test_disconnect_aborts_and_frees_kv(base_url):
+    generated_before = metric(base_url, "raylm:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        chunks = [ln for ln in (next(lines) for _ in range(8)) if ln.startswith("data: ")]
+        assert len(chunks) == 4
+        assert metric(base_url, "raylm:num_requests_running") == 1
+    wait_for(lambda: metric(base_url, "raylm:num_requests_running") == 0)
+    assert metric(base_url, "raylm:kv_cache_usage_perc") == 0
+    # Aborted, not finished: far fewer than the 900 requested tokens were generated.
+    assert metric(base_url, "raylm:generation_tokens_total") - generated_before < 900
+    assert metric(base_url, "raylm:request_success_total", finished_reason="abort") >= 1
+
+
+def test_64_concurrent_streams_get_exact_token_counts(base_url):
+    async def one(client, i):
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"client {i} says", max_tokens=16, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        finish, usage = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return finish, usage.completion_tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert results == [("length", 16)] * 64
+    wait_for(lambda: metric(base_url, "raylm:num_requests_running") == 0)
+
+
+def test_overload_is_503(base_url):
+    body = {"model": SMALL, "prompt": "hold the line", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    stop = threading.Event()
+
+    def hold():  # a stream that stays open until told to go
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+    try:
+        for t in holders:
+            t.start()
+        wait_for(lambda: metric(base_url, "raylm:num_requests_running", SMALL)
+                 + metric(base_url, "raylm:num_requests_waiting", SMALL) == 2)
+        r = httpx.post(f"{base_url}/v1/completions",
+                       json={"model": SMALL, "prompt": "one more", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
+        ok = httpx.post(f"{base_url}/v1/completions",
+                        json={"model": MODEL, "prompt": "other model", "max_tokens": 2})
+        assert ok.status_code == 200  # the limit is per model
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(timeout=120)
+    wait_for(lambda: metric(base_url, "raylm:num_requests_running", SMALL) == 0)
+    r = httpx.post(f"{base_url}/v1/completions",
+                   json={"model": SMALL, "prompt": "after", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
