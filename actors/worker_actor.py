@@ -92,7 +92,8 @@ class WorkerActor:
             from raylm.runner.worker import Worker as worker_cls
         self.worker = worker_cls(engine_config, rank=self.rank, local_rank=local_rank,
                                  distributed_init_method=distributed_init_method)
-        self.worker.init_device(ctx)
+        # The Worker sets torch's thread count itself; hand it this rank's CPU share.
+        self.worker.init_device(ctx, num_threads=self.num_threads)
 
     def load_model(self) -> None:
         self.worker.load_model()

@@ -29,8 +29,9 @@ class FakeWorker:
     def set_step_delay(self, seconds):
         self.step_delay = seconds
 
-    def init_device(self, ctx=None):
+    def init_device(self, ctx=None, num_threads=None):
         self.ctx = ctx or ParallelContext.single("cpu")
+        torch.set_num_threads(num_threads or 1)
 
     def load_model(self):
         pass

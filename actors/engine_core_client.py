@@ -1,0 +1,166 @@
+"""RayEngineCoreClient: the EngineCoreClient protocol over an EngineCoreActor.
+
+Same synchronous API as ``InprocEngineCoreClient``. The client owns one placement group:
+bundle 0 (``{"CPU": 1}``) holds the EngineCore actor, bundles 1..world_size hold the
+workers, so under PACK the EngineCore sits next to rank 0. A driver-side thread long-polls
+the actor for outputs and queues them; a dead actor or engine becomes one
+EngineDeadError that every later ``get_output`` raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raylm.actors.engine_core_actor import EngineCoreActor
+from raylm.actors.placement import (
+    DEFAULT_PLACEMENT_TIMEOUT_S,
+    create_placement_group,
+    default_worker_resource,
+    ensure_ray_initialized,
+    worker_bundles,
+)
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.outputs import EngineCoreOutputs
+
+if TYPE_CHECKING:
+    from raylm.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _as_engine_dead(e: BaseException, what: str) -> EngineDeadError:
+    """A Ray error from the EngineCore actor as the EngineDeadError the protocol promises."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, EngineDeadError):
+        return EngineDeadError(str(cause))
+    first = " ".join(str(e).split())[:600]
+    return EngineDeadError(f"EngineCore actor failed during {what}: {first}")
+
+
+class RayEngineCoreClient:
+    def __init__(self, config: EngineConfig, *, resource: str | None = None,
+                 cpus_per_worker: float = 1.0, engine_core_cpus: float = 1.0,
+                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+                 init_timeout_s: float = 600.0, poll_timeout_s: float = 0.5,
+                 call_timeout_s: float = 60.0, **executor_kwargs: Any) -> None:
+        """``executor_kwargs`` go to RayExecutor (``dispatch``, ``worker_cls``, timeouts)."""
+        ensure_ray_initialized()
+        pc = config.parallel_config
+        self.config = config
+        self.poll_timeout_s = poll_timeout_s
+        self.call_timeout_s = call_timeout_s
+        bundles = [{"CPU": float(engine_core_cpus)}] + worker_bundles(
+            pc.world_size, resource or default_worker_resource(), cpus_per_worker)
+        self.placement_group = create_placement_group(
+            bundles, pc.placement_group_strategy, placement_timeout_s)
+        self.actor = EngineCoreActor.options(
+            num_cpus=engine_core_cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=0),
+        ).remote(config, self.placement_group, 1, executor_kwargs)
+        try:
+            self.info = ray.get(self.actor.start.remote(), timeout=init_timeout_s)
+        except BaseException:
+            self._teardown()
+            raise
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._stopped = threading.Event()
+        self._dead: EngineDeadError | None = None
+        self._poller = threading.Thread(target=self._poll, name="raylm-engine-core-poll",
+                                        daemon=True)
+        self._poller.start()
+
+    # ---- EngineCoreClient protocol --------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Raises ValueError when the request can never be served, EngineDeadError if dead."""
+        self._check_not_dead()
+        self._call(self.actor.add_request.remote(request), "add_request")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._check_not_dead()
+        self._call(self.actor.abort_requests.remote(list(request_ids)), "abort_requests")
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        try:
+            item = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, EngineDeadError):
+            self._outputs.put(item)  # keep it for the next reader
+            raise item
+        return item
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self._call(self.actor.get_metrics.remote(), "get_metrics")
+
+    def check_health(self) -> None:
+        self._check_not_dead()
+        self._call(self.actor.check_health.remote(), "check_health")
+
+    def shutdown(self) -> None:
+        if getattr(self, "_stopped", None) is not None:
+            self._stopped.set()
+            self._poller.join(timeout=self.poll_timeout_s + 10)
+        if self._dead is None:
+            try:
+                ray.get(self.actor.shutdown.remote(), timeout=self.call_timeout_s)
+            except ray.exceptions.RayError as e:
+                logger.warning("EngineCore actor shutdown did not complete: %s", e)
+        self._teardown()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _call(self, ref: Any, what: str) -> Any:
+        try:
+            return ray.get(ref, timeout=self.call_timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ValueError):
+                raise e.cause from None  # the caller's bad input, with its own type
+            raise self._mark_dead(_as_engine_dead(e, what)) from None
+        except ray.exceptions.RayError as e:  # the actor died or stopped answering
+            raise self._mark_dead(_as_engine_dead(e, what)) from None
+
+    def _mark_dead(self, error: EngineDeadError) -> EngineDeadError:
+        if self._dead is None:
+            self._dead = error
+            logger.error("Engine is dead: %s", error)
+            self._outputs.put(error)
+        return self._dead
+
+    def _check_not_dead(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def _poll(self) -> None:
+        ref = None
+        while not self._stopped.is_set():
+            try:
+                ref = self.actor.get_outputs.remote(self.poll_timeout_s)
+                batches = ray.get(ref, timeout=self.poll_timeout_s + self.call_timeout_s)
+            except ray.exceptions.RayError as e:
+                if not self._stopped.is_set():
+                    self._mark_dead(_as_engine_dead(e, "get_outputs"))
+                return
+            for batch in batches:
+                self._outputs.put(batch)
+
+    def _teardown(self) -> None:
+        try:
+            ray.kill(self.actor)
+        except Exception as e:  # already gone
+            logger.debug("ray.kill(EngineCore actor): %s", e)
+        remove_placement_group(self.placement_group)
+
+
+def make_ray_engine_core_client(config: EngineConfig, **kwargs: Any) -> RayEngineCoreClient:
+    """What ``raylm.cluster`` calls for ``distributed_executor_backend="ray"``."""
+    return RayEngineCoreClient(config, **kwargs)
