@@ -112,8 +112,8 @@ def test_dp_loops_in_lockstep_over_real_gloo():
                 if all(loop.get_dp_stats().num_waves_completed == wave + 1 for loop in loops):
                     break
                 threading.Event().wait(0.01)
-        # Collectives at steps 0 and 2 (work left), then 4: five steps per wave.
-        expected = [WaveRecord(0, 5, 3), WaveRecord(1, 5, 3)]
+        # Collectives at step 0 (work left) and step 2 (the third step finished it).
+        expected = [WaveRecord(0, 3, 2), WaveRecord(1, 3, 2)]
         assert [list(loop.wave_log) for loop in loops] == [expected, expected]
     finally:
         for loop in loops:

@@ -1,0 +1,128 @@
+"""The Gloo CPU process group that keeps DP ranks in lockstep waves (DESIGN §5).
+
+One EngineCore per DP rank; each rank's workers may own torch.distributed's default
+group (their TP/PP world), so the DP group is *stateless*: a ProcessGroupGloo built
+directly on a TCPStore, never registered as the default group, safe to create in a
+process that already has one. DP rank 0 hosts the store (``DPRendezvous.publish``, OS-picked
+port, so no port race) and publishes (host, port); every rank then joins concurrently.
+
+Every wait is bounded by ``timeout_s``: a rank that never joins or dies mid-collective
+raises (``TimeoutError``/``RuntimeError`` naming the rank and the rendezvous) instead of
+hanging; the DP loop turns that into an EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from raylm.scheduler import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DP_TIMEOUT_S = 120.0
+_LOOPBACK = ("127.0.0.1", "localhost")
+
+
+def _timeout(timeout_s: float) -> datetime.timedelta:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+    return datetime.timedelta(seconds=timeout_s)
+
+
+@dataclass
+class DPRendezvous:
+    """The TCPStore server, held by DP rank 0 for the life of the group."""
+
+    host: str
+    port: int
+    store: dist.TCPStore = field(repr=False)
+
+    @classmethod
+    def publish(cls, host: str, dp_size: int, timeout_s: float = DEFAULT_DP_TIMEOUT_S
+                ) -> DPRendezvous:
+        """Start the store on an OS-picked port; peers reach it at (``host``, port)."""
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {dp_size}.")
+        store = dist.TCPStore(host, 0, dp_size, is_master=True, timeout=_timeout(timeout_s),
+                              wait_for_workers=False)
+        return cls(host=host, port=store.port, store=store)
+
+
+def _gloo_device(rendezvous_host: str, local_host: str | None):
+    """The interface Gloo binds: GLOO_SOCKET_IFNAME when set, else this node's address
+    (hostnames often resolve badly in containers), the loopback for a local rendezvous."""
+    ifname = envs.gloo_socket_ifname()
+    if ifname is not None:
+        return dist.ProcessGroupGloo.create_device(interface=ifname)
+    if rendezvous_host in _LOOPBACK:
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    if local_host:
+        return dist.ProcessGroupGloo.create_device(hostname=local_host)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+class DPSyncGroup:
+    """One rank's handle on the DP Gloo group: small int all-reduces, bounded in time."""
+
+    def __init__(self, pg: dist.ProcessGroupGloo, dp_rank: int, dp_size: int, where: str,
+                 store: dist.Store) -> None:
+        self._pg = pg
+        self._store = store  # keep the client connection alive as long as the group
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.where = where
+
+    @classmethod
+    def join(cls, *, host: str, port: int, dp_rank: int, dp_size: int,
+             timeout_s: float = DEFAULT_DP_TIMEOUT_S, local_host: str | None = None,
+             rendezvous: DPRendezvous | None = None) -> DPSyncGroup:
+        """Collective: every DP rank calls this concurrently. Rank 0 passes its
+        ``rendezvous`` (it holds the store server)."""
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
+        if not 0 < port < 65536:
+            raise ValueError(f"port must be in (0, 65536), got {port}.")
+        timeout = _timeout(timeout_s)
+        where = f"DP rank {dp_rank} of {dp_size} at {host}:{port}"
+        try:
+            store = rendezvous.store if rendezvous is not None else dist.TCPStore(
+                host, port, dp_size, is_master=False, timeout=timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [_gloo_device(host, local_host)]
+            # A prefix keeps this group's keys apart from anything else on the store.
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("raylm-dp", store), dp_rank, dp_size, opts)
+        except (dist.DistError, RuntimeError) as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise TimeoutError(f"DP group rendezvous timed out after {timeout_s:g}s on "
+                                   f"{where}: not every DP rank joined. Cause: {e}") from e
+            raise RuntimeError(f"DP group init failed on {where}: {e}") from e
+        logger.info("Joined the DP Gloo group as %s.", where)
+        return cls(pg, dp_rank, dp_size, where, store)
+
+    def _all_reduce(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        try:
+            self._pg.allreduce([tensor], opts).wait()
+        except (dist.DistError, RuntimeError) as e:
+            raise RuntimeError(f"DP all-reduce failed on {self.where} (a peer is dead, "
+                               f"stuck or gone): {e}") from e
+        return tensor.tolist()
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def destroy(self) -> None:
+        # Drop the references; Gloo closes its sockets when the group is freed.
+        self._pg = None  # type: ignore[assignment]
+        self._store = None  # type: ignore[assignment]
