@@ -102,8 +102,20 @@ class KVCacheManager:
         Returns the blocks appended to the request's block table (prefix hits first).
         """
         rid = request.request_id
-        new_computed = new_computed_blocks or []
         held = self.req_to_blocks.get(rid)
+        if held is not None and not new_computed_blocks:
+            # Hot path (a running request, once per step): usually no new block at all.
+            num_new = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(held)
+            if num_new > 0:
+                if num_new > self.block_pool.get_num_free_blocks():
+                    return None
+                new_blocks = self.block_pool.get_new_blocks(num_new)
+                held.extend(new_blocks)
+            else:
+                new_blocks = []
+            self.req_to_fence[rid] = self.current_step
+            return new_blocks
+        new_computed = new_computed_blocks or []
         assert not (new_computed and held), (
             f"prefix hits for {rid} that already holds {len(held or ())} blocks")
         num_new = self._num_new_blocks(request, num_new_tokens, new_computed)
@@ -126,11 +138,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        if not blocks:
-            return
+        num_cached = self.num_cached_block.get(rid)
+        if num_cached is None or num_tokens // self.block_size <= num_cached:
+            return  # no new full block (the common case)
+        blocks = self.req_to_blocks[rid]
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        num_cached = self.num_cached_block[rid]
         if num_full > num_cached:
             self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
             self.num_cached_block[rid] = num_full

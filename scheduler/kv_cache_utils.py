@@ -28,6 +28,8 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     tokens = request.all_token_ids
     num_full = len(tokens) // block_size
     start = len(hashes)
+    if num_full <= start:
+        return
     parent = hashes[-1] if hashes else NONE_HASH
     for i in range(start, num_full):
         parent = hash_block_tokens(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))

@@ -223,7 +223,7 @@ class Scheduler(UpdateFromOutputMixin):
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=list(request.prompt_token_ids),  # workers may extend theirs
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),

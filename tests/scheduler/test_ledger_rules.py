@@ -16,7 +16,7 @@ from sched_fake_executor import (
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
 from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.outputs import FinishReason, ModelRunnerOutput
+from raylm.scheduler.outputs import FinishReason, LogprobsLists, ModelRunnerOutput
 from raylm.scheduler.request import RequestStatus
 from raylm.scheduler.scheduler import Scheduler
 
@@ -76,15 +76,17 @@ def test_rule1_placeholders_booked_and_settled():
 def test_rule1_placeholders_settled_including_trimmed_at_stop():
     """Two tokens returned for one request, the first is EOS: both placeholders settle."""
     sched, runner = _sched(True)
-    r = make_request("a", 6, max_tokens=10, ignore_eos=False)
+    r = make_request("a", 6, max_tokens=10, ignore_eos=False, logprobs=1)
     sched.add_request(r)
     so, _ = _step(sched, runner)
     r.num_output_placeholders += 1  # as if a draft had been booked too
     r.num_computed_tokens += 1
+    lp = LogprobsLists([[EOS, 5], [99, 5]], [[-0.1, -2.0], [-0.3, -1.0]], [1, 1])
     fake = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
-                             sampled_token_ids=[[EOS, 99]])
+                             sampled_token_ids=[[EOS, 99]], logprobs=[lp])
     outs = sched.update_from_output(so, fake)
     assert outs.outputs[0].new_token_ids == [EOS]
+    assert outs.outputs[0].new_logprobs == LogprobsLists([[EOS, 5]], [[-0.1, -2.0]], [1])
     assert outs.outputs[0].finish_reason == FinishReason.STOP
     assert r.num_output_placeholders == 0
     assert r.num_computed_tokens == 6  # trimmed token rolled back: all known but the last

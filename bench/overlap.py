@@ -1,0 +1,254 @@
+"""Does async scheduling hide the CPU behind the device? A reproducible overlap benchmark.
+
+A simulated device takes a fixed ``t_device`` per step on a worker thread (``time.sleep``
+releases the GIL, like a real device runs on its own). It keeps a virtual clock, so a
+step starts when both it has been submitted and the previous step has finished: host
+wake-up jitter delays only when the EngineCore *sees* a result, not the device's work.
+The real Scheduler and EngineCore drive it on a realistic request mix.
+
+1. Calibrate: run synchronously against an instant device and measure the EngineCore's
+   CPU time per step, ``t_cpu`` (schedule + update + loop, excluding the fake device).
+2. For ``t_device`` = 1.5x, 3x and 0.5x ``t_cpu``, run sync and async and report steps/s
+   against the ideal ``1 / max(t_device, t_cpu)`` (sync can at best reach
+   ``1 / (t_device + t_cpu)``).
+
+Usage: ``python bench/overlap.py [--requests 256] [--seed 0]``. The last line is
+``overlap: sync=<steps/s> async=<steps/s> ideal=<steps/s> efficiency=<0..1>`` for the main
+case, ``t_device = 1.5 * t_cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from raylm.scheduler.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.request import Request
+from raylm.scheduler.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8192
+MAX_MODEL_LEN = 1024
+TOKEN = 7  # every sampled token (requests ignore EOS)
+
+
+class FakeModel:
+    """The worker's per-request bookkeeping, just enough to know who samples this step."""
+
+    def __init__(self) -> None:
+        self.num_tokens: dict[str, int] = {}  # prompt + sampled, as the device knows it
+        self.busy_s = 0.0  # CPU spent here (excluded from t_cpu)
+
+    def run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        known = self.num_tokens
+        for rid in so.finished_req_ids:
+            known.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            known.pop(rid, None)
+        computed: dict[str, int] = {}
+        for nd in so.scheduled_new_reqs:
+            known[nd.req_id] = len(nd.prompt_token_ids) + len(nd.output_token_ids)
+            computed[nd.req_id] = nd.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid, n in so.num_scheduled_tokens.items():
+            if computed[rid] + n >= known[rid]:  # reached the last known token: sample
+                known[rid] += 1
+                sampled.append([TOKEN])
+            else:
+                sampled.append([])
+        out = ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+
+def _tight_timer_slack() -> None:
+    """Linux oversleeps by its 50 us default timer slack; a device is punctual."""
+    try:
+        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK = 29, 1 ns
+    except (OSError, AttributeError):
+        pass
+
+
+class SimulatedDevice:
+    """Executor protocol: steps run in order on a worker thread, t_device each."""
+
+    supports_async_scheduling = True
+    max_concurrent_batches = 2
+
+    def __init__(self, t_device: float) -> None:
+        self.t_device = t_device
+        self.model = FakeModel()
+        self._queue: deque[tuple[Future, SchedulerOutput, float]] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+
+    def determine_num_kv_blocks(self) -> int:
+        return NUM_BLOCKS
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.t_device > 0:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
+        self.num_steps += 1
+        fut: Future = Future()
+        if self.t_device == 0:  # instant device: calibrate t_cpu
+            fut.set_result(self.model.run(so))
+        else:
+            with self._cv:
+                self._queue.append((fut, so, time.perf_counter()))
+                self._cv.notify()
+        return fut if non_block else fut.result()
+
+    def _loop(self) -> None:
+        _tight_timer_slack()
+        device_free_at = 0.0
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                fut, so, submitted = self._queue.popleft()
+            end = max(submitted, device_free_at) + self.t_device
+            device_free_at = end
+            out = self.model.run(so)
+            delay = end - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            fut.set_result(out)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+
+def make_config(async_scheduling: bool) -> EngineConfig:
+    model = ModelConfig(model="simulated", max_model_len=MAX_MODEL_LEN, hf_config={
+        "architectures": ["LlamaForCausalLM"], "max_position_embeddings": MAX_MODEL_LEN,
+        "vocab_size": 32000})
+    return EngineConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048,
+                                         async_scheduling=async_scheduling),
+        parallel_config=ParallelConfig(),
+    )
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @classmethod
+    def make(cls, num_requests: int, seed: int) -> Workload:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(16, 512))]
+                   for _ in range(num_requests)]
+        return cls(prompts, [rng.randint(16, 256) for _ in range(num_requests)])
+
+    def requests(self) -> list[Request]:
+        return [Request(f"req-{i}", p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True),
+                        frozenset({2}), MAX_MODEL_LEN, sampling_seed=i)
+                for i, (p, m) in enumerate(zip(self.prompts, self.max_tokens))]
+
+
+@dataclass
+class Result:
+    steps: int
+    wall_s: float
+    device_busy_s: float
+    generated: int
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s
+
+
+def run(workload: Workload, async_scheduling: bool, t_device: float) -> Result:
+    device = SimulatedDevice(t_device)
+    engine = EngineCore(make_config(async_scheduling), device)
+    for r in workload.requests():
+        engine.add_request(r)
+    generated = 0
+    t0 = time.perf_counter()
+    while engine.has_work():
+        out, _ = engine.step_fn()
+        if out is not None:
+            generated += sum(len(o.new_token_ids) for o in out.outputs)
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+    expected = sum(workload.max_tokens)
+    assert generated == expected, f"generated {generated} tokens, expected {expected}"
+    return Result(device.num_steps, wall, device.model.busy_s, generated)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    workload = Workload.make(args.requests, args.seed)
+    p = [len(x) for x in workload.prompts]
+    print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} "
+          "(a loaded machine inflates every number)")
+    print(f"workload: {args.requests} requests, prompt {min(p)}-{max(p)} tokens "
+          f"(mean {sum(p) / len(p):.0f}), max_tokens {min(workload.max_tokens)}-"
+          f"{max(workload.max_tokens)} (mean {sum(workload.max_tokens) / len(p):.0f}), "
+          f"max_num_seqs 64, max_num_batched_tokens 2048, block_size {BLOCK_SIZE}")
+
+    run(workload, False, 0.0)  # warm-up
+    calib = min((run(workload, False, 0.0) for _ in range(3)), key=lambda r: r.wall_s)
+    t_cpu = (calib.wall_s - calib.device_busy_s) / calib.steps
+    print(f"calibration: {calib.steps} steps, t_cpu = {t_cpu * 1e6:.0f} us/step "
+          f"(EngineCore + scheduler; fake model excluded)")
+    print(f"{'t_device':>10} {'sync st/s':>10} {'async st/s':>11} {'ideal':>9} "
+          f"{'sync bound':>11} {'efficiency':>10} {'speedup':>8} {'cpu share':>9}")
+    main_line = ""
+    for factor in (1.5, 3.0, 0.5):
+        t_device = factor * t_cpu
+        sync = run(workload, False, t_device)
+        asyn = run(workload, True, t_device)
+        ideal = 1.0 / max(t_device, t_cpu)
+        sync_bound = 1.0 / (t_device + t_cpu)
+        efficiency = asyn.steps_per_s / ideal
+        cpu_share = t_cpu / (t_cpu + t_device)
+        speedup = asyn.steps_per_s / sync.steps_per_s
+        print(f"{factor:>4.1f}x t_cpu {sync.steps_per_s:>10.0f} {asyn.steps_per_s:>11.0f} "
+              f"{ideal:>9.0f} {sync_bound:>11.0f} {efficiency:>10.2f} {speedup:>8.2f} "
+              f"{cpu_share:>9.2f}")
+        if factor == 1.5:
+            main_line = (f"overlap: sync={sync.steps_per_s:.0f} async={asyn.steps_per_s:.0f} "
+                         f"ideal={ideal:.0f} efficiency={efficiency:.2f}")
+    print(main_line)
+
+
+if __name__ == "__main__":
+    main()
