@@ -5,6 +5,7 @@ worker or EngineCore actor killed mid-generation; placement that cannot succeed.
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import pytest
@@ -36,6 +37,8 @@ MAX_TOKENS = [12, 7, 16, 5]
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # tests/ is not importable in Ray workers: ship this module's helpers by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.shutdown()
 
