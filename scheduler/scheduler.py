@@ -26,6 +26,7 @@ from raylm.scheduler.outputs import (
     SchedulerStats,
 )
 from raylm.scheduler.request import Request, RequestStatus
+from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
 
 
@@ -47,6 +48,10 @@ class Scheduler(UpdateFromOutputMixin):
         # Finished since the last schedule(): the workers must drop their state.
         self.finished_req_ids: set[str] = set()
         self.current_step = 0
+        # Sync PP: earlier stages never see sampled ids unless the scheduler sends them
+        # (async PP broadcasts them stage to stage instead).
+        self.send_sampled_token_ids = (config.parallel_config.pipeline_parallel_size > 1
+                                       and not self.books_output_placeholders)
         self.counters = SchedulerCounters()
         self._stats_snapshot = (0, 0, 0)
 
@@ -187,7 +192,8 @@ class Scheduler(UpdateFromOutputMixin):
                 req_ids=[r.request_id for r, _ in cached],
                 new_block_ids=[ids for _, ids in cached],
                 num_computed_tokens=[r.num_computed_tokens for r, _ in cached],
-                new_token_ids=[[] for _ in cached],
+                new_token_ids=[self._unseen_output_ids(r, num_scheduled_tokens[r.request_id])
+                               for r, _ in cached],
             ),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
@@ -219,6 +225,13 @@ class Scheduler(UpdateFromOutputMixin):
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return scheduled
+
+    def _unseen_output_ids(self, request: Request, num_new: int) -> list[int]:
+        """Output ids among this step's inputs, for ranks that did not sample them."""
+        if not self.send_sampled_token_ids:
+            return []
+        start = max(request.num_computed_tokens, request.num_prompt_tokens)
+        return request.all_token_ids[start:request.num_computed_tokens + num_new]
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -284,25 +297,4 @@ class Scheduler(UpdateFromOutputMixin):
 
     def check_integrity(self, no_steps_in_flight: bool = False) -> None:
         """Pool invariants and per-request ledger sanity; stricter with nothing in flight."""
-        kv = self.kv_cache_manager
-        kv.check_integrity()
-        assert len(self.requests) == len(self.waiting) + len(self.running), (
-            f"{len(self.requests)} requests but {len(self.waiting)} waiting + "
-            f"{len(self.running)} running")
-        for r in self.running:
-            assert r.status == RequestStatus.RUNNING and r.request_id in kv.req_to_blocks, r
-        for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-            assert r.request_id not in kv.req_to_blocks, r
-        for r in self.requests.values():
-            assert min(r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
-                       r.num_stale_output_tokens) >= 0, r
-            if no_steps_in_flight:
-                assert r.num_in_flight_tokens == 0 and r.num_output_placeholders == 0 and (
-                    r.num_stale_output_tokens == 0), r
-        if no_steps_in_flight:
-            assert not kv.has_deferred_frees(), (
-                f"{kv.num_deferred_blocks} blocks still deferred with no step in flight")
-            if not self.requests:
-                free = kv.block_pool.get_num_free_blocks()
-                assert free == kv.num_blocks, f"idle with {kv.num_blocks - free} blocks in use"
+        check_scheduler_integrity(self, no_steps_in_flight)

@@ -224,3 +224,19 @@ def test_pp_decode_cadence():
     assert all(b - a >= 2 for a, b in zip(steps, steps[1:])), steps
     assert steps[1] - steps[0] == 2  # eligible again exactly pp steps later
     assert expected_token("a", 5) == tokens["a"][0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pp_new_token_ids_only_in_sync_mode(async_scheduling):
+    """Sync PP: each decode step carries the sampled id it consumes (earlier stages never
+    sampled it). Async PP broadcasts ids between stages, so the lists stay empty."""
+    config = make_config(async_scheduling=async_scheduling, pipeline_parallel_size=2)
+    executor = FakeExecutor()
+    engine = EngineCore(config, executor)
+    r = make_request("a", 5, max_tokens=4)
+    tokens, _ = collect(_run(engine, [r]))
+    sent = [ids for so in executor.history for ids in so.scheduled_cached_reqs.new_token_ids]
+    if async_scheduling:
+        assert all(ids == [] for ids in sent)
+    else:
+        assert [t for ids in sent for t in ids] == tokens["a"][:-1]  # each input once
