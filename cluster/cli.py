@@ -146,13 +146,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm_config = build_llm_config(args)
     address = envs.ray_address()
+    # "local": a fresh instance, never one some other `ray start` left behind.
+    ray.init(address=address or "local", include_dashboard=False if not address else None)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_openai_app([llm_config]), name=args.app_name, route_prefix="/")

@@ -1,0 +1,197 @@
+"""The `raylm` command: argument mapping (in process), and every subcommand as a real
+subprocess: demo-model, generate, batch (also under `ray job submit`), serve (+ Ctrl-C)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+from test_openai_fakes import free_port
+
+from raylm.cluster.cli import build_llm_config, build_parser, engine_kwargs, main
+
+RAYLM = [sys.executable, "-m", "raylm.cluster.cli"]
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: str | None = None, timeout: float = 240):
+    return subprocess.run([*RAYLM, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def test_engine_flags_map_to_engine_kwargs():
+    args = build_parser().parse_args([
+        "serve", "/m", "-tp", "2", "--pipeline-parallel-size", "3", "--no-async-scheduling",
+        "--max-num-seqs", "8", "--max-model-len", "512", "--num-kv-blocks", "64",
+        "--dtype", "float32", "--max-queued-requests", "5", "--port", "9001"])
+    assert engine_kwargs(args) == {
+        "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "async_scheduling": False,
+        "max_num_seqs": 8, "max_model_len": 512, "num_kv_blocks": 64, "dtype": "float32",
+        "max_queued_requests": 5}
+    assert args.port == 9001 and args.host == "127.0.0.1"
+    assert engine_kwargs(build_parser().parse_args(["serve"])) == {}
+
+
+def test_serve_flags_build_the_llm_config(llama_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = build_parser().parse_args([
+        "serve", llama_path, "--served-model-name", "mine", "--min-replicas", "1",
+        "--max-replicas", "3", "--target-ongoing-requests", "4", "--api-key", "k",
+        "--max-num-seqs", "16"])
+    cfg = build_llm_config(args)
+    assert cfg.model_id == "mine" and cfg.model_loading_config.model_source == llama_path
+    assert cfg.engine_kwargs.max_num_seqs == 16 and cfg.api_key == "k"
+    auto = cfg.deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 4)
+
+
+def test_bad_values_exit_2_before_ray_starts(llama_path, capsys):
+    assert main(["serve", llama_path, "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="config.json"):
+        main(["serve", "/no/such/model"])
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    """A tiny demo model made by the CLI itself, for RAYLM_DEMO_MODEL_DIR."""
+    path = str(tmp_path_factory.mktemp("demo") / "demo-model")
+    r = run_cli("demo-model", path, "--size", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == path
+    assert json.load(open(os.path.join(path, "config.json")))["hidden_size"] == 64
+    return path
+
+
+def test_generate_matches_the_offline_llm(llama_path, demo_dir):
+    from raylm.cluster.llm import LLM
+    from raylm.scheduler.sampling_params import SamplingParams
+
+    r = run_cli("generate", "hello world", "--model", llama_path, "--max-tokens", "6",
+                "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    with LLM(llama_path) as llm:
+        want = llm.generate(["hello world"], SamplingParams(max_tokens=6, temperature=0,
+                                                            ignore_eos=True))[0].outputs[0].text
+    assert r.stdout.rstrip("\n") == want
+    r = run_cli("generate", "hi", "--max-tokens", "3", env={"RAYLM_DEMO_MODEL_DIR": demo_dir})
+    assert r.returncode == 0, r.stderr  # no --model: the demo model
+
+
+def _batch_rows(model: str) -> str:
+    rows = [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": "hello world", "max_tokens": 6, "temperature": 0,
+                  "ignore_eos": True}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 4, "ignore_eos": True, "n": 2}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": "x", "top_p": 7}},
+    ]
+    return "\n".join(json.dumps(r) for r in rows) + "\n"
+
+
+def _check_batch_output(path: str) -> dict:
+    out = {o["custom_id"]: o for o in map(json.loads, open(path).read().splitlines())}
+    assert set(out) == {"c1", "chat", "bad"}
+    assert out["c1"]["response"]["status_code"] == 200 and out["c1"]["error"] is None
+    assert out["c1"]["response"]["body"]["usage"]["completion_tokens"] == 6
+    chat = out["chat"]["response"]["body"]
+    assert len(chat["choices"]) == 2 and chat["usage"]["completion_tokens"] == 8
+    assert out["bad"]["response"]["status_code"] == 400
+    assert "top_p" in out["bad"]["error"]["message"]
+    return out
+
+
+def test_batch_subprocess(llama_path, tmp_path):
+    (tmp_path / "in.jsonl").write_text(_batch_rows("tiny"))
+    r = run_cli("batch", "--input", "in.jsonl", "--output", "out.jsonl", "--model", llama_path,
+                "--served-model-name", "tiny", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "3/3" in r.stderr  # the progress bar
+    out = _check_batch_output(str(tmp_path / "out.jsonl"))
+    gen = run_cli("generate", "hello world", "--model", llama_path, "--max-tokens", "6",
+                  "--ignore-eos")
+    assert out["c1"]["response"]["body"]["choices"][0]["text"] == gen.stdout.rstrip("\n")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_batch_as_a_ray_job(llama_path, tmp_path):
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "in.jsonl").write_text(_batch_rows(llama_path))
+    out = tmp_path / "out.jsonl"
+    temp_dir = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths
+    port, dash = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # loopback only
+    # --block: this process owns the head; terminating it stops exactly this cluster.
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+         "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{dash}/api/version").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and head.poll() is None, "ray head did not start"
+            time.sleep(0.5)
+        while True:
+            job = subprocess.run(
+                ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}",
+                 "--working-dir", str(work), "--", "raylm", "batch", "--input", "in.jsonl",
+                 "--output", str(out), "--model", llama_path, "--no-progress"],
+                env=env, capture_output=True, text=True, timeout=300)
+            # The dashboard answers before its job agent is up; Ray says to retry.
+            if "No available agent" not in job.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert job.returncode == 0, job.stdout + job.stderr
+        assert "succeeded" in job.stdout + job.stderr
+        _check_batch_output(str(out))
+    finally:
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=60)
+
+
+@pytest.mark.ray
+def test_serve_without_arguments_serves_the_demo_model(demo_dir):
+    port = free_port()
+    proc = subprocess.Popen([*RAYLM, "serve", "--port", str(port)],
+                            env={**os.environ, "RAYLM_DEMO_MODEL_DIR": demo_dir},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "raylm serve did not come up"
+            time.sleep(0.5)
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "raylm-demo", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "raylm-demo"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        assert "shutting down" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
