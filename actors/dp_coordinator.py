@@ -1,0 +1,114 @@
+"""DP coordination: least-loaded routing (driver side) and wave starts (a Ray actor).
+
+Two jobs, split by where they must run:
+
+- ``DPLoadBalancer`` lives in the DP client, on the request path: it picks the rank with
+  the fewest unfinished requests (ties: lowest rank) and learns of finishes from the
+  outputs the client already reads, so routing costs no extra Ray call. With one client
+  per set of ranks its counts are exact.
+- ``DPCoordinator`` is a Ray actor because the *ranks* call it: a paused rank that gets
+  work starts the next wave itself and asks the coordinator to start it on the others.
+  The actor serves one call at a time, so deduplicating wave starts needs no lock; the
+  ranks ignore start_wave for waves they already started or finished, so a duplicate
+  that slips through (or arrives late) is harmless either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+class DPLoadBalancer:
+    """Routes requests to the least-loaded DP rank by unfinished request count. Thread-safe."""
+
+    def __init__(self, dp_size: int) -> None:
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {dp_size}.")
+        self.dp_size = dp_size
+        self._lock = threading.Lock()
+        self._owner: dict[str, int] = {}
+        self._unfinished = [0] * dp_size
+        self._routed = [0] * dp_size
+
+    def select(self, request_id: str) -> int:
+        """Pick the rank for a new request and count it there until ``finish``."""
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"request_id {request_id!r} is already being served "
+                                 f"(on DP rank {self._owner[request_id]}).")
+            rank = min(range(self.dp_size), key=lambda r: (self._unfinished[r], r))
+            self._owner[request_id] = rank
+            self._unfinished[rank] += 1
+            self._routed[rank] += 1
+            return rank
+
+    def finish(self, request_id: str) -> int | None:
+        """The request finished (or was rejected); its rank, or None if unknown."""
+        with self._lock:
+            rank = self._owner.pop(request_id, None)
+            if rank is not None:
+                self._unfinished[rank] -= 1
+            return rank
+
+    def owner(self, request_id: str) -> int | None:
+        with self._lock:
+            return self._owner.get(request_id)
+
+    def num_unfinished(self) -> list[int]:
+        with self._lock:
+            return list(self._unfinished)
+
+    def num_routed(self) -> list[int]:
+        """Requests ever routed to each rank."""
+        with self._lock:
+            return list(self._routed)
+
+
+class DPWaveCoordinator:
+    """Broadcasts wave starts to the DP ranks and counts waves (rank 0 reports the ends).
+    Plain class (unit-tested with fake handles); ``DPCoordinator`` is its Ray actor."""
+
+    def __init__(self, dp_size: int) -> None:
+        self.dp_size = dp_size
+        self.ranks: list[Any] = []
+        self.last_started_wave = -1
+        self.num_waves_completed = 0
+        self.start_requests = [0] * dp_size  # wave starts asked for, per rank
+        self.num_broadcasts = 0
+
+    def register_ranks(self, ranks: list[Any]) -> None:
+        if len(ranks) != self.dp_size:
+            raise ValueError(f"expected {self.dp_size} DP rank handles, got {len(ranks)}.")
+        self.ranks = list(ranks)
+
+    def start_wave(self, wave: int, from_rank: int) -> None:
+        """``from_rank`` started ``wave`` on its own work: bring the other ranks in."""
+        self.start_requests[from_rank] += 1
+        if wave <= self.last_started_wave:
+            return  # another rank asked first; its broadcast reached everyone
+        self.last_started_wave = wave
+        self.num_broadcasts += 1
+        for rank, handle in enumerate(self.ranks):
+            if rank != from_rank:
+                # Fire and forget: a rank that never hears of the wave shows up as a
+                # bounded DP all-reduce timeout on the others, not as a hang here.
+                handle.start_wave.remote(wave)
+
+    def wave_complete(self, wave: int) -> None:
+        self.num_waves_completed = max(self.num_waves_completed, wave + 1)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"last_started_wave": self.last_started_wave,
+                "num_waves_completed": self.num_waves_completed,
+                "start_requests": list(self.start_requests),
+                "num_broadcasts": self.num_broadcasts}
+
+
+# One call at a time (no max_concurrency): start_wave's check-and-set needs no lock.
+DPCoordinator = ray.remote(num_cpus=0)(DPWaveCoordinator)

@@ -1,0 +1,189 @@
+"""One DP rank: an EngineCore (own scheduler, KV cache, workers) in a Ray actor, stepped by
+DPEngineCoreLoop over the DP Gloo group.
+
+Rank placement (DESIGN §5): with TP = PP = 1 the rank's model runs inside this actor
+(``UniProcExecutor``): no worker actor, no per-step dispatch hop, one process per rank;
+the actor then holds the rank's device (its bundle is ``{"GPU": 1}`` or ``{"CPU": n}``).
+With TP x PP > 1 the rank gets its own ``RayExecutor``: worker actors in the rank's own
+placement group (bundle 0 is this actor, bundles 1.. the workers), and its own
+torch.distributed world; the DP group is a separate stateless Gloo group, so the two
+never collide.
+
+Startup, driven by the client: ``start()`` on every rank, ``publish_dp_rendezvous()`` on
+rank 0, ``join_dp_group(host, port)`` on every rank concurrently (a collective), which
+also starts the loop. The DP all-reduce runs on the loop thread; the actor is threaded so
+a long-polling ``get_outputs`` does not hold up adds, aborts or start_wave.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPRendezvous, DPSyncGroup
+from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.dp_loop import DPEngineCoreLoop
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.outputs import EngineCoreOutputs
+
+if TYPE_CHECKING:
+    from raylm.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+DP_ACTOR_CONCURRENCY = 16
+
+
+def dp_rank_config(config: EngineConfig) -> EngineConfig:
+    """The config one rank's EngineCore sees: the same model and per-rank TP x PP, no DP."""
+    pc = config.parallel_config
+    backend = "uni" if pc.world_size == 1 else "ray"
+    return replace(config, parallel_config=replace(
+        pc, data_parallel_size=1, distributed_executor_backend=backend))
+
+
+@ray.remote(max_concurrency=DP_ACTOR_CONCURRENCY)
+class DPEngineCoreActor:
+    def __init__(self, config: EngineConfig, dp_rank: int, coordinator: Any,
+                 placement_group: Any = None, num_threads: int | None = None,
+                 executor_kwargs: dict[str, Any] | None = None) -> None:
+        dp_size = config.parallel_config.data_parallel_size
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
+        self.config = config
+        self.rank_config = dp_rank_config(config)
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.coordinator = coordinator
+        self.placement_group = placement_group
+        self.num_threads = num_threads
+        self.executor_kwargs = dict(executor_kwargs or {})
+        self.node_ip = ray.util.get_node_ip_address()
+        self.engine_core: EngineCore | None = None
+        self.loop: DPEngineCoreLoop | None = None
+        self.group: DPSyncGroup | None = None
+        self._rendezvous: DPRendezvous | None = None
+        self._final_outputs_sent = False
+
+    # ---- startup -----------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Build the rank's executor and EngineCore (model load, KV cache)."""
+        executor = self._make_executor()
+        try:
+            self.engine_core = EngineCore(self.rank_config, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+        return {"dp_rank": self.dp_rank, "node_ip": self.node_ip,
+                "num_kv_blocks": self.engine_core.num_kv_blocks,
+                "async_scheduling": self.engine_core.config.async_scheduling,
+                "executor": type(executor).__name__}
+
+    def _make_executor(self) -> Any:
+        if self.rank_config.parallel_config.world_size == 1:
+            from raylm.runner.executor import UniProcExecutor
+
+            return UniProcExecutor(self.rank_config, num_threads=self.num_threads)
+        from raylm.actors.ray_executor import RayExecutor
+
+        return RayExecutor(self.rank_config, placement_group=self.placement_group,
+                           bundle_offset=1, **self.executor_kwargs)
+
+    def publish_dp_rendezvous(self, timeout_s: float = DEFAULT_DP_TIMEOUT_S) -> tuple[str, int]:
+        """Rank 0: host the DP group's store on this node; returns (host, port)."""
+        if self.dp_rank != 0:
+            raise ValueError(f"only DP rank 0 publishes the rendezvous, not rank {self.dp_rank}.")
+        self._rendezvous = DPRendezvous.publish(self.node_ip, self.dp_size, timeout_s)
+        return self._rendezvous.host, self._rendezvous.port
+
+    def join_dp_group(self, host: str, port: int, sync_interval: int,
+                      timeout_s: float = DEFAULT_DP_TIMEOUT_S) -> None:
+        """Collective over all DP ranks; then start the DP loop."""
+        if self.engine_core is None:
+            raise RuntimeError("DPEngineCoreActor.start() has not completed.")
+        self.group = DPSyncGroup.join(host=host, port=port, dp_rank=self.dp_rank,
+                                      dp_size=self.dp_size, timeout_s=timeout_s,
+                                      local_host=self.node_ip, rendezvous=self._rendezvous)
+        coordinator, rank = self.coordinator, self.dp_rank
+        self.loop = DPEngineCoreLoop(
+            self.engine_core, dp_rank=rank, dp_size=self.dp_size,
+            all_reduce=self.group.all_reduce_max, sync_interval=sync_interval,
+            # Both run on the loop thread: fire and forget, never wait on the coordinator.
+            request_start_wave=lambda wave: coordinator.start_wave.remote(wave, rank),
+            on_wave_complete=(lambda wave: coordinator.wave_complete.remote(wave))
+            if rank == 0 else None,
+            # Dense models have no collective across DP ranks in their forward: the
+            # dummy step is a counted no-op (an MoE/EP model would run a dummy forward).
+            execute_dummy_batch=None,
+        )
+
+    # ---- requests ------------------------------------------------------------------
+    def _require_loop(self) -> DPEngineCoreLoop:
+        if self.loop is None:
+            raise RuntimeError("DPEngineCoreActor.join_dp_group() has not completed.")
+        return self.loop
+
+    def add_request(self, request: Request) -> None:
+        """Raises ValueError (to the caller) when the request can never be served."""
+        self._require_loop().add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._require_loop().abort_requests(request_ids)
+
+    def start_wave(self, wave: int) -> None:
+        self._require_loop().start_wave(wave)
+
+    def get_outputs(self, timeout: float) -> list[EngineCoreOutputs]:
+        """Long poll: wait up to ``timeout`` for the first batch, then take what is ready.
+        After the rank dies: its final ABORT outputs once (if the EngineCore made any),
+        then EngineDeadError on every call."""
+        loop = self._require_loop()
+        batches: list[EngineCoreOutputs] = []
+        wait: float | None = timeout
+        while True:
+            try:
+                batch = loop.get_output(timeout=wait)
+            except EngineDeadError as e:
+                if batches:
+                    return batches  # what came before the death first
+                final = self._take_final_outputs()
+                if final is not None:
+                    return [final]
+                raise EngineDeadError(f"DP rank {self.dp_rank}: {e}") from None
+            if batch is None:
+                return batches
+            batches.append(batch)
+            wait = 0.0
+
+    def _take_final_outputs(self) -> EngineCoreOutputs | None:
+        if self._final_outputs_sent:
+            return None
+        self._final_outputs_sent = True
+        final = getattr(self.loop.dead_error, "outputs", None)
+        return final if final is not None and final.outputs else None
+
+    # ---- queries -------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        loop = self._require_loop()
+        metrics = dict(loop.engine_core.get_metrics())
+        metrics["dp"] = loop.get_dp_stats().as_dict()
+        return metrics
+
+    def get_dp_stats(self) -> dict[str, Any]:
+        return self._require_loop().get_dp_stats().as_dict()
+
+    def check_health(self) -> None:
+        self._require_loop().check_health()
+
+    def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.shutdown()
+            self.loop = None
+        elif self.engine_core is not None:
+            self.engine_core.shutdown()
+        if self.group is not None:
+            self.group.destroy()

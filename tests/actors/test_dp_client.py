@@ -1,0 +1,251 @@
+"""Data parallelism on Ray: DP=2 rank actors running the tiny Llama, against transformers
+and the single-process engine (sync and async, forced preemption, chunked prefill); very
+uneven load with least-loaded routing, wave end and a new wave; a killed rank."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from raylm.actors.dp_client import DPEngineCoreClient  # noqa: E402
+from raylm.runner.executor import UniProcExecutor  # noqa: E402
+from raylm.scheduler.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.engine_core import EngineCore  # noqa: E402
+from raylm.scheduler.executor import EngineDeadError  # noqa: E402
+from raylm.scheduler.outputs import FinishReason  # noqa: E402
+from raylm.scheduler.request import Request  # noqa: E402
+from raylm.scheduler.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+DEADLINE_S = 120.0  # turns a hang into a failure; nothing asserts on time
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config(model: str, dp: int = 2, async_scheduling: bool | None = None,
+            num_kv_blocks: int | None = 128, max_num_batched_tokens: int = 2048) -> EngineConfig:
+    return EngineConfig(
+        ModelConfig(model=model), CacheConfig(block_size=8, num_kv_blocks=num_kv_blocks),
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+                        async_scheduling=async_scheduling),
+        ParallelConfig(data_parallel_size=dp,
+                       distributed_executor_backend="ray" if dp > 1 else "uni"))
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 10, hi: int = 30) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _request(config: EngineConfig, rid: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               ignore_eos=True),
+                   eos_token_ids=config.model_config.eos_token_ids,
+                   max_model_len=config.model_config.max_model_len, sampling_seed=0)
+
+
+class Collector:
+    """Reads a client's merged outputs into per-request token lists."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, FinishReason] = {}
+
+    def until_finished(self, request_ids) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not set(request_ids) <= set(self.finish):
+            assert time.monotonic() < deadline, f"unfinished: {set(request_ids) - set(self.finish)}"
+            out = self.client.get_output(timeout=1.0)
+            for o in out.outputs if out is not None else []:
+                assert o.request_id not in self.finish, f"output after finish: {o}"
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    self.finish[o.request_id] = o.finish_reason
+
+
+def _wait_paused(client: DPEngineCoreClient) -> dict:
+    """Until every rank has ended its wave; the DP state then."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        state = client.get_dp_state()
+        ranks = state["ranks"]
+        waves = {r["num_waves_completed"] for r in ranks}
+        if not any(r["running"] for r in ranks) and len(waves) == 1 and (
+                state["coordinator"]["num_waves_completed"] in waves):
+            return state
+        assert time.monotonic() < deadline, f"DP ranks never paused: {state}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path, hf_oracle):
+    """Greedy tokens of 8 prompts from transformers and from the single-process engine."""
+    prompts = _prompts(8)
+    max_tokens = [12 + (i * 5) % 9 for i in range(8)]
+    hf = [hf_oracle(llama_path).greedy(p, m) for p, m in zip(prompts, max_tokens)]
+    config = _config(llama_path, dp=1)
+    core = EngineCore(config, UniProcExecutor(config.resolve_async_scheduling(True)))
+    try:
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            core.add_request(_request(config, f"r{i}", p, m))
+        single: dict[str, list[int]] = {}
+        for out in core.run_until_idle():
+            single.setdefault(out.request_id, []).extend(out.new_token_ids)
+    finally:
+        core.shutdown()
+    return prompts, max_tokens, hf, single
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_dp2_greedy_matches_hf_and_single_process_under_preemption_and_chunking(
+        llama_path, reference, async_scheduling):
+    prompts, max_tokens, hf, single = reference
+    # 10 blocks of 8 tokens per rank for 4 requests of up to 50 tokens: preemption;
+    # a 16-token budget for prompts of 10-30 tokens: chunked prefill.
+    config = _config(llama_path, async_scheduling=async_scheduling, num_kv_blocks=10,
+                     max_num_batched_tokens=16)
+    client = DPEngineCoreClient(config)
+    try:
+        assert [i["async_scheduling"] for i in client.rank_infos] == [async_scheduling] * 2
+        col = Collector(client)
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            client.add_request(_request(config, f"r{i}", p, m))
+        col.until_finished([f"r{i}" for i in range(8)])
+        for i in range(8):
+            assert col.tokens[f"r{i}"] == hf[i] == single[f"r{i}"], f"r{i}"
+            assert col.finish[f"r{i}"] == FinishReason.LENGTH
+        state = _wait_paused(client)
+        metrics = client.get_metrics()
+        # Least-loaded routing of a burst: 4 and 4; each rank served its own four.
+        assert state["routed"] == [4, 4] and state["unfinished"] == [0, 0]
+        assert [m["raylm:request_success"] for m in metrics["dp_ranks"]] == [4, 4]
+        assert metrics["raylm:request_success"] == 8
+        assert metrics["raylm:num_preemptions"] > 0, metrics
+        assert metrics["raylm:generation_tokens"] == sum(max_tokens)
+        assert metrics["raylm:dp_num_waves"] >= 1
+        logs = [(r["num_waves_completed"], r["num_steps"], r["num_collectives"])
+                for r in state["ranks"]]
+        assert logs[0] == logs[1], logs  # lockstep: same steps and collectives on both
+    finally:
+        client.shutdown()
+
+
+def test_uneven_load_routes_least_loaded_ends_wave_and_serves_a_new_wave(llama_path, hf_oracle):
+    config = _config(llama_path)
+    hf = hf_oracle(llama_path)
+    client = DPEngineCoreClient(config)
+    try:
+        col = Collector(client)
+        long_prompt = _prompts(1, seed=7)[0]
+        long_max = config.model_config.max_model_len - len(long_prompt)
+        client.add_request(_request(config, "long", long_prompt, long_max))  # rank 0, stays busy
+        shorts = _prompts(10, seed=8, lo=3, hi=12)
+        # One at a time: rank 0 always has the long request, rank 1 nothing, so every
+        # short one goes to rank 1 while rank 0 works (and rank 1 idles in between).
+        for i, p in enumerate(shorts):
+            client.add_request(_request(config, f"s{i}", p, 3))
+            col.until_finished([f"s{i}"])
+        assert client.get_dp_state()["routed"] == [1, 10]
+        client.abort_requests(["long"])
+        col.until_finished(["long"])
+        assert col.finish["long"] == FinishReason.ABORT
+        n = len(col.tokens["long"])
+        assert 0 < n < long_max and col.tokens["long"] == hf.greedy(long_prompt, n)
+        for i, p in enumerate(shorts):
+            assert col.tokens[f"s{i}"] == hf.greedy(p, 3), f"s{i}"
+        state = _wait_paused(client)
+        waves = state["ranks"][0]["num_waves_completed"]
+        assert waves >= 1 and state["unfinished"] == [0, 0]
+        metrics = client.get_metrics()
+        assert [m["raylm:request_success"] for m in metrics["dp_ranks"]] == [1, 10]
+
+        # Every rank is paused: a new burst starts the next wave on both.
+        burst = _prompts(4, seed=9)
+        for i, p in enumerate(burst):
+            client.add_request(_request(config, f"n{i}", p, 6))
+        col.until_finished([f"n{i}" for i in range(4)])
+        for i, p in enumerate(burst):
+            assert col.tokens[f"n{i}"] == hf.greedy(p, 6), f"n{i}"
+        state = _wait_paused(client)
+        assert state["routed"] == [3, 12]
+        assert all(r["num_waves_completed"] > waves for r in state["ranks"]), state
+        assert state["coordinator"]["num_waves_completed"] == state["ranks"][0]["num_waves_completed"]
+        # Idle now: no steps, no collectives while paused.
+        before = [(r["num_steps"], r["num_collectives"]) for r in state["ranks"]]
+        time.sleep(0.3)
+        after = [(r["num_steps"], r["num_collectives"]) for r in client.get_dp_state()["ranks"]]
+        assert before == after
+    finally:
+        client.shutdown()
+
+
+def test_bad_request_is_value_error_and_a_killed_rank_is_engine_dead(llama_path):
+    config = _config(llama_path, num_kv_blocks=64)
+    client = DPEngineCoreClient(config, dp_sync_timeout_s=20.0)
+    try:
+        # 100 + 900 tokens need 125 blocks of 8; a rank holds 64.
+        with pytest.raises(ValueError, match="KV blocks"):
+            client.add_request(_request(config, "huge", [5] * 100, 900))
+        assert client.get_dp_state()["unfinished"] == [0, 0]
+        col = Collector(client)
+        for i, p in enumerate(_prompts(2, seed=3)):
+            client.add_request(_request(config, f"k{i}", p, 400))
+        col_deadline = time.monotonic() + DEADLINE_S
+        while not all(col.tokens.get(f"k{i}") for i in range(2)):
+            assert time.monotonic() < col_deadline
+            out = client.get_output(timeout=1.0)
+            for o in out.outputs if out is not None else []:
+                col.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        # A killed rank surfaces as EngineDeadError (its poller, or the peer's DP
+        # all-reduce), never as a hang.
+        ray.kill(client.ranks[1])
+        with pytest.raises(EngineDeadError):
+            deadline = time.monotonic() + DEADLINE_S
+            while time.monotonic() < deadline:
+                client.get_output(timeout=1.0)
+        with pytest.raises(EngineDeadError):
+            client.check_health()
+        with pytest.raises(EngineDeadError):
+            client.add_request(_request(config, "late", [5, 6, 7], 2))
+    finally:
+        client.shutdown()
+
+
+def test_llm_with_data_parallel_size_2(llama_path, hf_oracle):
+    from raylm.cluster import llm_engine
+
+    if "make_dp_engine_core_client" not in inspect.getsource(llm_engine.make_engine_core_client):
+        pytest.skip("cluster/llm_engine.make_engine_core_client does not route DP yet")
+    from raylm import SamplingParams as UserSamplingParams
+    from raylm.cluster.llm import LLM
+
+    llm = LLM(llama_path, data_parallel_size=2, num_kv_blocks=128, block_size=8)
+    try:
+        assert isinstance(llm.llm_engine.core, DPEngineCoreClient)
+        prompts = _prompts(4, seed=11)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            UserSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        hf = hf_oracle(llama_path)
+        for p, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == hf.greedy(p, 8)
+        assert llm.get_metrics()["dp_routed_requests"] == [2, 2]
+    finally:
+        llm.llm_engine.shutdown()
