@@ -89,6 +89,12 @@ def build_attention_metadata(
     return meta
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for an index of any shape (index_select is several times faster on CPU
+    than advanced indexing)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 class Attention(nn.Module):
     """Attention over the paged KV cache for one layer (this rank's heads only)."""
 
@@ -130,8 +136,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         batch = query.shape[0]
         q = query.reshape(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
-        k = key_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = value_cache[meta.decode_kv_slots].transpose(1, 2)
+        k = _gather(key_cache, meta.decode_kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather(value_cache, meta.decode_kv_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(batch, self.num_heads * self.head_dim)
 
@@ -144,7 +150,7 @@ class Attention(nn.Module):
         if span.kv_slots is None:
             k, v = key[span.start:span.end], value[span.start:span.end]
         else:
-            k, v = key_cache[span.kv_slots], value_cache[span.kv_slots]
+            k, v = _gather(key_cache, span.kv_slots), _gather(value_cache, span.kv_slots)
         # [S, Hkv, D] -> [Hkv, 1, S, D]: broadcast over the G query heads of each KV head.
         k = k.permute(1, 0, 2).unsqueeze(1)
         v = v.permute(1, 0, 2).unsqueeze(1)

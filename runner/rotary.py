@@ -68,11 +68,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (emb.sin() * scaling).to(dtype=dtype, device=device),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, Hq, D]; key [T, Hkv, D]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for ``positions`` [T]; looked up once per forward and
+        shared by every layer."""
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
+              key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, Hq, D] and key [T, Hkv, D], rotated."""
+        cos, sin = cos_sin
         return _apply(query, cos, sin), _apply(key, cos, sin)
 
 

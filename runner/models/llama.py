@@ -85,8 +85,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
@@ -102,11 +101,9 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device)
-        # Shared across layers; a plain attribute so it is not registered once per layer.
-        self.__dict__["rotary_emb"] = rotary_emb
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=d ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -116,28 +113,27 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device)
-        self.self_attn = LlamaAttention(cfg, ctx, dtype, rotary_emb)
+        self.self_attn = LlamaAttention(cfg, ctx, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 ctx.device)
         self.mlp = LlamaMLP(cfg, ctx, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states = self.self_attn(cos_sin, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -153,10 +149,10 @@ class LlamaModel(nn.Module):
         if ctx.is_first_pp_rank:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
                                                        params_dtype=dtype)
-        rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_position, dtype, ctx.device)
-        self.rotary_emb = rotary
+        self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_position, dtype,
+                                          ctx.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, dtype, rotary)
+            LlamaDecoderLayer(cfg, ctx, dtype)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
         self.norm: nn.Module = PPMissingLayer()
@@ -173,8 +169,9 @@ class LlamaModel(nn.Module):
                 raise ValueError("a non-first pipeline stage needs intermediate_tensors.")
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
+        cos_sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual, attn_metadata)
         if not self.ctx.is_last_pp_rank:
             return IntermediateTensors(hidden_states, residual)
         if residual is None:  # a last stage without layers (not a useful split, but valid)

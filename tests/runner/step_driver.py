@@ -109,6 +109,14 @@ class StepDriver:
         self.step_id += 1
         return so
 
+    def abort(self, req_id: str) -> None:
+        """Finish a request now, even with a step in flight for it (its output is then
+        skipped when it arrives)."""
+        req = self.requests[req_id]
+        req.finished = True
+        self.free_blocks += req.block_ids
+        self._finished.add(req_id)
+
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         for req_id, index in out.req_id_to_index.items():
             req = self.requests[req_id]

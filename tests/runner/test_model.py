@@ -1,0 +1,155 @@
+"""The Llama-family model against transformers: full prefill, chunked prefill, decodes and
+mixed batches through the paged KV cache; pipeline stages; loading errors; RoPE types."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from paged import PagedSequences
+
+from raylm.parallel.context import ParallelContext
+from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.runner.models.config import DecoderConfig
+from raylm.runner.rotary import RotaryEmbedding
+from raylm.scheduler.config import ModelConfig
+
+CPU = ParallelContext.single("cpu")
+
+
+def _hf(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _tokens(lengths: dict[str, int], vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randint(0, vocab, (n,), generator=g) for k, n in lengths.items()}
+
+
+# Step plan: chunked prefill (with and without earlier context), a decode next to a
+# prefill, an all-decode step, then a reordered batch.
+LENGTHS = {"a": 12, "b": 12, "c": 8}
+PLAN = [
+    [("a", 0, 4), ("b", 0, 9)],
+    [("a", 4, 10), ("b", 9, 10), ("c", 0, 6)],
+    [("a", 10, 11), ("b", 10, 11), ("c", 6, 7)],
+    [("c", 7, 8), ("b", 11, 12), ("a", 11, 12)],
+]
+
+
+@torch.inference_mode()
+def test_forward_matches_transformers_through_paged_kv(any_model_path):
+    model = get_model(ModelConfig(model=any_model_path), CPU)
+    hf = _hf(any_model_path)
+    tokens = _tokens(LENGTHS, model.config.vocab_size)
+    ref = {k: hf(t[None]).logits[0] for k, t in tokens.items()}
+    paged = PagedSequences([model], LENGTHS)
+    for chunks in PLAN:
+        ids, pos, meta = paged.step(tokens, chunks)
+        logits = model.compute_logits(model(ids, pos, meta))
+        offset = 0
+        for name, start, end in chunks:
+            got = logits[offset:offset + end - start]
+            torch.testing.assert_close(got, ref[name][start:end], atol=1e-4, rtol=0)
+            offset += end - start
+
+
+@torch.inference_mode()
+def test_full_prefill_matches_transformers(any_model_path):
+    model = get_model(ModelConfig(model=any_model_path), CPU)
+    tokens = _tokens({"x": 37}, model.config.vocab_size, seed=5)
+    paged = PagedSequences([model], {"x": 37})
+    ids, pos, meta = paged.step(tokens, [("x", 0, 37)])
+    logits = model.compute_logits(model(ids, pos, meta))
+    ref = _hf(any_model_path)(tokens["x"][None]).logits[0]
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_pipeline_stages_compose_to_the_full_model(any_model_path):
+    mc = ModelConfig(model=any_model_path)
+    full = get_model(mc, CPU)
+    stages = [get_model(mc, ParallelContext(tp_rank=0, tp_size=1, pp_rank=r, pp_size=2,
+                                            dp_rank=0, device=torch.device("cpu")))
+              for r in range(2)]
+    assert [(s.model.start_layer, s.model.end_layer) for s in stages] == [(0, 1), (1, 2)]
+    assert len(stages[0].attention_layers) == len(stages[1].attention_layers) == 1
+    tokens = _tokens(LENGTHS, full.config.vocab_size, seed=1)
+    paged = PagedSequences([full, *stages], LENGTHS)
+    for chunks in PLAN:
+        ids, pos, meta = paged.step(tokens, chunks)
+        expected = full.compute_logits(full(ids, pos, meta))
+        intermediate = stages[0](ids, pos, meta)
+        assert intermediate.hidden_states.shape == intermediate.residual.shape
+        hidden = stages[1](None, pos, meta, intermediate_tensors=intermediate)
+        torch.testing.assert_close(stages[1].compute_logits(hidden), expected, atol=1e-5, rtol=0)
+
+
+def test_unsupported_architecture_is_named():
+    hf = {"architectures": ["GPT2LMHeadModel"], "hidden_size": 8, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        DecoderConfig.from_hf(hf)
+
+
+def test_bad_activation_is_named(llama_path):
+    hf = dict(ModelConfig(model=llama_path).hf_config, hidden_act="gelu")
+    with pytest.raises(ValueError, match="gelu"):
+        DecoderConfig.from_hf(hf)
+
+
+def test_dtype_resolution():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float64", torch.device("cpu")) == torch.float64
+    with pytest.raises(ValueError, match="int8"):
+        resolve_dtype("int8", torch.device("cpu"))
+
+
+@torch.inference_mode()
+def test_bfloat16_model_is_close_to_float32(llama_path):
+    model = get_model(ModelConfig(model=llama_path, dtype="bfloat16"), CPU)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ref = get_model(ModelConfig(model=llama_path), CPU)
+    tokens = _tokens({"x": 9}, ref.config.vocab_size, seed=2)
+    paged = PagedSequences([ref, model], {"x": 9})
+    ids, pos, meta = paged.step(tokens, [("x", 0, 9)])
+    expected = ref.compute_logits(ref(ids, pos, meta))
+    for attn in model.attention_layers:
+        attn.kv_cache = tuple(c.to(torch.bfloat16) for c in attn.kv_cache)
+    got = model.compute_logits(model(ids, pos, meta))
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+def test_unexpected_checkpoint_tensor_raises(llama_path):
+    model = get_model(ModelConfig(model=llama_path), CPU)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.bogus.weight"):
+        model.load_weights([("model.layers.0.self_attn.bogus.weight", torch.zeros(1))])
+
+
+def test_missing_checkpoint_tensor_raises(llama_path):
+    model = get_model(ModelConfig(model=llama_path), CPU)
+    from raylm.runner.model_loader import iterate_weights
+
+    weights = [(n, t) for n, t in iterate_weights(llama_path) if "post_attention" not in n]
+    with pytest.raises(ValueError, match="post_attention_layernorm"):
+        model.load_weights(weights)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+])
+def test_rope_scaling_matches_transformers(rope):
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                      max_position_embeddings=1024,
+                                      rope_scaling=dict(rope, rope_theta=10000.0))
+    hf_rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 7, 300, 1000]])
+    cos_ref, sin_ref = hf_rope(torch.zeros(1, 5, 16), positions)
+    ours = RotaryEmbedding(config.to_dict(), 16, 1024, torch.float32, torch.device("cpu"))
+    cos, sin = ours.cos_sin(positions[0])
+    torch.testing.assert_close(cos[:, 0], cos_ref[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[:, 0], sin_ref[0], atol=1e-6, rtol=0)
