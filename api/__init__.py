@@ -1,7 +1,7 @@
 """raylm: an LLM serving engine on Ray with asynchronous scheduling."""
 
-# from raylm.cluster.llm import LLM  (lands with the offline API)
+from raylm.cluster.llm import LLM
 from raylm.scheduler.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__"]

@@ -114,9 +114,13 @@ def test_stop_conditions(llama_path, hf_oracle):
     first = ref.index(stop_id)
     c = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**g, max_tokens=20, stop_token_ids=[stop_id]))[0].outputs[0]
     assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_id
-    # min_tokens gates stop tokens.
-    c = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**g, max_tokens=20, min_tokens=first + 2, stop_token_ids=[ref[first + 1]]))[0].outputs[0]
-    assert len(c.token_ids) == first + 2 and c.finish_reason == "stop"
+    # min_tokens (vLLM semantics): stop tokens cannot be generated before min_tokens
+    # outputs exist; from then on they stop the request.
+    j = next(i for i in range(6, 20) if ref[i] not in ref[:i])
+    c = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**g, max_tokens=20, min_tokens=j, stop_token_ids=[ref[j]]))[0].outputs[0]
+    assert c.token_ids == ref[: j + 1] and c.finish_reason == "stop"
+    c = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**g, max_tokens=20, min_tokens=j + 1, stop_token_ids=[ref[j]]))[0].outputs[0]
+    assert c.token_ids[:j] == ref[:j] and c.token_ids[j] != ref[j]
     # max_tokens -> length.
     c = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**g, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert c.token_ids == ref[:4] and c.finish_reason == "length"
