@@ -201,3 +201,44 @@ def test_idle_engine_checks_integrity(monkeypatch):
     engine.add_request(make_request("a", 5, max_tokens=3))
     engine.run_until_idle()
     assert calls and calls[-1] == {"no_steps_in_flight": True}
+
+
+class _BlockingExecutor(FakeExecutor):
+    """An executor whose execute_model returns the output itself (cannot overlap)."""
+
+    supports_async_scheduling = False
+
+    def execute_model(self, scheduler_output, non_block=False):
+        return super().execute_model(scheduler_output, non_block=False)
+
+
+def test_blocking_executor_result_is_wrapped():
+    engine = EngineCore(make_config(async_scheduling=True), _BlockingExecutor())
+    r = make_request("a", 6, max_tokens=5)
+    engine.add_request(r)
+    tokens, finals = collect(engine.run_until_idle())
+    assert tokens["a"] == expected_stream(r)
+
+
+def test_scheduler_stats_deltas_add_up_to_counters():
+    config = make_config(async_scheduling=True, num_kv_blocks=24, max_num_batched_tokens=16,
+                         max_num_seqs=6)
+    engine = EngineCore(config, FakeExecutor(num_blocks=24))
+    for r in _workload():
+        engine.add_request(r)
+    preemptions = hits = queries = 0
+    while engine.has_work():
+        out, _ = engine.step_fn()
+        if out is not None and out.scheduler_stats is not None:
+            stats = out.scheduler_stats
+            assert 0.0 <= stats.kv_cache_usage <= 1.0
+            assert stats.num_running_reqs <= 6
+            preemptions += stats.num_preemptions
+            hits += stats.prefix_cache_hits
+            queries += stats.prefix_cache_queries
+    m = engine.get_metrics()
+    assert preemptions == m["raylm:num_preemptions"] > 0
+    assert hits == m["raylm:prefix_cache_hits"] > 0
+    assert queries == m["raylm:prefix_cache_queries"] >= hits
+    assert m["raylm:request_success"] == 10
+    assert m["raylm:num_requests_running"] == m["raylm:num_requests_waiting"] == 0
