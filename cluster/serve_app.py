@@ -9,6 +9,7 @@ replica to the ingress through a DeploymentHandle with ``stream=True``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,9 @@ from raylm.cluster.serve_config import LLMConfig, OpenAIAppConfig, load_app_conf
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[LLMConfig], Any]
+# Streamed tokens that arrive this close together cross the Serve handle as one item; the
+# first token is never delayed.
+STREAM_BATCH_INTERVAL_S = 0.01
 # The ingress only relays bytes; it must never be the reason a request waits.
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 
@@ -42,6 +46,48 @@ def max_pending_requests(llm_config: LLMConfig) -> int | None:
     return (max_num_seqs + kwargs.max_queued_requests) * kwargs.data_parallel_size
 
 
+async def coalesce(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[Any]:
+    """Pass the first item on at once, then join the SSE lines that arrive within
+    ``interval_s`` of each other's first into one item: every item crossing a Serve handle
+    and the HTTP proxy costs CPU, and many small ones cap the tokens per second."""
+    it = aiter(items)
+    try:
+        first = await anext(it)
+    except StopAsyncIteration:
+        return
+    yield first
+    if not isinstance(first, str) or interval_s <= 0:
+        async for item in it:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    nxt: asyncio.Future | None = asyncio.ensure_future(anext(it))
+    try:
+        while nxt is not None:
+            try:
+                batch = [await nxt]
+            except StopAsyncIteration:
+                return
+            deadline = loop.time() + interval_s
+            nxt = asyncio.ensure_future(anext(it))
+            while (left := deadline - loop.time()) > 0:
+                done, _ = await asyncio.wait({nxt}, timeout=left)
+                if not done:
+                    break
+                try:
+                    batch.append(nxt.result())
+                except StopAsyncIteration:
+                    nxt = None
+                    break
+                nxt = asyncio.ensure_future(anext(it))
+            yield "".join(batch)
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+        await it.aclose()
+
+
 class LLMServer:
     """One replica serving one model."""
 
@@ -54,7 +100,8 @@ class LLMServer:
                                      max_pending_requests(self.llm_config))
 
     async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in serve_stream(self.serving, route, body):
+        async for item in coalesce(serve_stream(self.serving, route, body),
+                                   STREAM_BATCH_INTERVAL_S):
             yield item
 
     def model_card(self) -> dict[str, Any]:

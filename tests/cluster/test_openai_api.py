@@ -325,3 +325,44 @@ def test_engine_death(tokenizer):
         assert r.status_code == 500 and "SIGKILL" in r.json()["error"]["message"]
         health = httpx.get(f"{base}/health")
         assert health.status_code == 503 and "SIGKILL" in health.json()["error"]["message"]
+
+
+def test_coalesce_joins_close_items_and_closes_the_source():
+    import asyncio
+
+    from raylm.cluster.serve_app import coalesce
+
+    closed = []
+
+    async def source(gaps):
+        try:
+            for i, gap in enumerate(gaps):
+                await asyncio.sleep(gap)
+                yield f"<{i}>"
+        finally:
+            closed.append(True)
+
+    async def collect(gaps, interval, limit=None):
+        out = []
+        gen = coalesce(source(gaps), interval)
+        async for item in gen:
+            out.append(item)
+            if limit and len(out) == limit:
+                await gen.aclose()
+                break
+        return out
+
+    # 0 alone (never delayed); 1-2 arrive together; 3 comes after a long gap.
+    assert asyncio.run(collect([0, 0.01, 0, 0.5], 0.1)) == ["<0>", "<1><2>", "<3>"]
+    assert asyncio.run(collect([0, 0, 0], 0)) == ["<0>", "<1>", "<2>"]
+    closed.clear()
+    assert asyncio.run(collect([0, 0, 5, 5], 0.05, limit=2)) == ["<0>", "<1>"]
+    assert closed == [True]  # the client left: the generation behind it is closed
+
+    async def json_first():
+        yield ("json", 200, {"ok": True})
+
+    async def run_json():
+        return [x async for x in coalesce(json_first(), 0.1)]
+
+    assert asyncio.run(run_json()) == [("json", 200, {"ok": True})]
