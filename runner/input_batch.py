@@ -181,20 +181,27 @@ class InputBatch:
             self.states[row].output_token_ids.append(token)
         return positions
 
-    def receive_tokens(self, row: int, token_ids: list[int]) -> None:
-        """Tokens this rank could not sample itself (sent by the scheduler): they fill the
-        oldest placeholders first, the rest are appended."""
+    def receive_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Output ids at sequence positions [start, start + len) sent by the scheduler (for
+        ranks that did not sample them): known positions are overwritten (settling any
+        placeholder), the position right after the history is appended."""
         state = self.states[row]
-        for token in token_ids:
-            out = state.output_token_ids
-            try:
-                index = out.index(PLACEHOLDER_TOKEN_ID)
-            except ValueError:
-                index = len(out)
+        num_prompt = state.num_prompt_tokens
+        out = state.output_token_ids
+        for position, token in enumerate(token_ids, start):
+            index = position - num_prompt
+            if index < 0 or index > len(out):
+                raise ValueError(f"request {state.req_id!r}: new token at position {position} "
+                                 f"outside its outputs [{num_prompt}, {num_prompt + len(out)}].")
+            if index == len(out):
+                if position >= self.max_model_len:
+                    raise ValueError(f"request {state.req_id!r}: position {position} is past "
+                                     f"max_model_len={self.max_model_len}.")
                 out.append(token)
                 self.num_tokens[row] += 1
-            out[index] = token
-            self.token_ids[row, state.num_prompt_tokens + index] = token
+            else:
+                out[index] = token
+            self.token_ids[row, position] = token
 
     @staticmethod
     def fill_placeholder(state: CachedRequestState, position: int, token_id: int,

@@ -164,7 +164,9 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids[i])
                 ib.append_block_ids(state.row, cached.new_block_ids[i])
             if cached.new_token_ids and cached.new_token_ids[i]:
-                ib.receive_tokens(state.row, cached.new_token_ids[i])
+                # The scheduler's ids for this step's inputs that are outputs (sync PP).
+                start = max(state.num_computed_tokens, state.num_prompt_tokens)
+                ib.receive_tokens(state.row, start, cached.new_token_ids[i])
 
     def _bookkeeping(self, batch: StepBatch, out: SamplerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         ib = self.input_batch

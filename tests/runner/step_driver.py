@@ -43,8 +43,11 @@ class DriverRequest:
 
 class StepDriver:
     def __init__(self, runner, block_size: int, num_blocks: int, async_mode: bool,
-                 seed: int = 0) -> None:
+                 seed: int = 0, send_token_ids: bool = False) -> None:
         self.runner = runner
+        # Sync pipeline parallelism: the scheduler sends the output ids among each step's
+        # inputs, because earlier stages never sample them.
+        self.send_token_ids = send_token_ids
         self.block_size = block_size
         self.async_mode = async_mode
         free = list(range(num_blocks))
@@ -96,7 +99,10 @@ class StepDriver:
                 cached.req_ids.append(req.req_id)
                 cached.new_block_ids.append(new_blocks)
                 cached.num_computed_tokens.append(req.num_computed)
-                cached.new_token_ids.append([])
+                start = max(req.num_computed, prompt_len)
+                all_ids = req.prompt + req.outputs
+                cached.new_token_ids.append(
+                    all_ids[start:req.num_computed + n] if self.send_token_ids else [])
             num_scheduled[req.req_id] = n
             req.num_computed = end
             if samples and self.async_mode:
