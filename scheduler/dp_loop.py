@@ -179,10 +179,13 @@ class DPEngineCoreLoop(EngineCoreLoop):
                     if not self.engine_core.has_work():
                         self._wakeup.wait(timeout=_IDLE_WAIT_S)  # idle: no steps, no collectives
                         continue
-                    # Paused with local work: a request (or abort) that arrived after this
-                    # rank contributed has_work=0 to the collective that ended the last wave,
-                    # or while every rank was paused. Start the next wave here and ask the
-                    # coordinator to start it on the other ranks, which are paused too.
+                    # Paused with local work: a request that arrived after this rank
+                    # contributed has_work=0 to the collective that ended the last wave, or
+                    # while every rank was paused. Or an abort: has_work counts queued
+                    # aborts, and only a step on this thread emits the ABORT output, so an
+                    # abort reaching a paused rank starts a (short) wave too. Start the next
+                    # wave here and ask the coordinator to start it on the other ranks,
+                    # which are paused too (they ignore it if they already started it).
                     self.stats.num_wave_start_requests += 1
                     self._begin_wave(self.stats.current_wave)
                     self._request_start_wave(self.stats.current_wave)

@@ -1,6 +1,7 @@
 """Data parallelism on Ray: DP=2 rank actors running the tiny Llama, against transformers
-and the single-process engine (sync and async, forced preemption, chunked prefill); very
-uneven load with least-loaded routing, wave end and a new wave; a killed rank."""
+and the single-process engine (sync and async, forced preemption, chunked prefill); DP=2
+x TP=2; very uneven load with least-loaded routing, wave end and a new wave; a bad
+request; a killed rank; the offline LLM with data_parallel_size=2 (once cluster routes it)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ def ray_cluster():
 
 
 def _config(model: str, dp: int = 2, async_scheduling: bool | None = None,
-            num_kv_blocks: int | None = 128, max_num_batched_tokens: int = 2048) -> EngineConfig:
+            num_kv_blocks: int | None = 128, max_num_batched_tokens: int = 2048,
+            tp: int = 1) -> EngineConfig:
     return EngineConfig(
         ModelConfig(model=model), CacheConfig(block_size=8, num_kv_blocks=num_kv_blocks),
         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                         async_scheduling=async_scheduling),
-        ParallelConfig(data_parallel_size=dp,
-                       distributed_executor_backend="ray" if dp > 1 else "uni"))
+        ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp,
+                       distributed_executor_backend="ray" if dp * tp > 1 else "uni"))
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 10, hi: int = 30) -> list[list[int]]:
@@ -144,6 +146,23 @@ def test_dp2_greedy_matches_hf_and_single_process_under_preemption_and_chunking(
         logs = [(r["num_waves_completed"], r["num_steps"], r["num_collectives"])
                 for r in state["ranks"]]
         assert logs[0] == logs[1], logs  # lockstep: same steps and collectives on both
+    finally:
+        client.shutdown()
+
+
+def test_dp2_tp2_ranks_run_their_own_worker_groups(llama_path, reference):
+    prompts, max_tokens, hf, _ = reference
+    config = _config(llama_path, tp=2, num_kv_blocks=64)
+    # Per rank: the EngineCore actor and two TP workers in the rank's own placement group.
+    client = DPEngineCoreClient(config, cpus_per_rank=0.5, cpus_per_worker=0.5)
+    try:
+        assert [i["executor"] for i in client.rank_infos] == ["RayExecutor"] * 2
+        col = Collector(client)
+        for i in range(4):
+            client.add_request(_request(config, f"r{i}", prompts[i], max_tokens[i]))
+        col.until_finished([f"r{i}" for i in range(4)])
+        assert [col.tokens[f"r{i}"] for i in range(4)] == hf[:4]
+        assert _wait_paused(client)["routed"] == [2, 2]
     finally:
         client.shutdown()
 
