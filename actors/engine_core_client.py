@@ -52,8 +52,8 @@ class RayEngineCoreClient:
                  init_timeout_s: float = 600.0, poll_timeout_s: float = 0.5,
                  call_timeout_s: float = 60.0, **executor_kwargs: Any) -> None:
         """``executor_kwargs`` go to RayExecutor (``dispatch``, ``worker_cls``, timeouts)."""
-        ensure_ray_initialized()
         pc = config.parallel_config
+        ensure_ray_initialized(engine_core_cpus + pc.world_size * cpus_per_worker)
         self.config = config
         self.poll_timeout_s = poll_timeout_s
         self.call_timeout_s = call_timeout_s

@@ -7,6 +7,8 @@ resources that are missing, never left pending forever.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import uuid
 from collections import Counter
 
@@ -24,10 +26,24 @@ class PlacementGroupError(RuntimeError):
     """The cluster cannot (or not in time) hold the bundles an engine asked for."""
 
 
-def ensure_ray_initialized() -> None:
-    """Library code joins the configured cluster, or starts a local one, only if needed."""
-    if not ray.is_initialized():
-        ray.init(address=envs.ray_address(), include_dashboard=False)
+def ensure_ray_initialized(min_cpus: float = 0.0) -> None:
+    """Library code joins the configured cluster, or starts a local one, only if needed.
+
+    A local instance declares at least ``min_cpus`` logical CPUs: an engine's placement
+    group (EngineCore + one CPU per worker) must fit even on a 2-core machine, where the
+    ranks then share the cores.
+    """
+    if ray.is_initialized():
+        return
+    address = envs.ray_address()
+    if address is not None:
+        ray.init(address=address, include_dashboard=False)
+        return
+    num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
+    if num_cpus > (os.cpu_count() or 1):
+        logger.info("Starting a local Ray instance with %d logical CPUs on %d cores.",
+                    num_cpus, os.cpu_count())
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
 def default_worker_resource() -> str:
@@ -58,7 +74,7 @@ def create_placement_group(bundles: list[dict], strategy: str = "PACK",
                          f"got {strategy!r}.")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
-    ensure_ray_initialized()
+    ensure_ray_initialized(sum(b.get("CPU", 0.0) for b in bundles))
     pg = placement_group(bundles, strategy=strategy,
                          name=name or f"raylm-{uuid.uuid4().hex[:8]}")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)

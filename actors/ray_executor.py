@@ -77,7 +77,7 @@ class RayExecutor:
         self._channel: StepChannel | None = None
         self._seq = 0
         self._owns_pg = placement_group is None
-        ensure_ray_initialized()
+        ensure_ray_initialized(self.world_size * cpus_per_worker)
         try:
             self._init_placement(placement_group, bundle_offset, resource, cpus_per_worker,
                                  pc.placement_group_strategy, placement_timeout_s)
