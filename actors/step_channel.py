@@ -136,6 +136,8 @@ class StepServer:
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
+            if self._conn is None:
+                return  # no executor ever connected: nobody to tell
             kind, out = item
             try:
                 if kind == RESULT and hasattr(out, "get_output"):
