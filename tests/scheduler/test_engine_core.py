@@ -242,3 +242,23 @@ def test_scheduler_stats_deltas_add_up_to_counters():
     assert queries == m["raylm:prefix_cache_queries"] >= hits
     assert m["raylm:request_success"] == 10
     assert m["raylm:num_requests_running"] == m["raylm:num_requests_waiting"] == 0
+
+
+class _MuteExecutor(FakeExecutor):
+    """A broken runner that never samples: the engine must not spin forever."""
+
+    def _run(self, so):
+        out = super()._run(so)
+        out.sampled_token_ids = [[] for _ in out.sampled_token_ids]
+        return out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_progress_is_an_error_not_a_spin(async_scheduling):
+    # Async keeps booking decodes against tokens that never come until max_model_len caps
+    # the request; then, as in sync mode at once, nothing can be scheduled: an error.
+    config = make_config(async_scheduling=async_scheduling, max_model_len=32)
+    engine = EngineCore(config, _MuteExecutor())
+    engine.add_request(make_request("a", 6, max_tokens=5, max_model_len=32))
+    with pytest.raises(RuntimeError, match="made no progress with nothing in flight"):
+        engine.run_until_idle(max_steps=200)
