@@ -178,26 +178,23 @@ class EngineCore:
     def _fail(self, cause: BaseException) -> EngineDeadError:
         """Finish every request with ABORT; the caller raises the returned EngineDeadError.
 
-        The final outputs ride on the exception (``.outputs``) and stay available from
-        ``take_final_outputs()``.
+        The final ABORT outputs (with any not yet returned) ride on the exception as
+        ``.outputs``, their only copy: whoever catches it delivers them.
         """
         self._dead = cause
         self.batch_queue.clear()
-        self._abort_queue.clear()
-        self._pending_outputs.extend(self.scheduler.finish_requests(
-            list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED))
+        self._process_aborts()
+        outputs = self._pending_outputs + self.scheduler.finish_requests(
+            list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        self._pending_outputs = []
         error = EngineDeadError(f"EngineCore is dead: a step failed: {cause!r}")
-        error.outputs = EngineCoreOutputs(outputs=list(self._pending_outputs))  # type: ignore[attr-defined]
+        error.outputs = EngineCoreOutputs(outputs=outputs)  # type: ignore[attr-defined]
         logger.error("%s", error)
         return error
 
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"EngineCore is dead: a step failed: {self._dead!r}")
-
-    def take_final_outputs(self) -> EngineCoreOutputs:
-        """After death: the ABORT outputs of the requests that were pending."""
-        return self._take_pending()
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
