@@ -66,7 +66,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
 
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, EngineOverloadedError):
+    # Ray Serve's own queue limit (max_queued_requests of a deployment), matched by name so
+    # this module never imports Ray.
+    if isinstance(exc, EngineOverloadedError) or type(exc).__name__ == "BackPressureError":
         return overloaded(str(exc))
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"The engine is dead: {exc}", 500)

@@ -69,17 +69,22 @@ def demo_dir(tmp_path_factory):
     return path
 
 
-def test_generate_matches_the_offline_llm(llama_path, demo_dir):
+@pytest.fixture(scope="module")
+def greedy_hello(llama_path) -> str:
+    """What the offline LLM answers to "hello world" (greedy, 6 tokens)."""
     from raylm.cluster.llm import LLM
     from raylm.scheduler.sampling_params import SamplingParams
 
+    with LLM(llama_path) as llm:
+        return llm.generate(["hello world"], SamplingParams(max_tokens=6, temperature=0,
+                                                            ignore_eos=True))[0].outputs[0].text
+
+
+def test_generate_matches_the_offline_llm(llama_path, demo_dir, greedy_hello):
     r = run_cli("generate", "hello world", "--model", llama_path, "--max-tokens", "6",
                 "--ignore-eos")
     assert r.returncode == 0, r.stderr
-    with LLM(llama_path) as llm:
-        want = llm.generate(["hello world"], SamplingParams(max_tokens=6, temperature=0,
-                                                            ignore_eos=True))[0].outputs[0].text
-    assert r.stdout.rstrip("\n") == want
+    assert r.stdout.rstrip("\n") == greedy_hello
     r = run_cli("generate", "hi", "--max-tokens", "3", env={"RAYLM_DEMO_MODEL_DIR": demo_dir})
     assert r.returncode == 0, r.stderr  # no --model: the demo model
 
@@ -110,16 +115,14 @@ def _check_batch_output(path: str) -> dict:
     return out
 
 
-def test_batch_subprocess(llama_path, tmp_path):
+def test_batch_subprocess(llama_path, tmp_path, greedy_hello):
     (tmp_path / "in.jsonl").write_text(_batch_rows("tiny"))
     r = run_cli("batch", "--input", "in.jsonl", "--output", "out.jsonl", "--model", llama_path,
                 "--served-model-name", "tiny", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "3/3" in r.stderr  # the progress bar
     out = _check_batch_output(str(tmp_path / "out.jsonl"))
-    gen = run_cli("generate", "hello world", "--model", llama_path, "--max-tokens", "6",
-                  "--ignore-eos")
-    assert out["c1"]["response"]["body"]["choices"][0]["text"] == gen.stdout.rstrip("\n")
+    assert out["c1"]["response"]["body"]["choices"][0]["text"] == greedy_hello
 
 
 @pytest.mark.ray

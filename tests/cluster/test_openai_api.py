@@ -366,3 +366,33 @@ def test_coalesce_joins_close_items_and_closes_the_source():
         return [x async for x in coalesce(json_first(), 0.1)]
 
     assert asyncio.run(run_json()) == [("json", 200, {"ok": True})]
+
+
+def test_stream_of_many_prompts_with_n2_matches_non_stream(client):
+    body = {"model": MODEL, "prompt": ["first prompt", "second one", "third"], "max_tokens": 5,
+            "n": 2}
+    full = client.completions.create(**body)
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            assert c.index not in finished, "no chunk after a choice's finish_reason"
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == {c.index: c.text for c in full.choices} and finished == set(range(6))
+
+
+def test_errors_map_to_statuses():
+    from raylm.cluster.errors import EngineOverloadedError, from_exception
+    from raylm.scheduler.executor import EngineDeadError
+
+    class BackPressureError(Exception):  # Ray Serve's queue-full error, by name
+        pass
+
+    assert from_exception(BackPressureError("queue full")).status_code == 503
+    assert from_exception(EngineOverloadedError("busy")).status_code == 503
+    assert from_exception(EngineDeadError("worker 2 died")).status_code == 500
+    assert "worker 2 died" in from_exception(EngineDeadError("worker 2 died")).message
+    assert from_exception(ValueError("bad top_p")).status_code == 400
+    assert from_exception(RuntimeError("boom")).status_code == 500
