@@ -59,6 +59,11 @@ def encode_frame(kind: int, obj: Any) -> bytes:
 
 def _configure(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # A node that vanishes sends no FIN: keepalive probes end the stream within ~30 s.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, name):  # Linux names; other platforms keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class StepServer:
@@ -173,7 +178,8 @@ class StepChannel:
                  on_failure: Callable[[int, str], BaseException]) -> None:
         self._output_rank = output_rank
         self._on_failure = on_failure
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending and _error; never held while sending
+        self._send_lock = threading.Lock()  # keeps each frame whole on every stream
         self._pending: collections.deque[Future] = collections.deque()
         self._error: BaseException | None = None
         self._closing = False
@@ -199,10 +205,11 @@ class StepChannel:
     def submit(self, scheduler_output: Any) -> Future:
         frame = encode_frame(STEP, scheduler_output)  # pickled once for every worker
         future: Future = Future()
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            self._pending.append(future)
+        with self._send_lock:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                self._pending.append(future)
             try:
                 for sock in self._socks:
                     sock.sendall(frame)
