@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
     """Start the EngineCore where the config says: in process, or in Ray actors."""
+    if config.parallel_config.data_parallel_size > 1:
+        from raylm.actors.dp_client import make_dp_engine_core_client
+
+        return make_dp_engine_core_client(config)
     if config.parallel_config.distributed_executor_backend == "ray":
         from raylm.actors.engine_core_client import make_ray_engine_core_client
 
