@@ -115,24 +115,30 @@ class _ChoiceState:
 async def sse_lines(prepared: PreparedRequest, streams: Streams, tokenizer: Any) -> AsyncIterator[str]:
     fmt = _Format(prepared, tokenizer)
     states: dict[int, _ChoiceState] = {}
+    # Chat's role chunks (one per choice) travel in the same item as the first token, so
+    # that no transport batching can put the first token behind them.
+    head = ""
+    if fmt.chat:
+        head = "".join(sse(fmt.response([ChatCompletionStreamChoice(
+            index=index, delta={"role": "assistant", "content": ""})], None, chunk=True))
+            for index in range(fmt.req.n))
     try:
-        if fmt.chat:  # the role comes first, alone, once per choice
-            for index in range(fmt.req.n):
-                choice = ChatCompletionStreamChoice(index=index, delta={"role": "assistant",
-                                                                        "content": ""})
-                yield sse(fmt.response([choice], None, chunk=True))
         async with aclosing(_merged(streams)) as merged:
             async for i, out in merged:
-                for c in sorted(out.outputs, key=lambda c: c.index):
-                    choice = _delta_choice(fmt, states, i, c)
-                    if choice is not None:
-                        yield sse(fmt.response([choice], None, chunk=True))
+                lines = [sse(fmt.response([choice], None, chunk=True))
+                         for c in sorted(out.outputs, key=lambda c: c.index)
+                         if (choice := _delta_choice(fmt, states, i, c)) is not None]
+                if lines:
+                    yield head + "".join(lines)
+                    head = ""
         if fmt.req.include_usage:
             generated = sum(st.num_tokens for st in states.values())
-            yield sse(fmt.response([], fmt.usage(generated), chunk=True))
+            yield head + sse(fmt.response([], fmt.usage(generated), chunk=True))
+            head = ""
     except Exception as e:  # headers are gone: the error travels as an SSE event
-        yield sse(from_exception(e).to_dict())
-    yield DONE
+        yield head + sse(from_exception(e).to_dict())
+        head = ""
+    yield head + DONE
 
 
 def _delta_choice(fmt: _Format, states: dict[int, _ChoiceState], prompt_index: int,

@@ -68,7 +68,8 @@ class PreparedRequest:
 
 
 class OpenAIServing:
-    """Serves one model. ``max_pending_requests`` bounds requests in flight (503 beyond)."""
+    """Serves one model. ``max_pending_requests`` bounds the sequences in flight (running
+    plus queued, n counted per request); beyond it requests get 503 at once."""
 
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  max_pending_requests: int | None = None,
@@ -78,9 +79,9 @@ class OpenAIServing:
         self.max_model_len = engine.model_config.max_model_len
         self.max_pending_requests = max_pending_requests
         self.metrics = metrics or ServingMetrics(self.model_name, engine.get_stats)
-        # Engine request ids admitted and not yet finished; a set (not a counter) so that
-        # releasing twice, or releasing a stream that never started, stays correct.
-        self._pending: set[str] = set()
+        # Engine request id -> sequences (n) admitted and not yet finished. Keyed, not a bare
+        # counter, so that releasing twice, or a stream that never started, stays correct.
+        self._pending: dict[str, int] = {}
 
     # ---- model information ---------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -92,7 +93,8 @@ class OpenAIServing:
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        """Sequences in flight (a request with n=4 counts 4, as in the engine's batch)."""
+        return sum(self._pending.values())
 
     # ---- entry points ----------------------------------------------------------------------
     async def handle(self, route: str, body: Any) -> dict[str, Any] | AsyncIterator[str]:
@@ -189,16 +191,19 @@ class OpenAIServing:
 
     # ---- running -------------------------------------------------------------------------
     def _admit(self, engine_requests: list[EngineRequest]) -> None:
-        limit = self.max_pending_requests
-        if limit is not None and len(self._pending) + len(engine_requests) > limit:
+        limit, wanted = self.max_pending_requests, sum(r.params.n for r in engine_requests)
+        if limit is not None and wanted > limit:  # would never fit: not a retry-later case
+            raise bad_request(f"this request needs {wanted} sequences (prompts x n), more than "
+                              f"the {limit} this server admits at once.", "n")
+        if limit is not None and self.num_pending + wanted > limit:
             raise overloaded(
-                f"The server is overloaded: {len(self._pending)} requests in flight, at most "
-                f"{limit} allowed. Retry later.")
-        self._pending.update(r.request_id for r in engine_requests)
+                f"The server is overloaded: {self.num_pending} sequences in flight and this "
+                f"request adds {wanted}, at most {limit} allowed. Retry later.")
+        self._pending.update((r.request_id, r.params.n) for r in engine_requests)
 
     def _release(self, engine_requests: list[EngineRequest]) -> None:
         for r in engine_requests:
-            self._pending.discard(r.request_id)
+            self._pending.pop(r.request_id, None)
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         timer = self.metrics.request_timer()
@@ -216,7 +221,7 @@ class OpenAIServing:
                     if finished:
                         return
         finally:
-            self._pending.discard(req.request_id)
+            self._pending.pop(req.request_id, None)
             if not finished:
                 timer.on_abort()
                 # The client went away (or the engine failed): free the request's KV now.

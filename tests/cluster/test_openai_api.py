@@ -304,6 +304,9 @@ def test_overload_is_503_and_recovers(tokenizer):
                              json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
             assert two.status_code == 503
         _wait_for(lambda: not slow.running)
+        r = httpx.post(f"{base}/v1/completions", json={**body, "stream": False, "n": 3})
+        assert r.status_code == 400 and "3 sequences" in r.json()["error"]["message"]  # never fits
+        _wait_for(lambda: not slow.running)
         r = httpx.post(f"{base}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert r.status_code == 200
 
