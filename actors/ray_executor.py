@@ -142,7 +142,7 @@ class RayExecutor:
 
     def describe_worker(self, rank: int) -> str:
         info = self.worker_infos[rank] if rank < len(self.worker_infos) else {}
-        actor_id = self.workers[rank]._actor_id.hex()[:12] if rank < len(self.workers) else "?"
+        actor_id = str(info.get("actor_id", "?"))[:12]
         return (f"worker rank {rank} (actor {actor_id}, pid {info.get('pid', '?')}, "
                 f"node {info.get('node_ip', '?')})")
 

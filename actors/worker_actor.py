@@ -60,8 +60,9 @@ class WorkerActor:
     # ---- setup -------------------------------------------------------------------------
 
     def get_node_info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
         return {"node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
+                "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def get_distributed_init_method(self) -> str:

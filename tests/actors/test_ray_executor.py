@@ -7,6 +7,7 @@ placement errors.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -120,7 +121,8 @@ def test_unsatisfiable_tp_fails_fast_naming_cpus(ray_cluster, llama_path):
         RayExecutor(_config(llama_path, tp=64), placement_timeout_s=2, worker_cls=ray_cluster)
     assert time.monotonic() - start < 30
     msg = str(info.value)
-    assert "64 x {'CPU': 1.0}" in msg and "CPU: requested 64" in msg and "missing 6" in msg, msg
+    assert "64 x {'CPU': 1.0}" in msg and "CPU: requested 64" in msg, msg
+    assert re.search(r"of 4 in the cluster \(missing 6\d\)", msg), msg
 
 
 def test_gpu_bundle_on_cpu_cluster_fails_fast_naming_gpu(ray_cluster, llama_path):
@@ -135,3 +137,15 @@ def test_gpu_bundle_on_cpu_cluster_fails_fast_naming_gpu(ray_cluster, llama_path
 def test_bad_dispatch_is_value_error(ray_cluster, llama_path):
     with pytest.raises(ValueError, match="dispatch"):
         RayExecutor(_config(llama_path), dispatch="carrier-pigeon")
+
+
+def test_missing_resource_descriptions(ray_cluster):
+    from raylm.actors.placement import describe_missing_resources, worker_bundles
+
+    spread = describe_missing_resources(worker_bundles(3, "CPU"), "STRICT_SPREAD")
+    assert "STRICT_SPREAD needs 3 nodes, the cluster has 1" in spread
+    big = describe_missing_resources([{"CPU": 8.0}], "PACK")
+    # what is free depends on how fast the previous test's actors released their CPUs
+    assert re.search(r"CPU: requested 8, available [\d.]+ of 4", big) and "fits on no node" in big
+    with pytest.raises(ValueError, match="resource"):
+        worker_bundles(2, "TPU")
