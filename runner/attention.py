@@ -151,9 +151,11 @@ class Attention(nn.Module):
             k, v = key[span.start:span.end], value[span.start:span.end]
         else:
             k, v = _gather(key_cache, span.kv_slots), _gather(value_cache, span.kv_slots)
-        # [S, Hkv, D] -> [Hkv, 1, S, D]: broadcast over the G query heads of each KV head.
-        k = k.permute(1, 0, 2).unsqueeze(1)
-        v = v.permute(1, 0, 2).unsqueeze(1)
+        # [S, Hkv, D] -> [Hkv, G, S, D] as a stride-0 view over the G query heads of each KV
+        # head (no copy; equal shapes keep every sdpa backend eligible).
+        shape = (self.num_kv_heads, self.num_queries_per_kv, k.shape[0], self.head_dim)
+        k = k.permute(1, 0, 2).unsqueeze(1).expand(shape)
+        v = v.permute(1, 0, 2).unsqueeze(1).expand(shape)
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:

@@ -66,7 +66,11 @@ class ModelRunner:
         self.input_batch = InputBatch(sched.max_num_seqs, self.model_config.max_model_len,
                                       self.block_size)
         self.input_preparer = InputPreparer(self.input_batch, self.block_size,
-                                            sched.max_num_batched_tokens, self.device)
+                                            sched.max_num_batched_tokens, self.device,
+                                            needs_input_ids=ctx.is_first_pp_rank)
+        # Each sampled request's row in the latest step's sampled ids (every stage books it;
+        # the PP layer pairs it with the ids it broadcasts).
+        self.sampled_req_id_to_index: dict[str, int] = {}
         self.copier = AsyncOutputCopier(self.device)
         self._pending: deque[_PendingTokens] = deque()
         self.model: nn.Module | None = None
@@ -187,8 +191,9 @@ class ModelRunner:
                                              host[1:] if lp is not None else None)
         copy = self.copier.start(tensors)
         positions = ib.append_sampled(rows_valid, None)
+        self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
         ib.prev_sampled_token_ids = sampled
-        ib.prev_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
+        ib.prev_req_id_to_index = self.sampled_req_id_to_index
         self._pending.append(_PendingTokens(copy, [ib.states[r] for r in rows_valid.tolist()],
                                             positions, valid))
         return AsyncModelRunnerOutput(batch.req_ids, req_id_to_index, batch.sample_mask,
@@ -196,14 +201,17 @@ class ModelRunner:
 
     def _bookkeeping_non_last(self, batch: StepBatch) -> None:
         """A stage that does not sample: under async scheduling it books placeholders
-        exactly as the last stage does; the ids themselves arrive from the last stage
-        (the PP layer sets ``input_batch.prev_sampled_token_ids``). In sync mode they come
-        in ``CachedRequestData.new_token_ids``."""
+        exactly as the last stage does; the ids themselves arrive from the last stage: the
+        PP layer sets ``input_batch.prev_sampled_token_ids`` (and, when the ids are not
+        the previous step's, ``prev_req_id_to_index`` to the map it kept from that step's
+        ``sampled_req_id_to_index``). In sync mode they come in
+        ``CachedRequestData.new_token_ids``."""
         if not self.use_async_scheduling:
             return
         valid = np.flatnonzero(batch.sample_mask)
         self.input_batch.append_sampled(batch.rows[valid], None)
-        self.input_batch.prev_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
+        self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
+        self.input_batch.prev_req_id_to_index = self.sampled_req_id_to_index
 
     def _settle_placeholders(self, block: bool = True) -> None:
         """Write the real ids of earlier async steps over their -1 placeholders.

@@ -52,8 +52,11 @@ class AsyncInputStats:
 
 class InputPreparer:
     def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, needs_input_ids: bool = True) -> None:
         self.input_batch = input_batch
+        # Only the first pipeline stage embeds token ids; later stages take hidden states,
+        # so their (possibly unsettled) token ids are never needed.
+        self.needs_input_ids = needs_input_ids
         self.block_size = block_size
         self.device = device
         self.pin_memory = device.type == "cuda"
@@ -120,7 +123,10 @@ class InputPreparer:
         sample_mask = seq_lens >= known
         token_rows = rows[req_index]
         positions = num_computed[req_index] + offsets
-        fill_rows, fill_src = self._device_fill_rows(req_ids, rows, seq_lens)
+        if self.needs_input_ids:
+            fill_rows, fill_src = self._device_fill_rows(req_ids, rows, seq_lens)
+        else:
+            fill_rows = fill_src = np.empty(0, np.int64)
         fill_flat = cu[fill_rows] - 1
 
         with self.synchronize_input_prep():
@@ -129,7 +135,7 @@ class InputPreparer:
             input_ids[:] = ib.token_ids.reshape(-1)[flat]
             unknown = input_ids == PLACEHOLDER_TOKEN_ID
             unknown[fill_flat] = False
-            if unknown.any():
+            if unknown.any() and self.needs_input_ids:
                 # Inputs that are neither known on the CPU nor in the previous step's device
                 # tensor (the request skipped a step): settle placeholders from older steps.
                 settle_placeholders()

@@ -153,3 +153,17 @@ def test_rope_scaling_matches_transformers(rope):
     cos, sin = ours.cos_sin(positions[0])
     torch.testing.assert_close(cos[:, 0], cos_ref[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(sin[:, 0], sin_ref[0], atol=1e-6, rtol=0)
+
+
+def test_sharded_checkpoint_loads_through_its_index(llama_path, tmp_path):
+    hf = _hf(llama_path)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    from raylm.runner.model_loader import safetensors_files
+
+    files = safetensors_files(str(tmp_path))
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    (tmp_path / "stray.safetensors").write_bytes(b"not listed in the index")  # never read
+    sharded = get_model(ModelConfig(model=str(tmp_path)), CPU)
+    single = get_model(ModelConfig(model=llama_path), CPU)
+    for (name, a), (_, b) in zip(sharded.named_parameters(), single.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
