@@ -166,12 +166,14 @@ class InputPreparer:
     def _scheduled_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str], np.ndarray]:
         ib = self.input_batch
         scheduled = so.num_scheduled_tokens
-        try:
-            if len(scheduled) == ib.num_reqs:  # common case: every live request runs
-                req_ids = list(ib.req_ids)
-                rows = np.arange(ib.num_reqs)
+        if len(scheduled) == ib.num_reqs:  # common case: every live request runs
+            req_ids = list(ib.req_ids)
+            try:
                 num_sched = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
-                return rows, req_ids, num_sched
+                return np.arange(ib.num_reqs), req_ids, num_sched
+            except KeyError:
+                pass  # same count, different set: the general path names the stranger
+        try:
             rows = np.fromiter((ib.req_id_to_index[r] for r in scheduled), np.int64,
                                len(scheduled))
         except KeyError as e:

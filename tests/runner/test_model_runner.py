@@ -291,3 +291,13 @@ def test_scheduler_sent_token_ids_do_not_duplicate_sampled_ones(llama_path):
     for i, p in enumerate(prompts):
         assert outputs[f"r{i}"] == hf_greedy(llama_path, p, 10)
         assert runner.requests[f"r{i}"].output_token_ids == outputs[f"r{i}"]
+
+
+def test_a_scheduled_stranger_is_named_even_when_counts_match(llama_path):
+    runner = make_runner(llama_path, async_mode=False)
+    prompt = random_prompts([5], 500)[0]
+    runner.execute_model(SchedulerOutput(
+        0, [NewRequestData("known", prompt, [], GREEDY, [0, 1], 0, 0)], CachedRequestData(),
+        {"known": 5}, 5))
+    with pytest.raises(ValueError, match="'stranger' is scheduled but unknown"):
+        runner.execute_model(SchedulerOutput(1, [], CachedRequestData(), {"stranger": 1}, 1))
