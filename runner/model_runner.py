@@ -27,7 +27,7 @@ from raylm.runner.async_output import (
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.model_loader import get_model, resolve_dtype
 from raylm.runner.models.llama import IntermediateTensors
-from raylm.runner.prepare_inputs import InputPreparer, StepBatch
+from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
 from raylm.runner.sampler import Sampler, SamplerOutput
 from raylm.runner.sampling_metadata import build_sampling_metadata
 from raylm.scheduler.config import EngineConfig
@@ -76,6 +76,7 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.sampler: Sampler | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_kv_blocks = 0
 
     # ---------------------------------------------------------------- setup
     def load_model(self, model: nn.Module | None = None) -> None:
@@ -104,7 +105,8 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
 
     @property
-    def async_input_stats(self):
+    def async_input_stats(self) -> AsyncInputStats:
+        """Counts of slice-copy vs scatter input fills (async scheduling)."""
         return self.input_preparer.stats
 
     # ---------------------------------------------------------------- one step
