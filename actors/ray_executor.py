@@ -3,10 +3,11 @@
 Ray does placement (a placement group, one bundle per rank), lifecycle and failure
 detection. Steps travel over the step stream (``actors/step_channel.py``, the default,
 ``dispatch="channel"``) or as plain Ray actor calls (``dispatch="ray"``). Measured on the
-2-core CI box with 2 workers and no-op steps (``bench/dispatch.py``): plain actor calls
-~1000 us/step, Ray Compiled Graphs ~400 us/step, the step stream ~100 us/step. Compiled
-Graphs are not offered: slower than the stream, a multi-second compile, and their channels
-allow only a fixed number of in-flight executions. Both paths keep several steps in flight
+2-core CI box (Ray 2.60, shared with other jobs) with 2 workers and no-op decode steps of
+32 requests, two steps in flight (``bench/dispatch.py``): plain actor calls 1.4-1.7 ms/step,
+a Ray Compiled Graph 0.7-0.8 ms/step, the step stream 0.18-0.21 ms/step. Compiled Graphs
+are not offered: 4x slower than the stream here, ~2 s to compile, a fixed bound on
+in-flight executions, and one more moving part in failure handling. Both paths keep several steps in flight
 (async scheduling) and fail every pending future with EngineDeadError when a worker dies.
 """
 
