@@ -133,13 +133,24 @@ def test_batch_as_a_ray_job(llama_path, tmp_path):
     (work / "in.jsonl").write_text(_batch_rows(llama_path))
     out = tmp_path / "out.jsonl"
     temp_dir = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths
-    port, dash = free_port(), free_port()
+    # Every port free, distinct and explicit: the fixed defaults (e.g. the job agent's 52365)
+    # may be held by another Ray instance on this machine, and then no job can be submitted.
+    flags = ("port", "dashboard-port", "dashboard-agent-listen-port",
+             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+             "ray-client-server-port", "node-manager-port", "object-manager-port")
+    ports: dict[str, int] = {}
+    while len(ports) < len(flags):
+        p = free_port()
+        if p not in ports.values():
+            ports[flags[len(ports)]] = p
+    dash = ports["dashboard-port"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # loopback only
     # --block: this process owns the head; terminating it stops exactly this cluster.
     head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
-         "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ["ray", "start", "--head", "--block", "--num-cpus=4", "--dashboard-host=127.0.0.1",
+         f"--temp-dir={temp_dir}", "--disable-usage-stats",
+         *(f"--{flag}={p}" for flag, p in ports.items())],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while True:
