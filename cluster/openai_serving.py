@@ -134,7 +134,7 @@ class OpenAIServing:
             return self._stream(prepared, streams)
         try:
             finals = await asyncio.gather(*(_last(first, it) for first, it in streams))
-        except BaseException as e:
+        except Exception as e:  # not CancelledError: a gone client's cancel must propagate
             raise from_exception(e) from e
         finally:
             self._release(prepared.engine_requests)
