@@ -399,3 +399,23 @@ def test_errors_map_to_statuses():
     assert "worker 2 died" in from_exception(EngineDeadError("worker 2 died")).message
     assert from_exception(ValueError("bad top_p")).status_code == 400
     assert from_exception(RuntimeError("boom")).status_code == 500
+
+
+def test_cancelled_non_streaming_request_aborts_in_the_engine(tokenizer):
+    import asyncio
+
+    slow = FakeEngine(tokenizer, delay_s=0.05)
+    serving = OpenAIServing(slow, MODEL)
+
+    async def go():
+        task = asyncio.ensure_future(serving.handle(
+            "/v1/completions", {"model": MODEL, "prompt": "cancel me", "max_tokens": 50}))
+        while not slow.running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert slow.running == set() and len(slow.aborted) == 1 and serving.num_pending == 0
