@@ -9,7 +9,6 @@ Construction is cheap; ``start()`` builds the executor and the engine so that it
 from __future__ import annotations
 
 import logging
-import queue
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -28,26 +27,6 @@ logger = logging.getLogger(__name__)
 
 # Concurrent calls the actor serves: one long poll, adds, aborts, metrics, health.
 ENGINE_CORE_ACTOR_CONCURRENCY = 16
-
-
-class _GuardedEngineCoreLoop(EngineCoreLoop):
-    """EngineCoreLoop whose add_request cannot wait forever on a loop thread that died
-    between the caller's liveness check and its request reaching the inbox."""
-
-    def add_request(self, request: Request) -> None:
-        done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._inbox.put(("add", (request, done)))
-        self._wakeup.set()
-        while True:
-            try:
-                err = done.get(timeout=0.5)
-            except queue.Empty:
-                if self.dead_error is not None:
-                    raise EngineDeadError(f"EngineCore died: {self.dead_error!r}") from None
-                continue
-            if err is not None:
-                raise err
-            return
 
 
 @ray.remote(max_concurrency=ENGINE_CORE_ACTOR_CONCURRENCY)
@@ -71,7 +50,7 @@ class EngineCoreActor:
         except BaseException:
             executor.shutdown()
             raise
-        self.loop = _GuardedEngineCoreLoop(self.engine_core)
+        self.loop = EngineCoreLoop(self.engine_core)
         return {"num_kv_blocks": self.engine_core.num_kv_blocks,
                 "async_scheduling": self.engine_core.config.async_scheduling,
                 "max_concurrent_batches": self.engine_core.batch_queue_size,

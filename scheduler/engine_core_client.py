@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import EngineCoreOutputs
+from raylm.scheduler.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
@@ -58,17 +58,24 @@ class EngineCoreLoop:
         self._thread.start()
 
     def add_request(self, request: Request) -> None:
-        done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._inbox.put(("add", (request, done)))
+        """Queue a request without waiting for the loop thread (which admits new requests
+        once per step: waiting here would let only one request join each step).
+
+        Validation that can fail for bad input runs here, in the caller's thread, on state
+        that never changes (pool size, max_model_len)."""
+        self._check_alive()
+        self.engine_core.scheduler.validate_request(request)
+        self._inbox.put(("add", (request, None)))
         self._wakeup.set()
-        err = done.get()
-        if err is not None:
-            raise err
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        # EngineCore.abort_requests is thread-safe (queued, applied before each result).
-        self.engine_core.abort_requests(list(request_ids))
+        # Through the same FIFO as adds: an abort can never overtake the add it cancels.
+        self._inbox.put(("abort", list(request_ids)))
         self._wakeup.set()
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"EngineCore died: {self.dead_error!r}") from self.dead_error
 
     def _drain_inbox(self) -> None:
         while True:
@@ -76,27 +83,43 @@ class EngineCoreLoop:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                request, done = payload
-                try:
-                    self.engine_core.add_request(request)
-                    done.put(None)
-                except Exception as e:  # bad input is the caller's error, not the engine's
+            if kind == "abort":
+                self.engine_core.abort_requests(payload)
+                continue
+            request, done = payload
+            try:
+                self.engine_core.add_request(request)
+            except ValueError as e:
+                if done is not None:
                     done.put(e)
+                    continue
+                # Validated by the caller already; a race (an id reused meanwhile) lands
+                # here. Finish it as aborted rather than leave its caller waiting.
+                logger.warning("request %s rejected by the scheduler: %s", request.request_id, e)
+                self.outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    request.request_id, [], finish_reason=FinishReason.ABORT)]))
+                continue
+            if done is not None:
+                done.put(None)
 
     def _run(self) -> None:
         try:
             while not self._stopped:
+                # Clear before looking at the inbox: a wakeup set after this line is seen
+                # by the wait below, so no request waits out the idle timeout.
+                self._wakeup.clear()
                 self._drain_inbox()
                 if not self.engine_core.has_work():
                     self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
                     continue
                 outputs, _ = self.engine_core.step_fn()
                 if outputs is not None and (outputs.outputs or outputs.scheduler_stats):
                     self.outputs.put(outputs)
         except BaseException as e:  # the engine is dead: every waiter must hear it once
             logger.error("EngineCore loop died: %r", e)
+            final = getattr(e, "outputs", None)  # ABORT outputs of the requests it held
+            if final:
+                self.outputs.put(EngineCoreOutputs(outputs=list(final)))
             self.dead_error = e
             self.outputs.put(e)
 
@@ -111,8 +134,7 @@ class EngineCoreLoop:
         return item
 
     def check_health(self) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(f"EngineCore died: {self.dead_error!r}")
+        self._check_alive()
         self.engine_core.executor.check_health()
 
     def shutdown(self) -> None:
