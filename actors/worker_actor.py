@@ -95,6 +95,22 @@ class WorkerActor:
                                  distributed_init_method=distributed_init_method)
         # The Worker sets torch's thread count itself; hand it this rank's CPU share.
         self.worker.init_device(ctx, num_threads=self.num_threads)
+        if pp > 1:
+            self._init_pp_transport(engine_config, ctx, dist_timeout_s)
+
+    def _init_pp_transport(self, engine_config: EngineConfig, ctx: Any,
+                           dist_timeout_s: float) -> None:
+        """Hidden states stage to stage, sampled ids back from the last stage. Collective
+        (it creates the PP broadcast group): every rank runs it, in init_worker."""
+        from raylm.parallel.pp_comm import build_pp_transport
+        from raylm.runner.model_loader import resolve_dtype
+        from raylm.runner.models.llama import IntermediateTensors
+
+        mc = engine_config.model_config
+        hidden_size = int(mc.hf_config["hidden_size"])
+        dtype = resolve_dtype(mc.dtype, ctx.device)  # the runner's activation dtype
+        self.worker.pp_transport = build_pp_transport(ctx, hidden_size, dtype,
+                                                      IntermediateTensors, dist_timeout_s)
 
     def load_model(self) -> None:
         self.worker.load_model()

@@ -138,6 +138,24 @@ def _new_groups(all_ranks: list[list[int]], rank: int, backend: str,
     return mine
 
 
+def new_pp_broadcast_group(ctx: ParallelContext, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A second PP group with the same ranks as ``ctx.pp_group``, for the last stage's
+    sampled-token broadcast: on its own group (its own gloo pairs / NCCL communicator and
+    stream) it never queues behind, or interleaves with, the stage-to-stage hidden states.
+
+    Collective over the whole world: every rank calls it once, in the same order relative
+    to other group creations. Returns None when pp_size is 1."""
+    if not dist.is_initialized():
+        raise RuntimeError("new_pp_broadcast_group needs torch.distributed initialized "
+                           "(init_distributed_environment).")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+    if ctx.pp_size == 1:
+        return None
+    return _new_groups(pp_group_ranks(ctx.tp_size, ctx.pp_size), dist.get_rank(),
+                       dist.get_backend(), datetime.timedelta(seconds=timeout_s))
+
+
 def destroy_distributed_environment() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

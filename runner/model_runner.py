@@ -6,6 +6,13 @@ Async scheduling (DESIGN section 3, rule 6): the sampled ids stay on the device 
 copy starts right after sampling and is awaited only by ``AsyncModelRunnerOutput
 .get_output()`` (the executor's output thread) or when penalties need the history. The
 runner's own token history holds -1 placeholders until then.
+
+Async pipeline parallelism (DESIGN section 4): the last stage broadcasts each step's sampled
+ids over the ``SampledTokenTransport`` it is handed; every other stage keeps a
+``SampledTokenRing`` and, before preparing step s, takes the broadcast of step s - pp_size
+as ``prev_sampled_token_ids`` (with the ``sampled_req_id_to_index`` it booked for that
+step), so the first stage writes those ids into its inputs on the device. Sync PP needs no
+ring: the scheduler already knows every input and sends it in ``new_token_ids``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from raylm.runner.async_output import (
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.model_loader import get_model, resolve_dtype
 from raylm.runner.models.llama import IntermediateTensors
+from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
 from raylm.runner.sampler import Sampler, SamplerOutput
 from raylm.runner.sampling_metadata import build_sampling_metadata
@@ -39,13 +47,20 @@ _MAX_PENDING_STEPS = 4
 
 
 @dataclass
+class _Placeholders:
+    """The -1 placeholders one async step wrote."""
+
+    states: list[CachedRequestState]
+    positions: np.ndarray  # sequence position of each placeholder
+    indices: np.ndarray  # row of each in the step's sampled tensor
+
+
+@dataclass
 class _PendingTokens:
     """Placeholders written by one async step, to settle once its copy lands."""
 
     copy: AsyncCopy
-    states: list[CachedRequestState]
-    positions: np.ndarray  # sequence position of each placeholder
-    indices: np.ndarray  # row of each in the step's sampled tensor
+    placeholders: _Placeholders
 
 
 class ModelRunner:
@@ -73,6 +88,10 @@ class ModelRunner:
         self.sampled_req_id_to_index: dict[str, int] = {}
         self.copier = AsyncOutputCopier(self.device)
         self._pending: deque[_PendingTokens] = deque()
+        # Async PP, stages that do not sample: the ids come back pp_size steps later.
+        self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
+                        if self.use_async_scheduling and ctx.pp_size > 1
+                        and not ctx.is_last_pp_rank else None)
         self.model: nn.Module | None = None
         self.sampler: Sampler | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -112,29 +131,66 @@ class ModelRunner:
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      intermediate_tensors: IntermediateTensors | None = None
+                      intermediate_tensors: IntermediateTensors | None = None,
+                      pp_transport: SampledTokenTransport | None = None,
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors:
         """Run one step. The last PP stage returns the step's output (an
         AsyncModelRunnerOutput under async scheduling); other stages return the
-        IntermediateTensors to send to the next stage."""
+        IntermediateTensors to send to the next stage. ``pp_transport`` (async PP) carries
+        the sampled ids from the last stage to the others; without it a caller that runs
+        the stages itself sets ``prev_sampled_token_ids`` on the earlier stages."""
         so = scheduler_output
         if so.scheduled_spec_decode_tokens:
             raise ValueError("scheduled_spec_decode_tokens is not empty: speculative decoding "
                              "is not supported by this runner.")
         self._settle_placeholders(block=False)
         self._update_states(so)
+        ring = self.pp_ring if pp_transport is not None else None
+        if ring is not None:
+            # After _update_states: a request that left this step drops its tokens.
+            self._receive_sampled_token_ids(ring.take())
         if so.total_num_scheduled_tokens == 0:
+            if ring is not None:
+                ring.put(None)  # the ring advances on empty steps too
             return ModelRunnerOutput.empty()
         batch = self.input_preparer.prepare(so, self._settle_placeholders)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             intermediate_tensors)
         if not self.ctx.is_last_pp_rank:
-            self._bookkeeping_non_last(batch)
+            placeholders = self._bookkeeping_non_last(batch)
+            if ring is not None:
+                ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs),
+                         self.sampled_req_id_to_index, placeholders)
             return hidden
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
                                      self._settle_placeholders)
-        return self._bookkeeping(batch, self.sampler(logits, md))
+        out = self.sampler(logits, md)
+        if pp_transport is not None and self.use_async_scheduling and self.ctx.pp_size > 1:
+            # Every step that ran the model is broadcast (the other stages posted its
+            # receive), non-final prefill chunks' rows included: its size is the batch's.
+            pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
+        return self._bookkeeping(batch, out)
+
+    def _receive_sampled_token_ids(self, delivery: RingDelivery | None) -> None:
+        """Async PP, a stage that does not sample: the ids broadcast pp_size steps ago
+        become the previous step's ids for input preparation (the device path), and their
+        host copy settles this stage's placeholders (needed only by a request that waited
+        more than pp_size steps to decode again)."""
+        ib = self.input_batch
+        if delivery is None:
+            ib.prev_sampled_token_ids = None
+            ib.prev_req_id_to_index = {}
+            return
+        sampled = delivery.pending.wait().view(-1, 1)
+        ib.prev_sampled_token_ids = sampled
+        ib.prev_req_id_to_index = delivery.req_id_to_index
+        ph: _Placeholders = delivery.payload
+        keep = delivery.keep
+        if keep.any():
+            kept = _Placeholders([s for s, k in zip(ph.states, keep.tolist(), strict=True) if k],
+                                 ph.positions[keep], ph.indices[keep])
+            self._pending.append(_PendingTokens(self.copier.start([sampled]), kept))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -147,6 +203,8 @@ class ModelRunner:
         # through ``state.row``, which becomes None here.
         for req_id in gone:
             self.requests.pop(req_id, None)
+            if self.pp_ring is not None:
+                self.pp_ring.remove_request(req_id)
         ib.remove_requests(gone)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
@@ -159,6 +217,8 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids), min_tokens_stop_ids=stop_ids)
             self.requests[new.req_id] = state
             ib.add_request(state)
+            if self.pp_ring is not None:
+                self.pp_ring.add_request(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
@@ -196,24 +256,27 @@ class ModelRunner:
         self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
         ib.prev_sampled_token_ids = sampled
         ib.prev_req_id_to_index = self.sampled_req_id_to_index
-        self._pending.append(_PendingTokens(copy, [ib.states[r] for r in rows_valid.tolist()],
-                                            positions, valid))
+        self._pending.append(_PendingTokens(copy, _Placeholders(
+            [ib.states[r] for r in rows_valid.tolist()], positions, valid)))
         return AsyncModelRunnerOutput(batch.req_ids, req_id_to_index, batch.sample_mask,
                                       num_logprobs, copy, has_logprobs=lp is not None)
 
-    def _bookkeeping_non_last(self, batch: StepBatch) -> None:
+    def _bookkeeping_non_last(self, batch: StepBatch) -> _Placeholders | None:
         """A stage that does not sample: under async scheduling it books placeholders
-        exactly as the last stage does; the ids themselves arrive from the last stage: the
-        PP layer sets ``input_batch.prev_sampled_token_ids`` (and, when the ids are not
-        the previous step's, ``prev_req_id_to_index`` to the map it kept from that step's
-        ``sampled_req_id_to_index``). In sync mode they come in
+        exactly as the last stage does and returns them; the ids themselves arrive from
+        the last stage (the ring sets ``input_batch.prev_sampled_token_ids`` and
+        ``prev_req_id_to_index`` pp_size steps later; a caller running the stages back to
+        back sets the ids itself). In sync mode they come in
         ``CachedRequestData.new_token_ids``."""
         if not self.use_async_scheduling:
-            return
+            return None
         valid = np.flatnonzero(batch.sample_mask)
-        self.input_batch.append_sampled(batch.rows[valid], None)
+        rows_valid = batch.rows[valid]
+        positions = self.input_batch.append_sampled(rows_valid, None)
         self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
         self.input_batch.prev_req_id_to_index = self.sampled_req_id_to_index
+        return _Placeholders([self.input_batch.states[r] for r in rows_valid.tolist()],
+                             positions, valid)
 
     def _settle_placeholders(self, block: bool = True) -> None:
         """Write the real ids of earlier async steps over their -1 placeholders.
@@ -226,8 +289,9 @@ class ModelRunner:
                 return
             sampled = entry.copy.wait()[0]
             self._pending.popleft()
-            tokens = sampled[entry.indices, 0].tolist()
-            for state, pos, token in zip(entry.states, entry.positions.tolist(), tokens,
+            ph = entry.placeholders
+            tokens = sampled[ph.indices, 0].tolist()
+            for state, pos, token in zip(ph.states, ph.positions.tolist(), tokens,
                                          strict=True):
                 InputBatch.fill_placeholder(state, pos, token, ib.token_ids)
 

@@ -1,8 +1,9 @@
 """One rank on one device: owns the ModelRunner, sizes and allocates the KV cache.
 
 The distributed layer builds the ``ParallelContext`` (process groups) and, for pipeline
-parallelism, supplies a ``PPTransport`` that moves IntermediateTensors between stages;
-single-process use needs neither.
+parallelism, supplies a ``PPTransport`` that moves IntermediateTensors between stages and,
+under async scheduling, the last stage's sampled ids to the others; single-process use
+needs neither.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.models.llama import IntermediateTensors
+from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.scheduler.config import EngineConfig
 from raylm.scheduler.executor import EngineDeadError
 from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -23,12 +25,18 @@ from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-class PPTransport(Protocol):
-    """Moves hidden states between pipeline stages (implemented by raylm.parallel)."""
+class PPTransport(SampledTokenTransport, Protocol):
+    """Moves hidden states between pipeline stages, and sampled ids from the last stage to
+    the others (implemented by ``raylm.parallel.pp_comm.PPCommunicator``). Sizes come from
+    the SchedulerOutput every rank holds, so no shape travels."""
 
     def recv_intermediate(self, scheduler_output: SchedulerOutput) -> IntermediateTensors: ...
 
     def send_intermediate(self, tensors: IntermediateTensors) -> None: ...
+
+    def close(self) -> None:
+        """Wait for (or drop) sends still in flight; called once at shutdown."""
+        ...
 
 
 def _available_host_memory() -> int:
@@ -108,7 +116,8 @@ class Worker:
         intermediate = None
         if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
             intermediate = self._transport().recv_intermediate(scheduler_output)
-        out = self.model_runner.execute_model(scheduler_output, intermediate)
+        out = self.model_runner.execute_model(scheduler_output, intermediate,
+                                              pp_transport=self.pp_transport)
         if isinstance(out, IntermediateTensors):
             self._transport().send_intermediate(out)
             return None
@@ -120,6 +129,17 @@ class Worker:
                                "pp_transport to exchange hidden states.")
         return self.pp_transport
 
+    def pp_stats(self) -> dict[str, int]:
+        """How sampled ids reached this rank's inputs (tests, benchmarks, debugging)."""
+        runner = self.model_runner
+        ring = runner.pp_ring
+        stats = runner.async_input_stats
+        return {"pp_rank": self.ctx.pp_rank, "slice_copy": stats.slice_copy,
+                "scatter": stats.scatter,
+                "ring_steps": ring.num_steps if ring else 0,
+                "ring_delivered": ring.num_delivered if ring else 0,
+                "ring_tokens_dropped": ring.num_tokens_dropped if ring else 0}
+
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"worker rank {self.rank} is dead: {self._dead!r}")
@@ -130,3 +150,5 @@ class Worker:
     def shutdown(self) -> None:
         if self.model_runner is not None:
             self.model_runner.shutdown()
+        if self.pp_transport is not None:
+            self.pp_transport.close()

@@ -1,0 +1,252 @@
+"""The async-PP sampled-token ring (runner/pp_ring.py): delivery exactly pp_size steps
+later, empty steps included; no token delivered to a row freed and reused meanwhile.
+Then the whole PP path without Ray: every stage a real Worker, stages run back to back in
+one thread over a loopback transport, driven by the real EngineCore (cadence, pp + 1
+batches in flight), greedy output against transformers with preemption and chunked prefill."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import Future
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from raylm.parallel.context import ParallelContext
+from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+from raylm.runner.pp_ring import SampledTokenRing
+from raylm.runner.worker import Worker
+from raylm.scheduler.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.request import Request
+from raylm.scheduler.sampling_params import SamplingParams
+
+
+class _Recv:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+# ---------------------------------------------------------------- the ring alone
+@pytest.mark.parametrize("pp_size", [2, 3, 4])
+def test_each_broadcast_comes_back_exactly_pp_steps_later_empty_steps_included(pp_size):
+    ring = SampledTokenRing(pp_size)
+    ring.add_request("a")
+    rng = random.Random(pp_size)
+    sent: dict[int, str] = {}
+    for step in range(40):
+        delivery = ring.take()
+        source = step - pp_size
+        if source in sent:
+            assert delivery is not None and delivery.pending.wait() == sent[source]
+            assert delivery.step_index == source and delivery.req_id_to_index == {"a": 0}
+        else:  # before the first step, or an empty step pp_size steps ago
+            assert delivery is None
+        if rng.random() < 0.3:
+            ring.put(None)  # an empty step: nothing broadcast, the ring still advances
+        else:
+            sent[step] = f"ids of step {step}"
+            ring.put(_Recv(sent[step]), {"a": 0})
+    assert ring.num_steps == 40
+
+
+def test_tokens_of_a_row_freed_and_reused_meanwhile_are_dropped():
+    ring = SampledTokenRing(2)
+    for r in ("a", "b", "c"):
+        ring.add_request(r)
+    row_b = ring.row_of("b")
+    ring.take()
+    ring.put(_Recv("step0"), {"a": 0, "b": 1, "c": 2})
+    # Step 1: "b" finishes, "d" arrives and gets b's row (LIFO); "c" is preempted and
+    # re-added at once (same id, new state).
+    ring.remove_request("b")
+    ring.add_request("d")
+    assert ring.row_of("d") == row_b
+    ring.remove_request("c")
+    ring.add_request("c")
+    ring.take()
+    ring.put(_Recv("step1"), {"d": 0})
+    delivery = ring.take()  # step 2 takes step 0
+    assert delivery.pending.wait() == "step0"
+    assert delivery.req_id_to_index == {"a": 0}
+    assert delivery.keep.tolist() == [True, False, False] and delivery.num_dropped == 2
+    assert ring.num_tokens_dropped == 2 and ring.num_delivered == 1
+    ring.put(None)
+    delivery = ring.take()  # step 3 takes step 1: d still holds its row
+    assert delivery.req_id_to_index == {"d": 0}
+
+
+def test_rows_grow_and_misuse_is_refused():
+    ring = SampledTokenRing(2, initial_rows=1)
+    rows = [ring.add_request(f"r{i}") for i in range(5)]
+    assert sorted(rows) == list(range(5))
+    with pytest.raises(ValueError, match="'r0' already holds"):
+        ring.add_request("r0")
+    ring.remove_request("never-added")  # ignored
+    with pytest.raises(RuntimeError, match="without take"):
+        ring.put(None)
+    ring.take()
+    with pytest.raises(RuntimeError, match="take\\(\\) twice"):
+        ring.take()
+    with pytest.raises(ValueError, match="pp_size"):
+        SampledTokenRing(1)
+
+
+# ---------------------------------------------------------------- stages in one process
+class _Hub:
+    """What the loopback transports share: hidden states per stage boundary, and every
+    broadcast in order (a receive names its broadcast by sequence number)."""
+
+    def __init__(self, pp_size: int) -> None:
+        self.hidden = [[] for _ in range(pp_size)]
+        self.broadcasts: list[torch.Tensor] = []
+
+
+class _LoopbackTransport:
+    def __init__(self, hub: _Hub, pp_rank: int) -> None:
+        self.hub, self.pp_rank = hub, pp_rank
+        self.num_posted = 0
+        self.num_waits = 0
+
+    def recv_intermediate(self, so):
+        t = self.hub.hidden[self.pp_rank - 1].pop(0)
+        assert t.hidden_states.shape[0] == so.total_num_scheduled_tokens
+        return t
+
+    def send_intermediate(self, tensors):
+        self.hub.hidden[self.pp_rank].append(tensors)
+
+    def broadcast_sampled_token_ids(self, sampled):
+        self.hub.broadcasts.append(sampled.reshape(-1).clone())
+
+    def recv_sampled_token_ids(self, num_rows):
+        seq, hub, transport = self.num_posted, self.hub, self
+        self.num_posted += 1
+
+        class _Pending:
+            def wait(self):
+                # The stages run back to back: the broadcast must have happened already
+                # (a ring that consumed early would fail here).
+                assert seq < len(hub.broadcasts), f"broadcast #{seq} consumed before sent"
+                assert hub.broadcasts[seq].shape == (num_rows,)
+                transport.num_waits += 1
+                return hub.broadcasts[seq]
+
+        return _Pending()
+
+    def close(self):
+        pass
+
+
+class _BackToBackPipeline:
+    """Executor protocol: each step runs on every stage in order (no overlap, same data
+    flow and cadence as the Ray workers)."""
+
+    supports_async_scheduling = True
+
+    def __init__(self, config: EngineConfig, pp_size: int) -> None:
+        self.hub = _Hub(pp_size)
+        self.workers = []
+        for rank in range(pp_size):
+            w = Worker(config, rank=rank)
+            w.init_device(ParallelContext(tp_rank=0, tp_size=1, pp_rank=rank, pp_size=pp_size,
+                                          dp_rank=0, device=torch.device("cpu")), num_threads=1)
+            w.load_model()
+            w.pp_transport = _LoopbackTransport(self.hub, rank)
+            self.workers.append(w)
+
+    def determine_num_kv_blocks(self):
+        return min(w.determine_num_kv_blocks() for w in self.workers)
+
+    def initialize_kv_cache(self, num_blocks):
+        for w in self.workers:
+            w.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, so, non_block=False):
+        for w in self.workers[:-1]:
+            assert w.execute_model(so) is None
+        out = self.workers[-1].execute_model(so)
+        out = out.get_output() if hasattr(out, "get_output") else out
+        future: Future = Future()
+        future.set_result(out)
+        return future if non_block else out
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        for w in self.workers:
+            w.shutdown()
+
+
+def _config(path, pp_size, async_scheduling, **sched):
+    return EngineConfig(ModelConfig(model=path), CacheConfig(block_size=4, num_kv_blocks=20),
+                        SchedulerConfig(async_scheduling=async_scheduling, **sched),
+                        ParallelConfig(pipeline_parallel_size=pp_size))
+
+
+@pytest.fixture(scope="module")
+def three_layer_path(tmp_path_factory):
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("llama3l")),
+                                   CheckpointSpec(num_hidden_layers=3, seed=4))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("pp_size", [2, 3])
+def test_back_to_back_stages_match_transformers(llama_path, three_layer_path, pp_size,
+                                                async_scheduling):
+    path = llama_path if pp_size == 2 else three_layer_path
+    # 20 blocks of 4 tokens cannot hold all six at full length (preemption); a 16-token
+    # budget chunks the long prompts.
+    config = _config(path, pp_size, async_scheduling, max_num_seqs=6, max_num_batched_tokens=16)
+    executor = _BackToBackPipeline(config, pp_size)
+    core = EngineCore(config, executor)
+    assert core.batch_queue_size == pp_size + (1 if async_scheduling else 0)
+    rng = random.Random(pp_size)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 21, 9, 30, 14, 6)]
+    max_tokens = [18, 12, 24, 10, 20, 16]
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        core.add_request(Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=m,
+                                                            ignore_eos=True),
+                                 frozenset(), config.model_config.max_model_len, sampling_seed=i))
+    tokens: dict[str, list[int]] = {}
+    for out in core.run_until_idle():
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert core.scheduler.counters.num_preemptions > 0
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        assert tokens[f"r{i}"] == hf_greedy(path, p, m), f"r{i}"
+    if async_scheduling:
+        # Every stage but the last consumed every broadcast but those still in its ring,
+        # and stage 0 filled decode inputs from them on the device.
+        num_broadcasts = len(executor.hub.broadcasts)
+        for w in executor.workers[:-1]:
+            ring = w.model_runner.pp_ring
+            assert w.pp_transport.num_posted == num_broadcasts
+            assert w.pp_transport.num_waits == num_broadcasts - len(ring.pending_slots())
+        stats = executor.workers[0].model_runner.async_input_stats
+        assert stats.slice_copy + stats.scatter > 0
+    else:
+        assert executor.hub.broadcasts == []
+    core.shutdown()
+
+
+def test_ring_is_only_built_where_ids_must_come_back(llama_path):
+    def runner(rank, async_scheduling):
+        w = Worker(_config(llama_path, 2, async_scheduling), rank=rank)
+        w.init_device(ParallelContext(tp_rank=0, tp_size=1, pp_rank=rank, pp_size=2, dp_rank=0,
+                                      device=torch.device("cpu")), num_threads=1)
+        return w.model_runner
+
+    assert runner(0, True).pp_ring is not None
+    assert runner(1, True).pp_ring is None  # the last stage samples
+    assert runner(0, False).pp_ring is None  # sync: new_token_ids carry the inputs
