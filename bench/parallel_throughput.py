@@ -7,10 +7,14 @@ runner/checkpoint.py SPECS, 32-token prompts, greedy, ignore_eos):
 - TP=1 in process (UniProcExecutor, torch threads = all cores): the reference
 - TP=1 on Ray (EngineCore actor + 1 worker actor, 1 torch thread)
 - TP=2 on Ray (2 worker actors, 1 torch thread each, all-reduce over gloo)
-- PP=2 on Ray (when the pipeline-parallel runner is available)
-Every parallel run's tokens are checked against the reference run's. On a 2-core box TP
-cannot win: both ranks share the cores the single process already used, and each layer
-adds two gloo all-reduces (~0.5-1 ms each on loopback). The ratios say what it costs.
+- PP=2 on Ray (2 stage actors, hidden states over gloo), async scheduling (the default:
+  pp + 1 = 3 steps in flight, each request decodes every 2nd step, sampled ids return to
+  stage 0 by broadcast) and sync (2 steps in flight, ids sent by the scheduler)
+Every parallel run's tokens are checked against the reference run's. On a 2-core box
+neither TP nor PP can win: the ranks share the cores the single process already used; TP
+adds two gloo all-reduces per layer (~0.5-1 ms each on loopback), PP one hidden-state
+send per step and halves each step's batch (the decode cadence). The ratios say what it
+costs.
 """
 
 from __future__ import annotations
@@ -75,12 +79,13 @@ def main() -> None:
         ("TP=1 ray", {"distributed_executor_backend": "ray"}),
         ("TP=2 ray", {"tensor_parallel_size": 2}),
         ("PP=2 ray", {"pipeline_parallel_size": 2}),
+        ("PP=2 ray sync", {"pipeline_parallel_size": 2, "async_scheduling": False}),
     ]
     rows, reference = [], None
     for name, kwargs in configs:
         try:
             tok_s, tokens = run(path, wl, **kwargs)
-        except Exception as e:  # PP may not exist yet: say so, keep the other rows
+        except Exception as e:  # a configuration that fails: say so, keep the other rows
             print(f"{name}: not run ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
             continue
         if reference is None:

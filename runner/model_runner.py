@@ -63,6 +63,19 @@ class _PendingTokens:
     placeholders: _Placeholders
 
 
+class _OnHost(AsyncCopy):
+    """Received ids already in host memory (CPU device): nothing to copy."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._array = tensor.numpy()
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> list[np.ndarray]:
+        return [self._array]
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, ctx: ParallelContext) -> None:
         if engine_config.scheduler_config.async_scheduling is None:
@@ -190,7 +203,9 @@ class ModelRunner:
         if keep.any():
             kept = _Placeholders([s for s, k in zip(ph.states, keep.tolist(), strict=True) if k],
                                  ph.positions[keep], ph.indices[keep])
-            self._pending.append(_PendingTokens(self.copier.start([sampled]), kept))
+            copy = (_OnHost(sampled) if sampled.device.type == "cpu"
+                    else self.copier.start([sampled]))
+            self._pending.append(_PendingTokens(copy, kept))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch

@@ -240,6 +240,41 @@ def test_back_to_back_stages_match_transformers(llama_path, three_layer_path, pp
     core.shutdown()
 
 
+def _run_engine(config, executor, prompts, params) -> dict[str, list[int]]:
+    core = EngineCore(config, executor)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(Request(f"r{i}", p, sp, frozenset(), config.model_config.max_model_len,
+                                 sampling_seed=1000 + i))
+    tokens: dict[str, list[int]] = {}
+    for out in core.run_until_idle():
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    core.shutdown()
+    return tokens
+
+
+def test_seeded_sampling_and_penalties_are_the_same_with_pp_async_or_sync(llama_path):
+    from raylm.runner.executor import UniProcExecutor
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 19, 11, 7)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=1.0, presence_penalty=0.5, max_tokens=10,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.7, repetition_penalty=1.3, top_k=20, max_tokens=16,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, frequency_penalty=0.4, max_tokens=12,
+                             ignore_eos=True)]
+    single_config = EngineConfig(ModelConfig(model=llama_path),
+                                 CacheConfig(block_size=4, num_kv_blocks=20),
+                                 SchedulerConfig(async_scheduling=False, max_num_batched_tokens=16),
+                                 ParallelConfig())
+    single = _run_engine(single_config, UniProcExecutor(single_config), prompts, params)
+    for async_scheduling in (False, True):
+        config = _config(llama_path, 2, async_scheduling, max_num_batched_tokens=16)
+        got = _run_engine(config, _BackToBackPipeline(config, 2), prompts, params)
+        assert got == single, f"async_scheduling={async_scheduling}"
+
+
 def test_ring_is_only_built_where_ids_must_come_back(llama_path):
     def runner(rank, async_scheduling):
         w = Worker(_config(llama_path, 2, async_scheduling), rank=rank)
