@@ -39,7 +39,6 @@ class EngineCoreActor:
         self.executor_kwargs = dict(executor_kwargs or {})
         self.engine_core: EngineCore | None = None
         self.loop: EngineCoreLoop | None = None
-        self._final_outputs_sent = False
 
     def start(self) -> dict[str, Any]:
         """Start the workers (in the caller's placement group, if any) and the loop."""
@@ -75,7 +74,8 @@ class EngineCoreActor:
         """Long poll: wait up to ``timeout`` for the first batch, then take what is ready.
 
         After the engine dies, the ABORT outputs of the requests it was serving come
-        once, then every call raises EngineDeadError.
+        once (the loop queues them before the error), then every call raises
+        EngineDeadError.
         """
         loop = self._require_loop()
         batches: list[EngineCoreOutputs] = []
@@ -86,21 +86,11 @@ class EngineCoreActor:
             except EngineDeadError:
                 if batches:
                     return batches  # deliver what came before the death first
-                final = self._take_final_outputs()
-                if final is not None:
-                    return [final]
                 raise
             if batch is None:
                 return batches
             batches.append(batch)
             wait = 0.0
-
-    def _take_final_outputs(self) -> EngineCoreOutputs | None:
-        if self._final_outputs_sent:
-            return None
-        self._final_outputs_sent = True
-        final = getattr(self.loop.dead_error, "outputs", None)
-        return final if final is not None and final.outputs else None
 
     def get_metrics(self) -> dict[str, Any]:
         return self._require_loop().engine_core.get_metrics()

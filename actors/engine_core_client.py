@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import get_current_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.actors.engine_core_actor import EngineCoreActor
@@ -57,10 +57,19 @@ class RayEngineCoreClient:
         self.config = config
         self.poll_timeout_s = poll_timeout_s
         self.call_timeout_s = call_timeout_s
-        bundles = [{"CPU": float(engine_core_cpus)}] + worker_bundles(
-            pc.world_size, resource or default_worker_resource(), cpus_per_worker)
-        self.placement_group = create_placement_group(
-            bundles, pc.placement_group_strategy, placement_timeout_s)
+        current = get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= 1 + pc.world_size:
+            # Inside a Serve replica whose deployment reserved [replica, rank 0..N-1]: reuse
+            # those bundles (reserving a second group would hold every CPU/GPU twice). The
+            # EngineCore actor shares bundle 0 with the replica.
+            self.placement_group, self._owns_placement_group = current, False
+            engine_core_cpus = 0.0
+        else:
+            bundles = [{"CPU": float(engine_core_cpus)}] + worker_bundles(
+                pc.world_size, resource or default_worker_resource(), cpus_per_worker)
+            self.placement_group = create_placement_group(
+                bundles, pc.placement_group_strategy, placement_timeout_s)
+            self._owns_placement_group = True
         self.actor = EngineCoreActor.options(
             num_cpus=engine_core_cpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -158,7 +167,8 @@ class RayEngineCoreClient:
             ray.kill(self.actor)
         except Exception as e:  # already gone
             logger.debug("ray.kill(EngineCore actor): %s", e)
-        remove_placement_group(self.placement_group)
+        if self._owns_placement_group:
+            remove_placement_group(self.placement_group)
 
 
 def make_ray_engine_core_client(config: EngineConfig, **kwargs: Any) -> RayEngineCoreClient:

@@ -43,7 +43,8 @@ def ensure_ray_initialized(min_cpus: float = 0.0) -> None:
     if num_cpus > (os.cpu_count() or 1):
         logger.info("Starting a local Ray instance with %d logical CPUs on %d cores.",
                     num_cpus, os.cpu_count())
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    # address="local": never join a cluster some earlier `ray start` left running.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 def default_worker_resource() -> str:

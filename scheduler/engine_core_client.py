@@ -117,10 +117,10 @@ class EngineCoreLoop:
                     self.outputs.put(outputs)
         except BaseException as e:  # the engine is dead: every waiter must hear it once
             logger.error("EngineCore loop died: %r", e)
-            final = getattr(e, "outputs", None)  # ABORT outputs of the requests it held
-            if final:
-                self.outputs.put(EngineCoreOutputs(outputs=list(final)))
             self.dead_error = e
+            final = getattr(e, "outputs", None)  # ABORT outputs of the requests it held
+            if isinstance(final, EngineCoreOutputs) and final.outputs:
+                self.outputs.put(final)
             self.outputs.put(e)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
