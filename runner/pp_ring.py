@@ -16,6 +16,10 @@ remembers the (row, generation) of each request that sampled in it; on delivery,
 tokens of rows freed in between (perhaps reused by another request, or by the same
 request re-added after a preemption) are dropped: they belong to a state that is gone.
 
+Sync scheduling uses no ring and no broadcast: there the scheduler only schedules an input
+it has already seen, so it sends it (``CachedRequestData.new_token_ids``) to every rank, and
+the sync path stays free of device-side hand-offs, the reference to debug this one against.
+
 Pure bookkeeping: the receive handles and the runner's payload are opaque here.
 """
 

@@ -126,3 +126,12 @@ def test_prefill_chunks_are_not_staggered(async_scheduling):
     assert len(chunks) >= 4
     assert chunks + [first_sample] == list(range(chunks[0], first_sample + 1)), (chunks,
                                                                                   first_sample)
+
+
+def test_async_scheduling_defaults_to_on_with_pp():
+    config = make_config(async_scheduling=None, pipeline_parallel_size=2)
+    resolved = config.resolve_async_scheduling(executor_supports_async=True)
+    assert resolved.async_scheduling and resolved.max_concurrent_batches == 3
+    engine = EngineCore(config, FakeExecutor(max_concurrent_batches=3))
+    assert type(engine.scheduler).__name__ == "AsyncScheduler"
+    assert engine.scheduler.decode_stagger == 2 and engine.batch_queue_size == 3
