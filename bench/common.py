@@ -57,6 +57,19 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def median_rate(num_tokens: int, runs: int, fn) -> float:
+    """Tokens/s of ``fn`` over ``runs`` calls, the first a warm-up; the median of the rest
+    (a 2-core box shared with other work is noisy: one run can be 20% off)."""
+    rates = []
+    for i in range(runs):
+        with Timer() as t:
+            fn()
+        if i:
+            rates.append(num_tokens / t.seconds)
+    rates.sort()
+    return rates[len(rates) // 2]
+
+
 def print_table(rows: list[tuple[str, str, float]], reference: str) -> None:
     """rows: (workload, engine, tok/s); ratios against ``reference`` per workload."""
     ref = {w: v for w, e, v in rows if e == reference}

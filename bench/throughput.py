@@ -8,6 +8,7 @@ Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos):
 - mixed: 64 requests, prompts 8-256 tokens, outputs 8-128 tokens (6m model)
 HF runs static batches (left-padded, every batch runs to its longest output). vLLM runs
 in its own venv (it pins its own torch) on the same checkpoint when --vllm-python is given.
+Every engine does one warm-up run and --repeats timed runs; the table shows the median.
 """
 
 from __future__ import annotations
@@ -20,17 +21,24 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Timer, Workload, checkpoint, fixed_workload, mixed_workload, print_table  # noqa: E402
+from common import Workload, checkpoint, fixed_workload, median_rate, mixed_workload, print_table  # noqa: E402
 
 
-def run_hf(path: str, wl: Workload, batch_size: int) -> float:
+def run_hf(path: str, wl: Workload, batch_size: int, repeats: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
-    with Timer() as t, torch.inference_mode():
+    return median_rate(wl.num_output_tokens, repeats + 1,
+                       lambda: _hf_static_batches(model, wl, order, batch_size))
+
+
+def _hf_static_batches(model, wl: Workload, order: list[int], batch_size: int) -> None:
+    import torch
+
+    with torch.inference_mode():
         for s in range(0, len(order), batch_size):
             idx = order[s:s + batch_size]
             width = max(len(wl.prompts[i]) for i in idx)
@@ -43,23 +51,25 @@ def run_hf(path: str, wl: Workload, batch_size: int) -> float:
             new = max(wl.max_tokens[i] for i in idx)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, pad_token_id=0)
-    return wl.num_output_tokens / t.seconds
 
 
-def run_raylm(path: str, wl: Workload, max_num_seqs: int, async_scheduling: bool) -> float:
+def run_raylm(path: str, wl: Workload, max_num_seqs: int, async_scheduling: bool,
+              repeats: int) -> float:
     from raylm import LLM, SamplingParams
 
     llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
               async_scheduling=async_scheduling, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    with Timer() as t:
+
+    def once() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        got = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert got == wl.num_output_tokens, (got, wl.num_output_tokens)
+
+    rate = median_rate(wl.num_output_tokens, repeats + 1, once)
     llm.shutdown()
-    got = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert got == wl.num_output_tokens, (got, wl.num_output_tokens)
-    return wl.num_output_tokens / t.seconds
+    return rate
 
 
 _VLLM_SCRIPT = r"""
@@ -75,12 +85,14 @@ def main():
               max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in spec["max_tokens"]]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"tok_s": n / dt}), flush=True)
+    rates = []
+    for _ in range(spec["repeats"] + 1):  # the first run is a warm-up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    rates = sorted(rates[1:])
+    print("RESULT " + json.dumps({"tok_s": rates[len(rates) // 2]}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process
@@ -88,7 +100,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process
 """
 
 
-def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int) -> float | None:
+def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: int) -> float | None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -96,7 +108,7 @@ def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int) -> float |
         script = os.path.join(d, "run.py")
         with open(spec, "w") as f:
             json.dump({"path": path, "prompts": wl.prompts, "max_tokens": wl.max_tokens,
-                       "max_num_seqs": max_num_seqs}, f)
+                       "max_num_seqs": max_num_seqs, "repeats": repeats}, f)
         with open(script, "w") as f:
             f.write(_VLLM_SCRIPT)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="ERROR")
@@ -113,6 +125,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="6m,120m")
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median)")
     args = ap.parse_args()
     from raylm.runner.checkpoint import SPECS
 
@@ -128,11 +141,12 @@ def main() -> None:
         path = checkpoint(size)
         label = f"{size} {wl.name}"
         print(f"# {size} model: {wl.describe()}", flush=True)
-        rows.append((label, "hf static batching", run_hf(path, wl, batch)))
-        rows.append((label, "raylm sync", run_raylm(path, wl, batch, async_scheduling=False)))
-        rows.append((label, "raylm async", run_raylm(path, wl, batch, async_scheduling=True)))
+        r = args.repeats
+        rows.append((label, "hf static batching", run_hf(path, wl, batch, r)))
+        rows.append((label, "raylm sync", run_raylm(path, wl, batch, False, r)))
+        rows.append((label, "raylm async", run_raylm(path, wl, batch, True, r)))
         if args.vllm_python:
-            v = run_vllm(args.vllm_python, path, wl, batch)
+            v = run_vllm(args.vllm_python, path, wl, batch, r)
             if v is not None:
                 rows.append((label, "vllm-cpu 0.32.0", v))
         print(f"  done: {rows[-1]}", flush=True)
