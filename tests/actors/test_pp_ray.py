@@ -1,4 +1,4 @@
-"""Pipeline parallelism end to end on Ray (DESIGN §4): ``raylm.LLM`` with PP=2,
+"""Pipeline (and tensor) parallelism end to end on Ray (DESIGN §4): ``raylm.LLM`` with PP=2,
 TP=2 x PP=2 and PP=3, async scheduling on and off, greedy output equal to transformers and to the
 single-process engine, under forced preemption (20 KV blocks of 4 tokens) and chunked
 prefill (a 16-token budget). Hidden states travel over gloo between the worker actors;
@@ -112,5 +112,19 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
         assert stats[0]["ring_delivered"] == stats[1]["ring_delivered"] > 0, stats
         assert stats[0]["slice_copy"] + stats[0]["scatter"] > 0, stats
         assert stats[1]["slice_copy"] + stats[1]["scatter"] == 0, stats  # no token inputs
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tensor_parallel_under_preemption_and_chunking_matches_hf(llama_path, reference,
+                                                                   async_scheduling):
+    """TP=2 alone (no PP) under the same forced preemption and chunked prefill."""
+    llm = LLM(llama_path, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE)
+    try:
+        assert _generate(llm) == reference
+        metrics = llm.get_metrics()
+        assert metrics["raylm:num_preemptions"] > 0, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
