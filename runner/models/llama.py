@@ -80,7 +80,7 @@ class LlamaMLP(nn.Module):
                                            params_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj.forward_split(x)
         return self.down_proj(F.silu(gate) * up)
 
 
