@@ -40,7 +40,8 @@ class AttentionMetadata:
     decode_token_indices: torch.Tensor | None = None  # [B_d]; None when no decode rows
     decode_is_all: bool = False  # every token is a decode row, in order: no gather needed
     decode_kv_slots: torch.Tensor | None = None  # [B_d, L_max]
-    decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, L_max] bool, True = attend
+    decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, L_max] bool, True = attend; None
+    # when every decode row has length L_max (nothing to mask)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -64,14 +65,18 @@ def build_attention_metadata(
     is_decode = query_lens == 1
     decode_rows = np.flatnonzero(is_decode)
     if decode_rows.size:
-        max_len = int(seq_lens[decode_rows].max())
+        decode_lens = seq_lens[decode_rows]
+        max_len = int(decode_lens.max())
         meta.decode_is_all = decode_rows.size == num_tokens
         rows_t = None if meta.decode_is_all else torch.from_numpy(decode_rows).to(device)
         table = block_table if rows_t is None else block_table.index_select(0, rows_t)
         meta.decode_kv_slots = _slots_for(table, max_len, block_size)
-        lens = torch.from_numpy(seq_lens[decode_rows].astype(np.int64)).to(device)
-        meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[
-            :, None, None, :]
+        if int(decode_lens.min()) < max_len:
+            # Ragged rows: mask the padding. Equal lengths need no mask, and sdpa without
+            # one is faster (CPU, 120m decode: ~60 us of ~600 per layer).
+            lens = torch.from_numpy(decode_lens.astype(np.int64)).to(device)
+            meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[
+                :, None, None, :]
         if not meta.decode_is_all:
             starts = query_start_loc[:-1][decode_rows].astype(np.int64)
             meta.decode_token_indices = torch.from_numpy(starts).to(device)
