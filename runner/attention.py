@@ -43,6 +43,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, L_max] bool, True = attend; None
     # when every decode row has length L_max (nothing to mask)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Step-scoped scratch for the decode K/V gather, reused by every layer (each layer's
+    # sdpa is done with it before the next layer writes it): saves two large allocations
+    # per layer per step.
+    decode_kv_workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
 
 
 def _slots_for(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -94,10 +99,15 @@ def build_attention_metadata(
     return meta
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, slots: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """cache[slots] for an index of any shape (index_select is several times faster on CPU
-    than advanced indexing)."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    than advanced indexing), into ``out`` [slots.numel(), *cache.shape[1:]] if given."""
+    if out is None:
+        out = cache.index_select(0, slots.reshape(-1))
+    else:
+        torch.index_select(cache, 0, slots.reshape(-1), out=out)
+    return out.view(*slots.shape, *cache.shape[1:])
 
 
 class Attention(nn.Module):
@@ -141,8 +151,15 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         batch = query.shape[0]
         q = query.reshape(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
-        k = _gather(key_cache, meta.decode_kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
-        v = _gather(value_cache, meta.decode_kv_slots).transpose(1, 2)
+        slots = meta.decode_kv_slots
+        shape = (slots.numel(), *key_cache.shape[1:])
+        key = (shape, key_cache.dtype)
+        if key not in meta.decode_kv_workspace:
+            meta.decode_kv_workspace[key] = (key_cache.new_empty(shape),
+                                             value_cache.new_empty(shape))
+        k_out, v_out = meta.decode_kv_workspace[key]
+        k = _gather(key_cache, slots, k_out).transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather(value_cache, slots, v_out).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(batch, self.num_heads * self.head_dim)
 
