@@ -35,6 +35,23 @@ def get_pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
+# Up to this many rows, a CPU linear runs as (W @ x^T)^T: oneDNN/MKL pick a much faster
+# kernel for a tall-skinny weight-major product (measured at 32 rows, fp32, 2 cores: lm_head
+# 16384x768 10.3 -> 9.3 ms, down_proj 768x2048 0.79 -> 0.60 ms); from ~128 rows on the
+# plain product is as fast or faster.
+_CPU_TRANSPOSED_LINEAR_MAX_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear, with the faster CPU form for small batches (decode). With a bias it stays
+    F.linear (one fused addmm, HF's rounding)."""
+    if (bias is None and x.device.type == "cpu" and x.dim() == 2
+            and 1 < x.shape[0] <= _CPU_TRANSPOSED_LINEAR_MAX_ROWS):
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight, bias)
+
+
 def _check_shape(param: torch.Tensor, shard: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(shard.shape):
         raise ValueError(
@@ -74,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
         return tp_all_gather(out, self.ctx) if self.gather_output else out
 
 
@@ -100,7 +117,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         weights = self.weight.split(self.output_sizes_per_partition, dim=0)
         biases = (self.bias.split(self.output_sizes_per_partition, dim=0)
                   if self.bias is not None else [None] * len(weights))
-        return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -173,7 +190,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.reduce_results:
             out = tp_all_reduce(out, self.ctx)
         if self.bias is not None:
@@ -225,7 +242,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     logits on every TP rank (all-gather), so every rank samples the same token."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, self.ctx, dim=-1)
         return logits[..., : self.num_embeddings]
 
