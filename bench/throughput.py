@@ -9,6 +9,7 @@ Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos):
 HF runs static batches (left-padded, every batch runs to its longest output). vLLM runs
 in its own venv (it pins its own torch) on the same checkpoint when --vllm-python is given.
 Every engine does one warm-up run and --repeats timed runs; the table shows the median.
+All three return token ids only (raylm and vLLM with detokenize=False), as HF generate does.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def run_raylm(path: str, wl: Workload, max_num_seqs: int, async_scheduling: bool
     llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
               async_scheduling=async_scheduling, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
+              for m in wl.max_tokens]
 
     def once() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -84,7 +86,8 @@ def main():
     llm = LLM(spec["path"], dtype="float32", block_size=32, max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in spec["max_tokens"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
+              for m in spec["max_tokens"]]
     rates = []
     for _ in range(spec["repeats"] + 1):  # the first run is a warm-up
         t = time.perf_counter()

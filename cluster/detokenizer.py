@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.stop_buffer_length = 0 if self.include_stop else max((len(s) for s in self.stop), default=1) - 1
+        self.detokenize = params.detokenize
         self.token_ids: list[int] = []
         # Start from the prompt's tail so the first output token joins the prompt correctly
         # (a leading space, a byte sequence split across the boundary).
@@ -43,6 +44,8 @@ class IncrementalDetokenizer:
     def update(self, new_token_id: int) -> str | None:
         """Append one token; return the stop string it completed, if any."""
         self.token_ids.append(new_token_id)
+        if not self.detokenize:
+            return None  # token ids only (no stop strings: SamplingParams rejects them)
         self._context.append(new_token_id)
         prefix_text = self._decode(self._context[self.prefix_offset:self.read_offset])
         full_text = self._decode(self._context[self.prefix_offset:])
@@ -74,11 +77,15 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end, emit any bytes still waiting for completion (e.g. a lone U+FFFD)."""
+        if not self.detokenize:
+            return
         full = self._decode(self._context[self.prefix_offset:])
         prefix = self._decode(self._context[self.prefix_offset:self.read_offset])
         if len(full) > len(prefix) and full.startswith(prefix):
             self.output_text += full[len(prefix):]
             self.prefix_offset = self.read_offset = len(self._context)
 
-    def decode_token(self, token_id: int) -> str:
+    def decode_token(self, token_id: int) -> str | None:
+        if not self.detokenize:
+            return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

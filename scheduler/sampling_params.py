@@ -97,6 +97,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", list(self.stop), "must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("stop", list(self.stop), "needs detokenize=True (stop strings match text)")
 
     @property
     def sampling_type(self) -> SamplingType:

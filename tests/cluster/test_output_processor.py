@@ -114,3 +114,18 @@ def test_n_children_are_gathered_in_one_output(tokenizer):
     assert res.finished and [c.token_ids for c in res.outputs] == [[20], [21]]
     assert [c.index for c in res.outputs] == [0, 1]
     assert not proc.has_unfinished()
+
+
+def test_detokenize_false_keeps_ids_and_skips_text(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=3, detokenize=False, logprobs=0)
+    proc.add_request(_parent(tokenizer, "x", params), ["r"])
+    lp = LogprobsLists(token_ids=[[40], [41], [42]], logprobs=[[-1.0], [-2.0], [-3.0]],
+                       sampled_token_ranks=[3, 1, 2])
+    out = EngineCoreOutput("r", [40, 41, 42], new_logprobs=lp, finish_reason=FinishReason.LENGTH)
+    (res,), _ = proc.process_outputs(EngineCoreOutputs([out]))
+    c = res.outputs[0]
+    assert c.token_ids == [40, 41, 42] and c.text == ""
+    assert [e[t].decoded_token for e, t in zip(c.logprobs, c.token_ids)] == [None] * 3
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
