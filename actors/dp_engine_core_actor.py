@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from raylm.actors.engine_core_actor import poll_outputs
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPRendezvous, DPSyncGroup
 from raylm.scheduler.config import EngineConfig
 from raylm.scheduler.dp_loop import DPEngineCoreLoop
@@ -67,7 +68,6 @@ class DPEngineCoreActor:
         self.loop: DPEngineCoreLoop | None = None
         self.group: DPSyncGroup | None = None
         self._rendezvous: DPRendezvous | None = None
-        self._final_outputs_sent = False
 
     # ---- startup -----------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -138,33 +138,11 @@ class DPEngineCoreActor:
         self._require_loop().start_wave(wave)
 
     def get_outputs(self, timeout: float) -> list[EngineCoreOutputs]:
-        """Long poll: wait up to ``timeout`` for the first batch, then take what is ready.
-        After the rank dies: its final ABORT outputs once (if the EngineCore made any),
-        then EngineDeadError on every call."""
-        loop = self._require_loop()
-        batches: list[EngineCoreOutputs] = []
-        wait: float | None = timeout
-        while True:
-            try:
-                batch = loop.get_output(timeout=wait)
-            except EngineDeadError as e:
-                if batches:
-                    return batches  # what came before the death first
-                final = self._take_final_outputs()
-                if final is not None:
-                    return [final]
-                raise EngineDeadError(f"DP rank {self.dp_rank}: {e}") from None
-            if batch is None:
-                return batches
-            batches.append(batch)
-            wait = 0.0
-
-    def _take_final_outputs(self) -> EngineCoreOutputs | None:
-        if self._final_outputs_sent:
-            return None
-        self._final_outputs_sent = True
-        final = getattr(self.loop.dead_error, "outputs", None)
-        return final if final is not None and final.outputs else None
+        """engine_core_actor.poll_outputs, with the rank named in the death."""
+        try:
+            return poll_outputs(self._require_loop(), timeout)
+        except EngineDeadError as e:
+            raise EngineDeadError(f"DP rank {self.dp_rank}: {e}") from None
 
     # ---- queries -------------------------------------------------------------------
     def get_metrics(self) -> dict[str, Any]:

@@ -29,6 +29,27 @@ logger = logging.getLogger(__name__)
 ENGINE_CORE_ACTOR_CONCURRENCY = 16
 
 
+def poll_outputs(loop: EngineCoreLoop, timeout: float) -> list[EngineCoreOutputs]:
+    """Long poll: wait up to ``timeout`` for the first batch, then take what is ready.
+
+    After the engine dies, the ABORT outputs of the requests it was serving come once (the
+    loop queues them before the error), then every call raises EngineDeadError.
+    """
+    batches: list[EngineCoreOutputs] = []
+    wait: float | None = timeout
+    while True:
+        try:
+            batch = loop.get_output(timeout=wait)
+        except EngineDeadError:
+            if batches:
+                return batches  # deliver what came before the death first
+            raise
+        if batch is None:
+            return batches
+        batches.append(batch)
+        wait = 0.0
+
+
 @ray.remote(max_concurrency=ENGINE_CORE_ACTOR_CONCURRENCY)
 class EngineCoreActor:
     def __init__(self, config: EngineConfig, placement_group: Any = None,
@@ -71,26 +92,7 @@ class EngineCoreActor:
         self._require_loop().abort_requests(request_ids)
 
     def get_outputs(self, timeout: float) -> list[EngineCoreOutputs]:
-        """Long poll: wait up to ``timeout`` for the first batch, then take what is ready.
-
-        After the engine dies, the ABORT outputs of the requests it was serving come
-        once (the loop queues them before the error), then every call raises
-        EngineDeadError.
-        """
-        loop = self._require_loop()
-        batches: list[EngineCoreOutputs] = []
-        wait: float | None = timeout
-        while True:
-            try:
-                batch = loop.get_output(timeout=wait)
-            except EngineDeadError:
-                if batches:
-                    return batches  # deliver what came before the death first
-                raise
-            if batch is None:
-                return batches
-            batches.append(batch)
-            wait = 0.0
+        return poll_outputs(self._require_loop(), timeout)
 
     def get_metrics(self) -> dict[str, Any]:
         return self._require_loop().engine_core.get_metrics()

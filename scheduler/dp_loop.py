@@ -195,8 +195,7 @@ class DPEngineCoreLoop(EngineCoreLoop):
                     return
         except BaseException as e:  # the rank is dead: every waiter must hear it once
             logger.error("DP rank %d EngineCore loop died: %r", self.dp_rank, e)
-            self.dead_error = e
-            self.outputs.put(e)
+            self._die(e)
 
     def _apply_start_wave_msgs(self) -> None:
         while self._start_wave_msgs:

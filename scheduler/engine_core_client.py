@@ -117,11 +117,16 @@ class EngineCoreLoop:
                     self.outputs.put(outputs)
         except BaseException as e:  # the engine is dead: every waiter must hear it once
             logger.error("EngineCore loop died: %r", e)
-            self.dead_error = e
-            final = getattr(e, "outputs", None)  # ABORT outputs of the requests it held
-            if isinstance(final, EngineCoreOutputs) and final.outputs:
-                self.outputs.put(final)
-            self.outputs.put(e)
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """Record the death; queue the ABORT outputs of the requests the EngineCore held
+        (carried by EngineDeadError), then the error itself for every later reader."""
+        self.dead_error = error
+        final = getattr(error, "outputs", None)
+        if isinstance(final, EngineCoreOutputs) and final.outputs:
+            self.outputs.put(final)
+        self.outputs.put(error)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         try:
