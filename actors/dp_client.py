@@ -28,6 +28,7 @@ from raylm.actors.placement import (
     ensure_ray_initialized,
     worker_bundles,
 )
+from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler import envs
 from raylm.scheduler.config import EngineConfig
@@ -41,13 +42,6 @@ logger = logging.getLogger(__name__)
 
 # Gauges averaged over ranks in get_metrics; every other number is summed.
 _AVERAGED = ("raylm:kv_cache_usage_perc",)
-
-
-def _as_engine_dead(e: BaseException, what: str) -> EngineDeadError:
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, EngineDeadError):
-        return EngineDeadError(str(cause))
-    return EngineDeadError(f"DP rank actor failed during {what}: {' '.join(str(e).split())[:600]}")
 
 
 def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
@@ -72,7 +66,8 @@ def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-class DPEngineCoreClient:
+class DPEngineCoreClient(RemoteEngineCalls):
+    _who = "DP rank actor"
     def __init__(self, config: EngineConfig, *, resource: str | None = None,
                  cpus_per_rank: float = 1.0, cpus_per_worker: float = 1.0,
                  placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
@@ -96,8 +91,7 @@ class DPEngineCoreClient:
         self._outputs: queue.Queue[tuple[int, EngineCoreOutputs] | EngineDeadError] = queue.Queue()
         self._latest_stats: dict[int, SchedulerStats] = {}
         self._stopped = threading.Event()
-        self._dead: EngineDeadError | None = None
-        self._dead_lock = threading.Lock()
+        self._init_death_tracking()
         self._pollers: list[threading.Thread] = []
         try:
             self._init_placement(resource or default_worker_resource(), cpus_per_rank,
@@ -245,28 +239,6 @@ class DPEngineCoreClient:
         self._teardown()
 
     # ---- internals -----------------------------------------------------------------------
-    def _call(self, ref: Any, what: str) -> Any:
-        try:
-            return ray.get(ref, timeout=self.call_timeout_s)
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ValueError):
-                raise e.cause from None  # the caller's bad input, with its own type
-            raise self._mark_dead(_as_engine_dead(e, what)) from None
-        except ray.exceptions.RayError as e:  # a rank died or stopped answering
-            raise self._mark_dead(_as_engine_dead(e, what)) from None
-
-    def _mark_dead(self, error: EngineDeadError) -> EngineDeadError:
-        with self._dead_lock:
-            if self._dead is None:
-                self._dead = error
-                logger.error("DP engine is dead: %s", error)
-                self._outputs.put(error)
-            return self._dead
-
-    def _check_not_dead(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-
     def _poll(self, rank: int) -> None:
         actor = self.ranks[rank]
         while not self._stopped.is_set():
@@ -275,7 +247,7 @@ class DPEngineCoreClient:
                                   timeout=self.poll_timeout_s + self.call_timeout_s)
             except ray.exceptions.RayError as e:
                 if not self._stopped.is_set():
-                    self._mark_dead(_as_engine_dead(e, f"get_outputs of DP rank {rank}"))
+                    self._mark_dead(as_engine_dead(e, self._who, f"get_outputs of DP rank {rank}"))
                 return
             for batch in batches:
                 for out in batch.outputs:

@@ -26,6 +26,7 @@ from raylm.actors.placement import (
     ensure_ray_initialized,
     worker_bundles,
 )
+from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.scheduler.config import EngineConfig
 from raylm.scheduler.executor import EngineDeadError
 from raylm.scheduler.outputs import EngineCoreOutputs
@@ -36,16 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _as_engine_dead(e: BaseException, what: str) -> EngineDeadError:
-    """A Ray error from the EngineCore actor as the EngineDeadError the protocol promises."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, EngineDeadError):
-        return EngineDeadError(str(cause))
-    first = " ".join(str(e).split())[:600]
-    return EngineDeadError(f"EngineCore actor failed during {what}: {first}")
-
-
-class RayEngineCoreClient:
+class RayEngineCoreClient(RemoteEngineCalls):
     def __init__(self, config: EngineConfig, *, resource: str | None = None,
                  cpus_per_worker: float = 1.0, engine_core_cpus: float = 1.0,
                  placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
@@ -82,7 +74,7 @@ class RayEngineCoreClient:
             raise
         self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._stopped = threading.Event()
-        self._dead: EngineDeadError | None = None
+        self._init_death_tracking()
         self._poller = threading.Thread(target=self._poll, name="raylm-engine-core-poll",
                                         daemon=True)
         self._poller.start()
@@ -128,27 +120,6 @@ class RayEngineCoreClient:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _call(self, ref: Any, what: str) -> Any:
-        try:
-            return ray.get(ref, timeout=self.call_timeout_s)
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ValueError):
-                raise e.cause from None  # the caller's bad input, with its own type
-            raise self._mark_dead(_as_engine_dead(e, what)) from None
-        except ray.exceptions.RayError as e:  # the actor died or stopped answering
-            raise self._mark_dead(_as_engine_dead(e, what)) from None
-
-    def _mark_dead(self, error: EngineDeadError) -> EngineDeadError:
-        if self._dead is None:
-            self._dead = error
-            logger.error("Engine is dead: %s", error)
-            self._outputs.put(error)
-        return self._dead
-
-    def _check_not_dead(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-
     def _poll(self) -> None:
         ref = None
         while not self._stopped.is_set():
@@ -157,7 +128,7 @@ class RayEngineCoreClient:
                 batches = ray.get(ref, timeout=self.poll_timeout_s + self.call_timeout_s)
             except ray.exceptions.RayError as e:
                 if not self._stopped.is_set():
-                    self._mark_dead(_as_engine_dead(e, "get_outputs"))
+                    self._mark_dead(as_engine_dead(e, self._who, "get_outputs"))
                 return
             for batch in batches:
                 self._outputs.put(batch)
