@@ -1,11 +1,13 @@
 """DPEngineCoreClient: the EngineCoreClient protocol over d DP rank actors.
 
 Each rank is a DPEngineCoreActor (own EngineCore, scheduler, KV cache, workers) in its own
-placement group; a DPCoordinator actor starts waves on all ranks; a DPLoadBalancer here
-routes every new request to the rank with the fewest unfinished requests. One driver-side
-thread per rank long-polls that rank's outputs; ``get_output`` merges what is ready from
-all ranks (per rank, order is kept). A dead rank, or one a peer's DP all-reduce found dead,
-becomes one EngineDeadError that every later ``get_output`` raises.
+placement group, or, inside a Serve replica whose deployment reserved them, in its slice of
+the replica's group (``[replica] + d x [rank bundles]``); a DPCoordinator actor starts
+waves on all ranks; a DPLoadBalancer here routes every new request to the rank with the
+fewest unfinished requests. One driver-side thread per rank long-polls that rank's
+outputs; ``get_output`` merges what is ready from all ranks (per rank, order is kept). A
+dead rank, or one a peer's DP all-reduce found dead, becomes one EngineDeadError that every
+later ``get_output`` raises.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import get_current_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.actors.dp_coordinator import DPCoordinator, DPLoadBalancer
@@ -31,7 +33,7 @@ from raylm.actors.placement import (
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler import envs
-from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.config import EngineConfig, dp_rank_bundles
 from raylm.scheduler.executor import EngineDeadError
 from raylm.scheduler.outputs import EngineCoreOutputs, SchedulerStats
 
@@ -85,7 +87,9 @@ class DPEngineCoreClient(RemoteEngineCalls):
         self.poll_timeout_s = poll_timeout_s
         self.call_timeout_s = call_timeout_s
         self.balancer = DPLoadBalancer(self.dp_size)
-        self.placement_groups: list[Any] = []
+        self.placement_groups: list[Any] = []  # rank r's group (the same one for all in Serve)
+        self.bundle_bases: list[int] = []  # rank r's first bundle in its group
+        self._owns_placement_groups = True
         self.ranks: list[Any] = []
         self.coordinator: Any = None
         self._outputs: queue.Queue[tuple[int, EngineCoreOutputs] | EngineDeadError] = queue.Queue()
@@ -107,13 +111,22 @@ class DPEngineCoreClient(RemoteEngineCalls):
     def _init_placement(self, resource: str, cpus_per_rank: float, cpus_per_worker: float,
                         timeout_s: float) -> None:
         ws = self.config.parallel_config.world_size
-        # TP = PP = 1: the rank actor runs the model, so its one bundle is the device.
-        # Otherwise bundle 0 is the rank's EngineCore, bundles 1.. its workers.
-        if ws == 1:
-            bundles = worker_bundles(1, resource, cpus_per_rank)
+        per_rank = len(dp_rank_bundles(ws, {}, {}))
+        current = get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= 1 + self.dp_size * per_rank:
+            # Inside a Serve replica whose deployment reserved [replica] + d x [rank]:
+            # reserving d more groups would hold every CPU/GPU twice.
+            self.placement_groups = [current] * self.dp_size
+            self.bundle_bases = [1 + rank * per_rank for rank in range(self.dp_size)]
+            self._owns_placement_groups = False
+            return
+        if ws == 1:  # the rank actor runs the model: its bundle is the device
+            worker = worker_bundles(1, resource, cpus_per_rank)[0]
         else:
-            bundles = [{"CPU": float(cpus_per_rank)}] + worker_bundles(ws, resource, cpus_per_worker)
+            worker = worker_bundles(1, resource, cpus_per_worker)[0]
+        bundles = dp_rank_bundles(ws, {"CPU": float(cpus_per_rank)}, worker)
         strategy = self.config.parallel_config.placement_group_strategy
+        self.bundle_bases = [0] * self.dp_size
         for rank in range(self.dp_size):
             self.placement_groups.append(create_placement_group(
                 bundles, strategy, timeout_s, name=None))
@@ -122,15 +135,16 @@ class DPEngineCoreClient(RemoteEngineCalls):
     def _init_ranks(self, cpus_per_rank: float, executor_kwargs: dict[str, Any],
                     timeout_s: float) -> None:
         self.coordinator = DPCoordinator.remote(self.dp_size)
-        for rank, pg in enumerate(self.placement_groups):
-            bundle = pg.bundle_specs[0]
+        for rank, (pg, base) in enumerate(zip(self.placement_groups, self.bundle_bases)):
+            bundle = pg.bundle_specs[base]
             cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
             threads = envs.num_threads_override() or max(1, int(cpus or cpus_per_rank))
             self.ranks.append(DPEngineCoreActor.options(
                 num_cpus=cpus, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=0),
-            ).remote(self.config, rank, self.coordinator, pg, threads, executor_kwargs))
+                    pg, placement_group_bundle_index=base),
+            ).remote(self.config, rank, self.coordinator, pg, threads, executor_kwargs,
+                     bundle_offset=base + 1))
         ray.get(self.coordinator.register_ranks.remote(self.ranks), timeout=timeout_s)
         self.rank_infos = self._get([r.start.remote() for r in self.ranks], timeout_s,
                                     "starting the DP rank EngineCores")
@@ -265,8 +279,9 @@ class DPEngineCoreClient(RemoteEngineCalls):
                 ray.kill(actor)
             except Exception as e:  # already gone
                 logger.debug("ray.kill(DP actor): %s", e)
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
+        if self._owns_placement_groups:
+            for pg in self.placement_groups:
+                remove_placement_group(pg)
 
 
 def make_dp_engine_core_client(config: EngineConfig, **kwargs: Any) -> DPEngineCoreClient:

@@ -5,7 +5,8 @@ Rank placement (DESIGN §5): with TP = PP = 1 the rank's model runs inside this 
 (``UniProcExecutor``): no worker actor, no per-step dispatch hop, one process per rank;
 the actor then holds the rank's device (its bundle is ``{"GPU": 1}`` or ``{"CPU": n}``).
 With TP x PP > 1 the rank gets its own ``RayExecutor``: worker actors in the rank's own
-placement group (bundle 0 is this actor, bundles 1.. the workers), and its own
+placement group (bundle 0 is this actor, bundles 1.. the workers; offset by the rank's
+slice when the ranks share a Serve replica's group), and its own
 torch.distributed world; the DP group is a separate stateless Gloo group, so the two
 never collide.
 
@@ -51,7 +52,9 @@ def dp_rank_config(config: EngineConfig) -> EngineConfig:
 class DPEngineCoreActor:
     def __init__(self, config: EngineConfig, dp_rank: int, coordinator: Any,
                  placement_group: Any = None, num_threads: int | None = None,
-                 executor_kwargs: dict[str, Any] | None = None) -> None:
+                 executor_kwargs: dict[str, Any] | None = None, bundle_offset: int = 1) -> None:
+        """``bundle_offset``: the first of this rank's worker bundles in ``placement_group``
+        (TP x PP > 1)."""
         dp_size = config.parallel_config.data_parallel_size
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
@@ -61,6 +64,7 @@ class DPEngineCoreActor:
         self.dp_size = dp_size
         self.coordinator = coordinator
         self.placement_group = placement_group
+        self.bundle_offset = bundle_offset
         self.num_threads = num_threads
         self.executor_kwargs = dict(executor_kwargs or {})
         self.node_ip = ray.util.get_node_ip_address()
@@ -91,7 +95,7 @@ class DPEngineCoreActor:
         from raylm.actors.ray_executor import RayExecutor
 
         return RayExecutor(self.rank_config, placement_group=self.placement_group,
-                           bundle_offset=1, **self.executor_kwargs)
+                           bundle_offset=self.bundle_offset, **self.executor_kwargs)
 
     def publish_dp_rendezvous(self, timeout_s: float = DEFAULT_DP_TIMEOUT_S) -> tuple[str, int]:
         """Rank 0: host the DP group's store on this node; returns (host, port)."""

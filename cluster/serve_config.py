@@ -35,6 +35,8 @@ from pydantic import (
     model_validator,
 )
 
+from raylm.scheduler.config import dp_rank_bundles
+
 __all__ = [
     "AutoscalingConfig",
     "DeploymentConfig",
@@ -240,13 +242,17 @@ class LLMConfig(BaseModel):
                 f"accelerator_type={self.accelerator_type!r} requests GPUs but "
                 "num_gpus_per_worker=0; drop one of them.")
         pg = self.placement_group_config
-        need = 1 + self.engine_kwargs.world_size
+        need = len(self.default_placement_group().bundles)
         if pg is not None and len(pg.bundles) < need:
+            ek = self.engine_kwargs
+            per_rank = ("one per worker" if ek.data_parallel_size == 1 else
+                        "per DP rank one per worker, plus one for its EngineCore when "
+                        "tensor_parallel_size x pipeline_parallel_size > 1")
             raise ValueError(
                 f"placement_group_config.bundles has {len(pg.bundles)} bundles but "
-                f"tensor_parallel_size x pipeline_parallel_size="
-                f"{self.engine_kwargs.world_size} workers need {need} (one for the replica, "
-                "one per worker).")
+                f"tensor_parallel_size x pipeline_parallel_size={ek.world_size} workers x "
+                f"data_parallel_size={ek.data_parallel_size} need {need} (one for the "
+                f"replica, {per_rank}).")
         return self
 
     @property
@@ -266,7 +272,8 @@ class LLMConfig(BaseModel):
     def default_placement_group(self) -> PlacementGroupConfig:
         """One ``{"CPU": 1}`` bundle for the replica, co-located with rank 0, then one bundle
         per TP x PP worker: GPUs when GPU use is requested, else one CPU. With
-        data_parallel_size > 1 each DP rank needs a group of this shape."""
+        data_parallel_size = d > 1, d rank slices follow the replica's bundle (the DP client
+        places its rank actors in them rather than reserving groups of its own)."""
         if self.use_gpu:
             worker: dict[str, float] = {"GPU": self.gpus_per_worker}
             if self.accelerator_type is not None:
@@ -274,8 +281,13 @@ class LLMConfig(BaseModel):
                 worker[f"accelerator_type:{self.accelerator_type}"] = 0.001
         else:
             worker = {"CPU": 1.0}
-        bundles = [{"CPU": 1.0}] + [dict(worker) for _ in range(self.engine_kwargs.world_size)]
-        return PlacementGroupConfig(bundles=bundles, strategy="PACK")
+        ek = self.engine_kwargs
+        if ek.data_parallel_size == 1:
+            ranks = [dict(worker) for _ in range(ek.world_size)]
+        else:
+            ranks = [b for _ in range(ek.data_parallel_size)
+                     for b in dp_rank_bundles(ek.world_size, {"CPU": 1.0}, worker)]
+        return PlacementGroupConfig(bundles=[{"CPU": 1.0}] + ranks, strategy="PACK")
 
     def get_placement_group(self) -> PlacementGroupConfig:
         """The explicit placement_group_config, else the default one."""

@@ -148,6 +148,17 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def dp_rank_bundles(world_size: int, engine_bundle: dict, worker_bundle: dict) -> list[dict]:
+    """The bundles of one DP rank. With TP = PP = 1 the rank actor runs the model itself,
+    so its one bundle is the worker's; otherwise bundle 0 is the rank's EngineCore actor
+    and bundles 1.. its TP x PP workers."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if world_size == 1:
+        return [dict(worker_bundle)]
+    return [dict(engine_bundle)] + [dict(worker_bundle) for _ in range(world_size)]
+
+
 def async_scheduling_incompatibility(parallel: ParallelConfig, executor_supports_async: bool) -> str | None:
     """The option that rules out async scheduling, or None when it is supported."""
     if not executor_supports_async:

@@ -5,7 +5,6 @@ request; a killed rank; the offline LLM with data_parallel_size=2."""
 
 from __future__ import annotations
 
-import inspect
 import random
 import time
 
@@ -250,20 +249,7 @@ def test_bad_request_is_value_error_and_a_killed_rank_is_engine_dead(llama_path)
         client.shutdown()
 
 
-def test_llm_with_data_parallel_size_2(llama_path, hf_oracle, monkeypatch):
-    from raylm.actors.dp_client import make_dp_engine_core_client
-    from raylm.cluster import llm_engine
-
-    if "make_dp_engine_core_client" not in inspect.getsource(llm_engine.make_engine_core_client):
-        # Until cluster/llm_engine.py routes DP itself, route it here the same way.
-        plain = llm_engine.make_engine_core_client
-
-        def routed(config):
-            if config.parallel_config.data_parallel_size > 1:
-                return make_dp_engine_core_client(config)
-            return plain(config)
-
-        monkeypatch.setattr(llm_engine, "make_engine_core_client", routed)
+def test_llm_with_data_parallel_size_2(llama_path, hf_oracle):
     from raylm import SamplingParams as UserSamplingParams
     from raylm.cluster.llm import LLM
 

@@ -162,6 +162,22 @@ def test_default_placement_group_tp2_pp2():
     assert cpu.get_placement_group() == cpu.default_placement_group()
 
 
+def test_default_placement_group_with_data_parallelism():
+    # TP = PP = 1: each rank actor runs its model in one device bundle.
+    dp2 = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"data_parallel_size": 2},
+                                    "num_gpus_per_worker": 1})
+    assert dp2.default_placement_group().bundles == [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
+    # TP = 2: per rank, its EngineCore's CPU bundle, then its two workers.
+    dp2tp2 = LLMConfig.model_validate({**MINIMAL, "num_gpus_per_worker": 1, "engine_kwargs": {
+        "data_parallel_size": 2, "tensor_parallel_size": 2}})
+    rank = [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
+    assert dp2tp2.default_placement_group().bundles == [{"CPU": 1}] + rank + rank
+    with pytest.raises(ValidationError, match=r"has 5 bundles but .*data_parallel_size=2 need 7"):
+        LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {
+            "data_parallel_size": 2, "tensor_parallel_size": 2},
+            "placement_group_config": {"bundles": [{"CPU": 1}] * 5}})
+
+
 def test_serve_options_are_accepted_by_ray_serve():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
