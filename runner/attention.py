@@ -1,17 +1,22 @@
 """Paged attention in plain torch (CPU and CUDA, no extra packages).
 
-KV cache, per layer: key and value tensors ``[num_blocks * block_size, num_kv_heads,
-head_dim]``; token ``p`` of a request lives in slot ``block_table[p // bs] * bs + p % bs``.
-Each step first writes the new keys/values through ``slot_mapping``, then:
+KV cache, per layer: key and value tensors ``[num_blocks, num_kv_heads, block_size,
+head_dim]`` (vLLM's block-major layout); token ``p`` of a request lives at offset
+``p % bs`` of block ``block_table[p // bs]``. Each step first writes the new keys/values,
+then:
 
 - decode rows (query length 1) are batched into ONE padded ``scaled_dot_product_attention``:
-  their context is gathered to ``[B, H_kv, L_max, D]`` with a padding mask. GQA costs
-  nothing extra: the ``G`` query heads sharing a KV head are laid out as that KV head's
-  query "length" (``[B, H_kv, G, D]``), so K/V are never repeated.
+  one ``index_select`` over (block, head) rows copies their context straight into
+  ``[B, H_kv, L, D]``, each (row, head) slab contiguous, which is the layout the CPU sdpa
+  kernel is fast on (B=64, L<=384, fp32, 2 cores: 0.9 ms vs 2.0 ms for the same data seen
+  through a transposed view). A padding mask covers ragged rows. GQA costs nothing extra:
+  the ``G`` query heads sharing a KV head are laid out as that KV head's query "length"
+  (``[B, H_kv, G, D]``), so K/V are never repeated.
 - prefill rows (whole prompts or chunks) run one sdpa each; a chunk with earlier context
   reads that context from the cache and uses a causal mask shifted by its offset.
 
-The metadata (slots, masks) is built once per step and shared by every layer.
+The metadata (block tables, masks, and per KV-head-count indices) is built once per step
+and shared by every layer.
 """
 
 from __future__ import annotations
@@ -29,31 +34,62 @@ class PrefillSpan:
     start: int  # token range [start, end) in the flattened batch
     end: int
     context_len: int  # tokens already in the KV cache before this chunk
-    kv_slots: torch.Tensor | None = None  # [context_len + q_len] slots; None if no context
+    block_ids: torch.Tensor | None = None  # [nb] blocks of context + chunk; None if no context
     mask: torch.Tensor | None = None  # [q_len, context_len + q_len] bool; None if no context
 
 
 @dataclass
 class AttentionMetadata:
     num_tokens: int
-    slot_mapping: torch.Tensor  # [T] int64
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token
     decode_token_indices: torch.Tensor | None = None  # [B_d]; None when no decode rows
     decode_is_all: bool = False  # every token is a decode row, in order: no gather needed
-    decode_kv_slots: torch.Tensor | None = None  # [B_d, L_max]
+    decode_block_table: torch.Tensor | None = None  # [B_d, nb] blocks covering decode_max_len
+    decode_max_len: int = 0
     decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, L_max] bool, True = attend; None
     # when every decode row has length L_max (nothing to mask)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Per num_kv_heads: (write index [T * H], decode gather index [B_d * H * nb]); every
+    # layer of one rank has the same head count, so the first layer builds them.
+    _indices: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     # Step-scoped scratch for the decode K/V gather, reused by every layer (each layer's
     # sdpa is done with it before the next layer writes it): saves two large allocations
     # per layer per step.
     decode_kv_workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)
 
+    def indices(self, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of the cache seen as ``[num_blocks * H, block_size, D]`` (gathers) and as
+        ``[num_blocks * H * block_size, D]`` (writes)."""
+        if num_kv_heads not in self._indices:
+            bs = self.block_size
+            heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)
+            block, offset = self.slot_mapping // bs, self.slot_mapping % bs
+            write = ((block[:, None] * num_kv_heads + heads[None, :]) * bs
+                     + offset[:, None]).reshape(-1)
+            gather = None
+            if self.decode_block_table is not None:
+                gather = head_rows(self.decode_block_table, heads).reshape(-1)
+            self._indices[num_kv_heads] = (write, gather)
+        return self._indices[num_kv_heads]
 
-def _slots_for(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
-    """Slots of positions [0, num_positions) for each row of ``block_table`` [B, nb]."""
-    pos = torch.arange(num_positions, device=block_table.device)
-    return block_table[:, pos // block_size] * block_size + pos % block_size
+
+def head_rows(block_ids: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """``[..., nb]`` block ids -> ``[..., H, nb]`` rows of the cache viewed as
+    ``[num_blocks * H, block_size, D]``: (block b, head h) is row ``b * H + h``."""
+    return block_ids.unsqueeze(-2) * heads.numel() + heads[:, None]
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (key, value) cache ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+    Zeros, not empty: padded decode positions read (masked) slots, and 0 * NaN garbage
+    would poison the attention output."""
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))
 
 
 def build_attention_metadata(
@@ -65,7 +101,8 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     num_tokens = int(query_start_loc[-1])
     query_lens = np.diff(query_start_loc)
-    meta = AttentionMetadata(num_tokens=num_tokens, slot_mapping=slot_mapping)
+    meta = AttentionMetadata(num_tokens=num_tokens, block_size=block_size,
+                             slot_mapping=slot_mapping)
     device = block_table.device
     is_decode = query_lens == 1
     decode_rows = np.flatnonzero(is_decode)
@@ -75,7 +112,8 @@ def build_attention_metadata(
         meta.decode_is_all = decode_rows.size == num_tokens
         rows_t = None if meta.decode_is_all else torch.from_numpy(decode_rows).to(device)
         table = block_table if rows_t is None else block_table.index_select(0, rows_t)
-        meta.decode_kv_slots = _slots_for(table, max_len, block_size)
+        meta.decode_block_table = table[:, :-(-max_len // block_size)]
+        meta.decode_max_len = max_len
         if int(decode_lens.min()) < max_len:
             # Ragged rows: mask the padding. Equal lengths need no mask, and sdpa without
             # one is faster (CPU, 120m decode: ~60 us of ~600 per layer).
@@ -92,22 +130,26 @@ def build_attention_metadata(
         context_len = seq_len - (end - start)
         span = PrefillSpan(start, end, context_len)
         if context_len > 0:
-            span.kv_slots = _slots_for(block_table[row:row + 1], seq_len, block_size)[0]
+            span.block_ids = block_table[row, :-(-seq_len // block_size)]
             q_pos = torch.arange(context_len, seq_len, device=device)
             span.mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         meta.prefills.append(span)
     return meta
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor,
+def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """cache[slots] for an index of any shape (index_select is several times faster on CPU
-    than advanced indexing), into ``out`` [slots.numel(), *cache.shape[1:]] if given."""
+    """The first ``length`` positions of the (block, head) ``rows`` [..., H, nb] of a
+    ``[num_blocks, H, bs, D]`` cache, as ``[..., H, length, D]`` (each (.., head) slab
+    contiguous; index_select is several times faster on CPU than advanced indexing)."""
+    num_blocks, num_heads, bs, head_dim = cache.shape
+    flat = cache.view(num_blocks * num_heads, bs, head_dim)
     if out is None:
-        out = cache.index_select(0, slots.reshape(-1))
+        out = flat.index_select(0, rows.reshape(-1))
     else:
-        torch.index_select(cache, 0, slots.reshape(-1), out=out)
-    return out.view(*slots.shape, *cache.shape[1:])
+        torch.index_select(flat, 0, rows.reshape(-1), out=out)
+    nb = rows.shape[-1]
+    return out.view(*rows.shape[:-1], nb * bs, head_dim)[..., :length, :]
 
 
 class Attention(nn.Module):
@@ -132,34 +174,37 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
         key_cache, value_cache = self.kv_cache
-        key_cache.index_copy_(0, meta.slot_mapping, key)
-        value_cache.index_copy_(0, meta.slot_mapping, value)
+        write, gather = meta.indices(self.num_kv_heads)
+        tokens = (-1, self.head_dim)
+        key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))
+        value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
         num_tokens = query.shape[0]
         hidden = self.num_heads * self.head_dim
         if meta.decode_is_all and not meta.prefills:
-            return self._decode(query, key_cache, value_cache, meta)
+            return self._decode(query, key_cache, value_cache, gather, meta)
         out = query.new_empty((num_tokens, hidden))
-        if meta.decode_kv_slots is not None:
+        if gather is not None:
             idx = meta.decode_token_indices
-            out[idx] = self._decode(query.index_select(0, idx), key_cache, value_cache, meta)
+            out[idx] = self._decode(query.index_select(0, idx), key_cache, value_cache, gather,
+                                    meta)
         for span in meta.prefills:
             out[span.start:span.end] = self._prefill(query, key, value, key_cache, value_cache,
                                                      span)
         return out
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                gather: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch = query.shape[0]
         q = query.reshape(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
-        slots = meta.decode_kv_slots
-        shape = (slots.numel(), *key_cache.shape[1:])
+        rows = gather.view(batch, self.num_kv_heads, -1)
+        shape = (rows.numel(), *key_cache.shape[2:])
         key = (shape, key_cache.dtype)
         if key not in meta.decode_kv_workspace:
             meta.decode_kv_workspace[key] = (key_cache.new_empty(shape),
                                              value_cache.new_empty(shape))
         k_out, v_out = meta.decode_kv_workspace[key]
-        k = _gather(key_cache, slots, k_out).transpose(1, 2)  # [B, Hkv, L, D]
-        v = _gather(value_cache, slots, v_out).transpose(1, 2)
+        k = _gather(key_cache, rows, meta.decode_max_len, k_out)  # [B, Hkv, L, D]
+        v = _gather(value_cache, rows, meta.decode_max_len, v_out)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(batch, self.num_heads * self.head_dim)
 
@@ -169,15 +214,19 @@ class Attention(nn.Module):
         q_len = span.end - span.start
         q = query[span.start:span.end].reshape(
             q_len, self.num_kv_heads, self.num_queries_per_kv, self.head_dim).permute(1, 2, 0, 3)
-        if span.kv_slots is None:
-            k, v = key[span.start:span.end], value[span.start:span.end]
+        if span.block_ids is None:  # [S, Hkv, D] -> [Hkv, S, D]
+            k = key[span.start:span.end].transpose(0, 1)
+            v = value[span.start:span.end].transpose(0, 1)
         else:
-            k, v = _gather(key_cache, span.kv_slots), _gather(value_cache, span.kv_slots)
-        # [S, Hkv, D] -> [Hkv, G, S, D] as a stride-0 view over the G query heads of each KV
+            heads = torch.arange(self.num_kv_heads, device=span.block_ids.device)
+            rows = head_rows(span.block_ids, heads)
+            seq_len = span.context_len + q_len
+            k, v = _gather(key_cache, rows, seq_len), _gather(value_cache, rows, seq_len)
+        # [Hkv, S, D] -> [Hkv, G, S, D] as a stride-0 view over the G query heads of each KV
         # head (no copy; equal shapes keep every sdpa backend eligible).
-        shape = (self.num_kv_heads, self.num_queries_per_kv, k.shape[0], self.head_dim)
-        k = k.permute(1, 0, 2).unsqueeze(1).expand(shape)
-        v = v.permute(1, 0, 2).unsqueeze(1).expand(shape)
+        shape = (self.num_kv_heads, self.num_queries_per_kv, k.shape[1], self.head_dim)
+        k = k.unsqueeze(1).expand(shape)
+        v = v.unsqueeze(1).expand(shape)
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:

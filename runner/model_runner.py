@@ -31,6 +31,7 @@ from raylm.runner.async_output import (
     AsyncOutputCopier,
     build_model_runner_output,
 )
+from raylm.runner.attention import allocate_kv_cache
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.model_loader import get_model, resolve_dtype
 from raylm.runner.models.llama import IntermediateTensors
@@ -127,11 +128,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
         self.kv_caches = []
         for attn in self.model.attention_layers:
-            shape = (num_blocks * self.block_size, attn.num_kv_heads, attn.head_dim)
-            # Zeros, not empty: padded decode positions read (masked) slots, and 0 * NaN
-            # garbage would poison the attention output.
-            cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                     torch.zeros(shape, dtype=self.dtype, device=self.device))
+            cache = allocate_kv_cache(num_blocks, self.block_size, attn.num_kv_heads,
+                                      attn.head_dim, self.dtype, self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         self.num_kv_blocks = num_blocks

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from raylm.runner.attention import build_attention_metadata
+from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
 
 
 class PagedSequences:
@@ -25,8 +25,8 @@ class PagedSequences:
         self.max_blocks = max(len(t) for t in self.block_tables.values())
         for model in models:
             for attn in model.attention_layers:
-                shape = (num_blocks * block_size, attn.num_kv_heads, attn.head_dim)
-                attn.kv_cache = (torch.zeros(shape), torch.zeros(shape))
+                attn.kv_cache = allocate_kv_cache(num_blocks, block_size, attn.num_kv_heads,
+                                                  attn.head_dim, torch.float32, "cpu")
 
     def step(self, tokens: dict[str, torch.Tensor], chunks: list[tuple[str, int, int]]):
         """Inputs for one step computing positions [start, end) of each named sequence."""
