@@ -15,9 +15,11 @@ import torch
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import AsyncModelRunnerOutput
+from raylm.runner.host_memory import keep_freed_host_memory
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import SampledTokenTransport
+from raylm.scheduler import envs
 from raylm.scheduler.config import EngineConfig
 from raylm.scheduler.executor import EngineDeadError
 from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -71,6 +73,8 @@ class Worker:
             ctx = ParallelContext.single(device)
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
+        elif envs.cpu_keep_freed_memory():
+            keep_freed_host_memory()
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.ctx = ctx
         self.model_runner = ModelRunner(self.engine_config, ctx)

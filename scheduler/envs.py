@@ -23,3 +23,8 @@ def gloo_socket_ifname() -> str | None:
 def num_threads_override() -> int | None:
     value = os.environ.get("RAYLM_NUM_THREADS")
     return int(value) if value else None
+
+
+def cpu_keep_freed_memory() -> bool:
+    """CPU workers keep freed heap memory mapped (see raylm.runner.host_memory)."""
+    return os.environ.get("RAYLM_CPU_KEEP_FREED_MEMORY", "1") not in ("0", "false", "False")
