@@ -6,8 +6,10 @@ Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos):
 - 6m:   64 requests, 32-token prompts, 64 output tokens
 - 120m: 32 requests, 32-token prompts, 64 output tokens
 - mixed: 64 requests, prompts 8-256 tokens, outputs 8-128 tokens (6m model)
-HF runs static batches (left-padded, every batch runs to its longest output). vLLM runs
-in its own venv (it pins its own torch) on the same checkpoint when --vllm-python is given.
+HF runs static batches (left-padded, every batch runs to its longest output), in this
+process with the same host allocator settings as raylm's CPU worker. vLLM runs in its own
+venv (it pins its own torch) on the same checkpoint when --vllm-python is given, with the
+same glibc thresholds (GLIBC_TUNABLES).
 Every engine does one warm-up run and --repeats timed runs; the table shows the median.
 All three return token ids only (raylm and vLLM with detokenize=False), as HF generate does.
 """
@@ -103,6 +105,10 @@ if __name__ == "__main__":  # vLLM spawns its engine process
 """
 
 
+GLIBC_TUNABLES = (f"glibc.malloc.mmap_threshold={32 << 20}:"
+                  f"glibc.malloc.trim_threshold={1 << 30}")
+
+
 def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: int) -> float | None:
     import tempfile
 
@@ -114,7 +120,9 @@ def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: i
                        "max_num_seqs": max_num_seqs, "repeats": repeats}, f)
         with open(script, "w") as f:
             f.write(_VLLM_SCRIPT)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="ERROR")
+        # The same glibc thresholds as HF and raylm in this process (raylm.runner.host_memory).
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="ERROR",
+                   GLIBC_TUNABLES=GLIBC_TUNABLES)
         proc = subprocess.run([python, script, spec], capture_output=True, text=True, env=env, cwd=d)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -131,6 +139,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median)")
     args = ap.parse_args()
     from raylm.runner.checkpoint import SPECS
+    from raylm.runner.host_memory import keep_freed_host_memory
+
+    # raylm's CPU worker keeps freed heap memory mapped, process-wide; HF runs in this same
+    # process, so it gets the same allocator from the start (it gains more from it than
+    # raylm does) rather than only after the first raylm engine came up, and vLLM's
+    # process gets the same thresholds through GLIBC_TUNABLES.
+    allocator = "glibc, freed memory kept" if keep_freed_host_memory() else "default"
+    print(f"host allocator for every engine: {allocator}", flush=True)
 
     plans = []
     for size in args.sizes.split(","):
