@@ -53,9 +53,9 @@ class WorkerActor:
         self._set_threads()
 
     def _set_threads(self) -> None:
-        import torch
+        from raylm.runner.worker import set_intra_op_threads
 
-        torch.set_num_threads(self.num_threads)
+        set_intra_op_threads(self.num_threads)
 
     # ---- setup -------------------------------------------------------------------------
 
