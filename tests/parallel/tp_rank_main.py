@@ -29,11 +29,11 @@ def run_steps(model) -> list:
     """Logits of every token of every step, through a paged KV cache."""
     import torch
 
-    from raylm.runner.attention import build_attention_metadata
+    from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
 
     for attn in model.attention_layers:
-        shape = (12 * BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
-        attn.kv_cache = (torch.zeros(shape), torch.zeros(shape))
+        attn.kv_cache = allocate_kv_cache(12, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
+                                          torch.float32, "cpu")
     tokens = sequences(model.config.vocab_size)
     results = []
     with torch.inference_mode():
