@@ -27,6 +27,12 @@ class _Failed:
         self.error = error
 
 
+class _Call:
+    def __init__(self, fn, args: tuple) -> None:
+        self.fn = fn
+        self.args = args
+
+
 class UniProcExecutor:
     supports_async_scheduling = True
 
@@ -36,11 +42,6 @@ class UniProcExecutor:
             engine_config = engine_config.resolve_async_scheduling(executor_supports_async=True)
         self.engine_config = engine_config
         self.max_concurrent_batches = engine_config.max_concurrent_batches
-        if worker is None:
-            worker = Worker(engine_config)
-            worker.init_device(num_threads=num_threads)
-            worker.load_model()
-        self.worker = worker
         self._dead: EngineDeadError | None = None
         self._lock = threading.Lock()
         self._steps: queue.Queue = queue.Queue()
@@ -51,15 +52,38 @@ class UniProcExecutor:
                                                name="raylm-output", daemon=True)
         self._step_thread.start()
         self._output_thread.start()
+        if worker is None:
+            try:
+                worker = self._on_step_thread(self._load_worker, engine_config, num_threads)
+            except BaseException:
+                self._steps.put(_STOP)
+                raise
+        self.worker = worker
+
+    @staticmethod
+    def _load_worker(engine_config: EngineConfig, num_threads: int | None) -> Worker:
+        worker = Worker(engine_config)
+        worker.init_device(num_threads=num_threads)
+        worker.load_model()
+        return worker
+
+    def _on_step_thread(self, fn, *args):
+        """Run ``fn`` on the step thread, in order with the steps. Every torch call of this
+        worker happens on that one thread: on CPU, intra-op parallel regions issued from a
+        second thread after another thread's (OpenMP keeps a team per calling thread) run
+        ~25% slower (decode sdpa of the 6m model: 0.26 vs 0.21 ms)."""
+        future: Future = Future()
+        self._steps.put((_Call(fn, args), future))
+        return future.result()
 
     # ---------------------------------------------------------------- Executor protocol
     def determine_num_kv_blocks(self) -> int:
         self.check_health()
-        return self.worker.determine_num_kv_blocks()
+        return self._on_step_thread(lambda: self.worker.determine_num_kv_blocks())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.check_health()
-        self.worker.initialize_kv_cache(num_blocks)
+        self._on_step_thread(lambda: self.worker.initialize_kv_cache(num_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
                       ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
@@ -95,6 +119,13 @@ class UniProcExecutor:
                 self._outputs.put(_STOP)
                 return
             scheduler_output, future = item
+            if isinstance(scheduler_output, _Call):  # setup work, answered directly
+                call = scheduler_output
+                try:
+                    future.set_result(call.fn(*call.args))
+                except BaseException as e:  # noqa: BLE001 - raised in the caller
+                    future.set_exception(e)
+                continue
             if self._dead is not None:
                 self._outputs.put((_Failed(self._dead), future))
                 continue
