@@ -6,10 +6,11 @@ Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos):
 - 6m:   64 requests, 32-token prompts, 64 output tokens
 - 120m: 32 requests, 32-token prompts, 64 output tokens
 - mixed: 64 requests, prompts 8-256 tokens, outputs 8-128 tokens (6m model)
-HF runs static batches (left-padded, every batch runs to its longest output), in this
-process with the same host allocator settings as raylm's CPU worker. vLLM runs in its own
-venv (it pins its own torch) on the same checkpoint when --vllm-python is given, with the
-same glibc thresholds (GLIBC_TUNABLES).
+HF runs static batches (left-padded, every batch runs to its longest output). Every
+engine runs in a fresh process of its own (a process's first torch thread runs CPU ops
+faster than threads that come later, so sharing one would favour whoever ran first), with
+the glibc allocator thresholds raylm's CPU workers set (GLIBC_TUNABLES). vLLM runs in its
+own venv (it pins its own torch) on the same checkpoint when --vllm-python is given.
 Every engine does one warm-up run and --repeats timed runs; the table shows the median.
 All three return token ids only (raylm and vLLM with detokenize=False), as HF generate does.
 """
@@ -105,8 +106,39 @@ if __name__ == "__main__":  # vLLM spawns its engine process
 """
 
 
+# The thresholds raylm.runner.host_memory sets in raylm's CPU workers, for every engine.
 GLIBC_TUNABLES = (f"glibc.malloc.mmap_threshold={32 << 20}:"
                   f"glibc.malloc.trim_threshold={1 << 30}")
+_ENGINES = {"hf static batching": None, "raylm sync": False, "raylm async": True}
+
+
+def run_isolated(engine: str, path: str, wl: Workload, batch: int, repeats: int) -> float:
+    """One engine's median rate, measured in a fresh process of this script."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spec = os.path.join(d, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"engine": engine, "path": path, "prompts": wl.prompts,
+                       "max_tokens": wl.max_tokens, "batch": batch, "repeats": repeats}, f)
+        env = dict(os.environ, GLIBC_TUNABLES=GLIBC_TUNABLES)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec],
+                              capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])["tok_s"]
+    raise RuntimeError(f"{engine} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _run_one(spec_path: str) -> None:
+    spec = json.load(open(spec_path))
+    wl = Workload(spec["engine"], spec["prompts"], spec["max_tokens"])
+    async_scheduling = _ENGINES[spec["engine"]]
+    if async_scheduling is None:
+        rate = run_hf(spec["path"], wl, spec["batch"], spec["repeats"])
+    else:
+        rate = run_raylm(spec["path"], wl, spec["batch"], async_scheduling, spec["repeats"])
+    print("RESULT " + json.dumps({"tok_s": rate}), flush=True)
 
 
 def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: int) -> float | None:
@@ -120,7 +152,6 @@ def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: i
                        "max_num_seqs": max_num_seqs, "repeats": repeats}, f)
         with open(script, "w") as f:
             f.write(_VLLM_SCRIPT)
-        # The same glibc thresholds as HF and raylm in this process (raylm.runner.host_memory).
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="ERROR",
                    GLIBC_TUNABLES=GLIBC_TUNABLES)
         proc = subprocess.run([python, script, spec], capture_output=True, text=True, env=env, cwd=d)
@@ -137,16 +168,11 @@ def main() -> None:
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median)")
+    ap.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # a child run
     args = ap.parse_args()
+    if args.one:
+        return _run_one(args.one)
     from raylm.runner.checkpoint import SPECS
-    from raylm.runner.host_memory import keep_freed_host_memory
-
-    # raylm's CPU worker keeps freed heap memory mapped, process-wide; HF runs in this same
-    # process, so it gets the same allocator from the start (it gains more from it than
-    # raylm does) rather than only after the first raylm engine came up, and vLLM's
-    # process gets the same thresholds through GLIBC_TUNABLES.
-    allocator = "glibc, freed memory kept" if keep_freed_host_memory() else "default"
-    print(f"host allocator for every engine: {allocator}", flush=True)
 
     plans = []
     for size in args.sizes.split(","):
@@ -161,9 +187,8 @@ def main() -> None:
         label = f"{size} {wl.name}"
         print(f"# {size} model: {wl.describe()}", flush=True)
         r = args.repeats
-        rows.append((label, "hf static batching", run_hf(path, wl, batch, r)))
-        rows.append((label, "raylm sync", run_raylm(path, wl, batch, False, r)))
-        rows.append((label, "raylm async", run_raylm(path, wl, batch, True, r)))
+        for engine in _ENGINES:
+            rows.append((label, engine, run_isolated(engine, path, wl, batch, r)))
         if args.vllm_python:
             v = run_vllm(args.vllm_python, path, wl, batch, r)
             if v is not None:
