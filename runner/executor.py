@@ -4,7 +4,8 @@ waits for each step's output to reach the host and resolves its future.
 So the worker thread starts step t+1 while step t's sampled ids are still being copied,
 and the EngineCore thread schedules meanwhile (torch releases the GIL in its kernels).
 Futures resolve in submission order because every result, failures included, passes
-through the one output queue.
+through the one output queue. Setup (model load, KV cache) runs on the worker thread too,
+so all of the worker's torch calls come from one thread.
 """
 
 from __future__ import annotations
