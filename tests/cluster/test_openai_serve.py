@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_openai_fakes import free_port
+from serve_helpers import running_serve_app
 
 pytestmark = pytest.mark.ray
 
@@ -19,28 +19,16 @@ MODEL, SMALL = "tiny-llama", "tiny-llama-small"
 
 @pytest.fixture(scope="module")
 def base_url(llama_path):
-    import ray
-    from ray import serve
-
-    from raylm.cluster import build_openai_app
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"llm_configs": [
-            {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
-             "engine_kwargs": {"max_num_seqs": 64},
-             "deployment_config": {"max_ongoing_requests": 128}},
-            # A second model, to test routing and a deliberately tiny admission limit.
-            {"model_loading_config": {"model_id": SMALL, "model_source": llama_path},
-             "engine_kwargs": {"max_num_seqs": 1, "max_queued_requests": 1}},
-        ]}
-        serve.run(build_openai_app(args), name="raylm", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    args = {"llm_configs": [
+        {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
+         "engine_kwargs": {"max_num_seqs": 64},
+         "deployment_config": {"max_ongoing_requests": 128}},
+        # A second model, to test routing and a deliberately tiny admission limit.
+        {"model_loading_config": {"model_id": SMALL, "model_source": llama_path},
+         "engine_kwargs": {"max_num_seqs": 1, "max_queued_requests": 1}},
+    ]}
+    with running_serve_app(args, "raylm") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

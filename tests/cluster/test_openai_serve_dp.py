@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from test_openai_fakes import free_port
+from serve_helpers import running_serve_app
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.ray
@@ -20,23 +20,11 @@ MODEL = "tiny-llama-dp"
 
 @pytest.fixture(scope="module")
 def base_url(llama_path):
-    import ray
-    from ray import serve
-
-    from raylm.cluster import build_openai_app
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"llm_configs": [
-            {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
-             "engine_kwargs": {"data_parallel_size": 2, "max_num_seqs": 8}}]}
-        serve.run(build_openai_app(args), name="raylm-dp", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    args = {"llm_configs": [
+        {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
+         "engine_kwargs": {"data_parallel_size": 2, "max_num_seqs": 8}}]}
+    with running_serve_app(args, "raylm-dp") as url:
+        yield url
 
 
 def test_dp_ranks_use_the_replica_group_and_match_transformers(base_url, llama_path, hf_oracle):
