@@ -29,10 +29,16 @@ def test_every_token_comes_back(overlap, model, async_scheduling):
     workload = overlap.Workload.make(12, seed=3)
     result = overlap.run(workload, async_scheduling, t_device=50e-6, model=model)
     assert result.generated == sum(workload.max_tokens)
+    whole, steady = result.whole, result.steady
     # A step yields at most one token per request: the longest output needs that many.
-    assert result.steps >= max(workload.max_tokens)
-    # The device clock: no run can beat t_device per step.
-    assert result.wall_s >= result.steps * 50e-6
+    assert whole.steps >= max(workload.max_tokens)
+    # The steady state ends once the last waiting request is admitted, long before the end.
+    assert 0 < steady.steps < whole.steps
+    assert steady.wall_s < whole.wall_s and steady.cpu_s <= whole.cpu_s
+    # The device clock: no span can beat t_device per step it counts, including any step
+    # still in flight when the span was taken.
+    for span in (steady, whole):
+        assert span.wall_s >= span.steps * 50e-6
 
 
 def test_unknown_device_model_is_rejected(overlap):
