@@ -76,6 +76,7 @@ class RayExecutor:
         self._dead_error: EngineDeadError | None = None
         self._dead_lock = threading.Lock()
         self._channel: StepChannel | None = None
+        self._serving = False  # the workers' torch threads run the stream (first step on)
         self._seq = 0
         self._owns_pg = placement_group is None
         ensure_ray_initialized(self.world_size * cpus_per_worker)
@@ -130,9 +131,21 @@ class RayExecutor:
 
     def _init_channel(self, timeout_s: float) -> None:
         token = new_token()
-        addresses = self._get([w.start_step_server.remote(token) for w in self.workers],
+        addresses = self._get([w.open_step_server.remote(token) for w in self.workers],
                               timeout_s, "opening the step streams")
         self._channel = StepChannel(addresses, token, self.output_rank, self._on_worker_failure)
+
+    def _start_serving(self) -> None:
+        """Hand each worker's torch thread to its stream. From here until the stream closes
+        that thread runs steps only, so the setup calls (which run on it too) must be done."""
+        self._serving = True
+        for w in self.workers:  # returns when its stream closes; failures travel on the stream
+            w.serve_steps.remote()
+
+    def _check_setup_allowed(self, what: str) -> None:
+        if self._serving:
+            raise RuntimeError(f"{what} must come before the first step: the workers' torch "
+                               "threads are serving the step stream.")
 
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
         try:
@@ -186,10 +199,12 @@ class RayExecutor:
     # ---- Executor protocol ----------------------------------------------------------------------
 
     def determine_num_kv_blocks(self) -> int:
+        self._check_setup_allowed("determine_num_kv_blocks")
         return min(self._get([w.determine_num_kv_blocks.remote() for w in self.workers],
                              self.health_timeout_s, "measuring the KV cache"))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._check_setup_allowed("initialize_kv_cache")
         self._get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers],
                   self.health_timeout_s * 4, "allocating the KV cache")
 
@@ -198,6 +213,8 @@ class RayExecutor:
         if self._dead_error is not None:
             raise self._dead_error
         if self._channel is not None:
+            if not self._serving:
+                self._start_serving()
             future = self._channel.submit(scheduler_output)
         else:
             future = Future()

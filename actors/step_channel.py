@@ -71,15 +71,16 @@ class StepServer:
 
     ``run_step(scheduler_output)`` returns the step's output (or an object with
     ``get_output()`` that resolves it later: the sender thread waits on it, so the step
-    thread moves on to the next step while the copy of this one completes).
+    thread moves on to the next step while the copy of this one completes). A worker calls
+    ``serve()`` on the thread that loaded its model (see WorkerActor); ``start()`` serves
+    on a thread of its own.
     """
 
     def __init__(self, run_step: Callable[[Any], Any], send_outputs: bool, token: bytes,
-                 host: str, on_thread_start: Callable[[], None] | None = None) -> None:
+                 host: str) -> None:
         self._run_step = run_step
         self._send_outputs = send_outputs
         self._token = token
-        self._on_thread_start = on_thread_start
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(ACCEPT_TIMEOUT_S)
         self.address = (host, self._listener.getsockname()[1])
@@ -87,16 +88,10 @@ class StepServer:
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._serve, name="raylm-step", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="raylm-step-out", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
-        self._sender.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        threading.Thread(target=self.serve, name="raylm-step", daemon=True).start()
 
     def _send(self, kind: int, obj: Any) -> None:
         assert self._conn is not None
@@ -116,11 +111,12 @@ class StepServer:
             raise PermissionError("step stream opened without the executor's token")
         return conn
 
-    def _serve(self) -> None:
+    def serve(self) -> None:
+        """Accept the executor's stream and run its steps on the calling thread until the
+        stream closes; a failed step is reported to the executor, not raised."""
+        self._sender.start()
         try:
             self._conn = self._accept()
-            if self._on_thread_start is not None:
-                self._on_thread_start()
             while True:
                 kind, obj = recv_frame(self._conn)
                 if kind == CLOSE:

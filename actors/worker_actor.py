@@ -3,8 +3,15 @@
 Every rank receives every SchedulerOutput and runs ``Worker.execute_model`` for every
 step (a PP stage receives/sends its intermediate tensors inside it over torch.distributed);
 only the output rank (TP rank 0 of the last PP stage) sends its result back. Steps arrive
-either over the step stream (``start_step_server``, the default) or as Ray calls
-(``execute_model``); control calls (init, load, KV cache, health) are always Ray calls.
+either over the step stream (``open_step_server`` + ``serve_steps``, the default) or as Ray
+calls (``execute_model``); setup calls (init, load, KV cache) are Ray calls.
+
+One thread runs every torch call of a rank, setup and steps alike: OpenMP keeps a thread
+team per calling thread, and a second thread's parallel regions ran 25-40% slower on CPU
+than those of the thread that loaded the model. That thread is the actor's default
+concurrency group (one thread); ``serve_steps`` occupies it for as long as the stream is
+open, so the calls that must answer meanwhile (health, node info, ``call``, shutdown) run
+in the ``control`` group.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 from typing import Any
 
 import ray
@@ -32,13 +40,17 @@ def new_token() -> bytes:
     return secrets.token_bytes(16)
 
 
-@ray.remote
+CONTROL = "control"
+SHUTDOWN_WAIT_S = 5.0  # for the torch thread to finish its step before tearing down
+
+
+@ray.remote(concurrency_groups={CONTROL: 1})
 class WorkerActor:
     """Construct with ``.options(num_cpus=..., num_gpus=..., scheduling_strategy=...)``.
 
-    The actor is a plain (single-threaded) Ray actor: Ray runs one caller's calls in
-    submission order, which keeps the Ray-call step path ordered; ``execute_model``
-    checks the sequence number anyway. The step-stream path runs on its own thread.
+    Methods outside the ``control`` group run on one thread, in submission order, which
+    keeps the Ray-call step path ordered; ``execute_model`` checks the sequence number
+    anyway.
     """
 
     def __init__(self, rank: int, num_threads: int, env: dict[str, str] | None = None) -> None:
@@ -50,15 +62,11 @@ class WorkerActor:
         self.is_output_rank = False
         self._next_seq = 0
         self._step_server: StepServer | None = None
-        self._set_threads()
-
-    def _set_threads(self) -> None:
-        from raylm.runner.worker import set_intra_op_threads
-
-        set_intra_op_threads(self.num_threads)
+        self._busy = threading.Lock()  # held by the torch thread while it runs steps
 
     # ---- setup -------------------------------------------------------------------------
 
+    @ray.method(concurrency_group=CONTROL)
     def get_node_info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
         return {"node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
@@ -121,10 +129,15 @@ class WorkerActor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
+    @ray.method(concurrency_group=CONTROL)
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``collective_rpc``'s one string dispatch: a public Worker method by name."""
+        """``collective_rpc``'s one string dispatch: a public Worker method by name. It
+        answers while the stream is served, so it runs beside the steps, not between them."""
         if method.startswith("_") or not callable(getattr(self.worker, method, None)):
             raise ValueError(f"Worker has no public method {method!r}.")
+        from raylm.runner.worker import set_intra_op_threads
+
+        set_intra_op_threads(self.num_threads)  # torch's count is per thread: this one's too
         return getattr(self.worker, method)(*args, **kwargs)
 
     # ---- steps ---------------------------------------------------------------------------
@@ -138,36 +151,42 @@ class WorkerActor:
         if seq != self._next_seq:
             raise RuntimeError(f"worker rank {self.rank} got step #{seq}, expected #{self._next_seq}")
         self._next_seq += 1
-        out = self._run_step(scheduler_output)
-        return out.get_output() if hasattr(out, "get_output") else out
+        with self._busy:
+            out = self._run_step(scheduler_output)
+            return out.get_output() if hasattr(out, "get_output") else out
 
-    def start_step_server(self, token: bytes) -> tuple[str, int]:
-        """Open the step stream; the executor connects to the returned address."""
-        def on_thread_start() -> None:
-            # Thread-local state torch keeps per thread: device and intra-op threads.
-            self._set_threads()
-            device = getattr(getattr(self.worker, "ctx", None), "device", None)
-            if device is not None and device.type == "cuda":
-                import torch
-
-                torch.cuda.set_device(device)
-
+    def open_step_server(self, token: bytes) -> tuple[str, int]:
+        """Listen for the step stream; the executor connects to the returned address once
+        it has called ``serve_steps``."""
         self._step_server = StepServer(self._run_step, self.is_output_rank, token,
-                                       ray.util.get_node_ip_address(), on_thread_start)
-        self._step_server.start()
+                                       ray.util.get_node_ip_address())
         return self._step_server.address
+
+    def serve_steps(self) -> None:
+        """Run the stream's steps on this (the torch) thread until the stream closes."""
+        if self._step_server is None:
+            raise RuntimeError("serve_steps called before open_step_server")
+        with self._busy:
+            self._step_server.serve()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    @ray.method(concurrency_group=CONTROL)
     def check_health(self) -> None:
         if self._step_server is not None and self._step_server.error is not None:
             raise RuntimeError(f"worker rank {self.rank} failed a step: {self._step_server.error}")
         if self.worker is not None and hasattr(self.worker, "check_health"):
             self.worker.check_health()
 
+    @ray.method(concurrency_group=CONTROL)
     def shutdown(self) -> None:
         if self._step_server is not None:
-            self._step_server.close()
+            self._step_server.close()  # ends serve_steps if the executor did not
+        # Tear down only once the torch thread is out of its step (a collective in flight
+        # must not lose its process group under it).
+        if not self._busy.acquire(timeout=SHUTDOWN_WAIT_S):
+            logger.warning("worker rank %d: a step still runs after %.0fs; shutting down anyway",
+                           self.rank, SHUTDOWN_WAIT_S)
         if self.worker is not None and hasattr(self.worker, "shutdown"):
             self.worker.shutdown()
         from raylm.parallel.distributed import destroy_distributed_environment

@@ -9,6 +9,7 @@ request: ``step_id * tp_size + sum of tp_ranks``. Shipped to Ray workers by valu
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -25,27 +26,37 @@ class FakeWorker:
         self.ctx = None
         self.steps = 0
         self.step_delay = 0.0
+        self.torch_threads: dict[str, set[int]] = {}  # which threads ran each call
+
+    def _ran(self, what):
+        self.torch_threads.setdefault(what, set()).add(threading.get_ident())
+
+    def get_torch_threads(self):
+        return {k: sorted(v) for k, v in self.torch_threads.items()}
 
     def set_step_delay(self, seconds):
         self.step_delay = seconds
 
     def init_device(self, ctx=None, num_threads=None):
+        self._ran("init_device")
         self.ctx = ctx or ParallelContext.single("cpu")
         torch.set_num_threads(num_threads or 1)
 
     def load_model(self):
-        pass
+        self._ran("load_model")
 
     def determine_num_kv_blocks(self):
         return 100 - 10 * self.rank
 
     def initialize_kv_cache(self, num_blocks):
+        self._ran("initialize_kv_cache")
         self.num_blocks = num_blocks
 
     def get_pid_and_threads(self):
         return os.getpid(), torch.get_num_threads()
 
     def execute_model(self, scheduler_output):
+        self._ran("execute_model")
         self.steps += 1
         if self.step_delay:
             time.sleep(self.step_delay)

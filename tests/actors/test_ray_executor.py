@@ -72,6 +72,11 @@ def test_tp2_pipelined_steps_return_in_order_from_output_rank(ray_cluster, llama
         assert len({pid for pid, _ in pids_threads}) == 2  # one process per rank
         assert all(threads == 1 for _, threads in pids_threads)  # the bundle's 1 CPU
         assert ex.collective_rpc("determine_num_kv_blocks") == [100, 90]
+        # One thread per rank ran setup and every step (OpenMP keeps a team per thread).
+        for ran in ex.collective_rpc("get_torch_threads"):
+            assert set(ran) == {"init_device", "load_model", "initialize_kv_cache",
+                                "execute_model"}
+            assert len({t for threads in ran.values() for t in threads}) == 1, ran
         with pytest.raises(ValueError, match="_private"):
             ex.collective_rpc("_private")
         ex.check_health()
