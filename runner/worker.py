@@ -52,6 +52,18 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def default_intra_op_threads() -> int:
+    """Torch threads when the caller names none: RAYLM_NUM_THREADS, else every CPU this
+    process may run on (its affinity mask: a container's cpuset, not the host's count)."""
+    override = envs.num_threads_override()
+    if override is not None:
+        return override
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def set_intra_op_threads(num_threads: int) -> None:
     """torch.set_num_threads, skipped when torch already uses that many: on torch 2.13 CPU
     the call itself, even with the current count, makes the sdpa kernel ~2.5x slower from
@@ -84,7 +96,7 @@ class Worker:
             torch.cuda.set_device(ctx.device)
         elif envs.cpu_keep_freed_memory():
             keep_freed_host_memory()
-        set_intra_op_threads(num_threads or os.cpu_count() or 1)
+        set_intra_op_threads(num_threads or default_intra_op_threads())
         self.ctx = ctx
         self.model_runner = ModelRunner(self.engine_config, ctx)
 

@@ -21,8 +21,17 @@ def gloo_socket_ifname() -> str | None:
 
 
 def num_threads_override() -> int | None:
+    """Torch intra-op threads per rank, whatever the rank reserved."""
     value = os.environ.get("RAYLM_NUM_THREADS")
-    return int(value) if value else None
+    if not value:
+        return None
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"RAYLM_NUM_THREADS must be a positive integer, got {value!r}.")
+    return threads
 
 
 def cpu_keep_freed_memory() -> bool:

@@ -3,6 +3,7 @@ torch 2.13 CPU the call itself slows the sdpa kernel ~2.5x from then on)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raylm.runner import worker as worker_mod
@@ -16,3 +17,18 @@ def test_set_intra_op_threads_only_calls_torch_to_change_the_count(monkeypatch):
     assert calls == []
     worker_mod.set_intra_op_threads(current + 1)
     assert calls == [current + 1]
+
+
+def test_default_threads_follow_the_override_else_the_affinity_mask(monkeypatch):
+    monkeypatch.delenv("RAYLM_NUM_THREADS", raising=False)
+    monkeypatch.setattr(worker_mod.os, "sched_getaffinity", lambda pid: {0, 2, 5})
+    assert worker_mod.default_intra_op_threads() == 3  # the cpuset, not os.cpu_count()
+    monkeypatch.setenv("RAYLM_NUM_THREADS", "7")
+    assert worker_mod.default_intra_op_threads() == 7
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_bad_thread_override_is_a_value_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("RAYLM_NUM_THREADS", value)
+    with pytest.raises(ValueError, match=f"RAYLM_NUM_THREADS.*{value!r}"):
+        worker_mod.default_intra_op_threads()
