@@ -1,7 +1,7 @@
 """Online serving: the Ray Serve OpenAI endpoint under a bounded loopback load, vs offline.
 
     python bench/serve.py [--model PATH] [--num-requests 64] [--concurrency 32]
-                          [--prompt-len 32] [--output-len 64]
+                          [--prompt-len 32] [--output-len 64] [--stream-batching-interval-ms MS]
 
 Starts a local Ray + Serve app on 127.0.0.1 (the 6m demo-size Llama unless --model), sends
 the workload with the official openai client (streaming completions, token-id prompts, greedy,
@@ -72,7 +72,8 @@ async def run_load(base_url: str, prompts, max_tokens, concurrency: int):
     return results, t.seconds
 
 
-def start_server(model: str, max_num_seqs: int, port: int) -> str:
+def start_server(model: str, max_num_seqs: int, port: int,
+                 stream_batching_interval_ms: float | None = None) -> str:
     import ray
     from ray import serve
 
@@ -84,6 +85,8 @@ def start_server(model: str, max_num_seqs: int, port: int) -> str:
         "model_loading_config": {"model_id": MODEL_ID, "model_source": model},
         "engine_kwargs": {"max_num_seqs": max_num_seqs, "enable_prefix_caching": False},
         "deployment_config": {"max_ongoing_requests": max(64, 2 * max_num_seqs)},
+        **({} if stream_batching_interval_ms is None else {"experimental_configs": {
+            "stream_batching_interval_ms": stream_batching_interval_ms}}),
     }]}), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -135,6 +138,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
+    parser.add_argument("--stream-batching-interval-ms", type=float, default=None,
+                        help="experimental_configs.stream_batching_interval_ms (default: "
+                             "LLMConfig's)")
     args = parser.parse_args()
 
     model = args.model or checkpoint("6m")
@@ -144,9 +150,11 @@ def main() -> None:
     wl = fixed_workload(vocab, args.num_requests, args.prompt_len, args.output_len)
     print(f"model: {model}")
     print(f"workload: {wl.describe()}; concurrency {args.concurrency} (streaming, openai "
-          f"client, loopback); engine max_num_seqs={args.concurrency}, prefix caching off")
+          f"client, loopback); engine max_num_seqs={args.concurrency}, prefix caching off; "
+          f"stream_batching_interval_ms={args.stream_batching_interval_ms or 'default'}")
 
-    base = start_server(model, args.concurrency, args.port or _free_port())
+    base = start_server(model, args.concurrency, args.port or _free_port(),
+                        args.stream_batching_interval_ms)
     try:
         results, seconds = asyncio.run(run_load(base, wl.prompts, wl.max_tokens, args.concurrency))
     finally:

@@ -22,9 +22,6 @@ from raylm.cluster.serve_config import LLMConfig, OpenAIAppConfig, load_app_conf
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[LLMConfig], Any]
-# Streamed tokens that arrive this close together cross the Serve handle as one item; the
-# first token is never delayed.
-STREAM_BATCH_INTERVAL_S = 0.01
 # The ingress only relays bytes; it must never be the reason a request waits.
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 
@@ -100,8 +97,8 @@ class LLMServer:
                                      max_pending_requests(self.llm_config))
 
     async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in coalesce(serve_stream(self.serving, route, body),
-                                   STREAM_BATCH_INTERVAL_S):
+        interval_ms = self.llm_config.experimental_configs.stream_batching_interval_ms
+        async for item in coalesce(serve_stream(self.serving, route, body), interval_ms / 1000):
             yield item
 
     def model_card(self) -> dict[str, Any]:

@@ -419,3 +419,30 @@ def test_cancelled_non_streaming_request_aborts_in_the_engine(tokenizer):
 
     asyncio.run(go())
     assert slow.running == set() and len(slow.aborted) == 1 and serving.num_pending == 0
+
+
+@pytest.mark.parametrize(("interval_ms", "max_items"), [(0, None), (60_000, 2)])
+def test_llm_server_streams_in_batches_of_the_configured_interval(tokenizer, interval_ms,
+                                                                  max_items):
+    """experimental_configs.stream_batching_interval_ms reaches the replica's stream: 0 sends
+    every SSE line alone; a long window sends the first line, then everything else as one."""
+    import asyncio
+
+    from raylm.cluster.openai_serving import COMPLETIONS
+    from raylm.cluster.serve_app import LLMServer
+
+    config = {"model_loading_config": {"model_id": MODEL},
+              "experimental_configs": {"stream_batching_interval_ms": interval_ms}}
+    server = LLMServer(config, engine_factory=lambda cfg: FakeEngine(tokenizer, delay_s=0.001))
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 6, "stream": True}
+
+    async def collect():
+        return [item async for item in server.handle(COMPLETIONS, body)]
+
+    items = asyncio.run(collect())
+    lines = [line for item in items for line in item.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 7  # 6 tokens, then [DONE]
+    if max_items is None:
+        assert len(items) == len(lines)
+    else:
+        assert len(items) == max_items

@@ -40,6 +40,7 @@ def test_defaults():
     assert cfg.placement_group_config is None and cfg.accelerator_type is None
     assert not cfg.use_gpu and cfg.gpus_per_worker == 0
     assert cfg.api_key is None and cfg.runtime_env is None
+    assert cfg.experimental_configs.stream_batching_interval_ms == 50.0
 
 
 def test_example_config_loads_and_is_a_valid_serve_config():
@@ -103,6 +104,10 @@ def test_load_app_config_accepts_objects_and_rejects_junk():
      "placement_group_config.strategy"),
     ({"num_gpus_per_worker": -1}, "num_gpus_per_worker"),
     ({"api_keys": "x"}, "api_keys"),
+    ({"experimental_configs": {"stream_batching_interval_ms": -5}},
+     "experimental_configs.stream_batching_interval_ms"),
+    ({"experimental_configs": {"num_ingress_replica": 2}},
+     "experimental_configs.num_ingress_replica"),
 ])
 def test_invalid_fields_name_the_field(patch, loc):
     data = {**MINIMAL, **patch}

@@ -12,6 +12,7 @@ from raylm.cluster.serve_config import (
     AutoscalingConfig,
     DeploymentConfig,
     EngineKwargs,
+    ExperimentalConfigs,
     LLMConfig,
     ModelLoadingConfig,
 )
@@ -44,6 +45,7 @@ def test_llm_config_schema_mirrors_the_pydantic_models():
         (llm["properties"]["deployment_config"], DeploymentConfig),
         (llm["properties"]["deployment_config"]["properties"]["autoscaling_config"],
          AutoscalingConfig),
+        (llm["properties"]["experimental_configs"], ExperimentalConfigs),
     ]
     for node, model in pairs:
         assert set(node["properties"]) == set(model.model_fields), model.__name__
