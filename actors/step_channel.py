@@ -27,6 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from raylm.scheduler.executor import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!BQ")
@@ -249,7 +251,16 @@ class StepChannel:
             future.set_exception(error)
 
     def close(self) -> None:
+        """End every stream. Steps still pending fail (their results would never come):
+        whoever waits on one must not hang on a shut-down executor."""
         self._closing = True
+        with self._lock:
+            if self._error is None:
+                self._error = EngineDeadError("the executor was shut down")
+            pending, self._pending = self._pending, collections.deque()
+        for future in pending:
+            future.set_exception(EngineDeadError(
+                "the executor was shut down with this step in flight"))
         for sock in self._socks:
             try:
                 sock.sendall(encode_frame(CLOSE, None))

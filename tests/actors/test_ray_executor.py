@@ -110,6 +110,28 @@ def test_killed_worker_fails_pending_steps_with_engine_dead(ray_cluster, llama_p
         ex.shutdown()
 
 
+def test_control_calls_answer_while_the_torch_thread_serves_steps(ray_cluster, llama_path):
+    """The worker's one torch thread is busy with the stream; health, collective_rpc and
+    shutdown still answer (the control group), and setup after the first step is refused."""
+    ex = RayExecutor(_config(llama_path, tp=2), worker_cls=ray_cluster)
+    try:
+        ex.initialize_kv_cache(90)
+        ex.collective_rpc("set_step_delay", (0.5,))
+        futures = [ex.execute_model(_step(i), non_block=True) for i in range(1, 5)]
+        ex.check_health()
+        assert ex.collective_rpc("determine_num_kv_blocks") == [100, 90]
+        assert not futures[-1].done()  # answered between steps, not after them
+        with pytest.raises(RuntimeError, match="initialize_kv_cache must come before"):
+            ex.initialize_kv_cache(90)
+        assert futures[0].result(timeout=30).sampled_token_ids == [[2001], [2001]]
+    finally:
+        ex.shutdown()  # with steps still in flight: returns, and nothing hangs
+    assert ex.workers == []
+    for fut in futures[1:]:  # each one resolved: a result, or the shutdown's error
+        error = fut.exception(timeout=5)
+        assert error is None or "shut down" in str(error), error
+
+
 def test_raising_step_reports_worker_error(ray_cluster, llama_path):
     ex = RayExecutor(_config(llama_path, tp=2), worker_cls=ray_cluster)
     try:
