@@ -151,7 +151,8 @@ def main() -> None:
     print(f"model: {model}")
     print(f"workload: {wl.describe()}; concurrency {args.concurrency} (streaming, openai "
           f"client, loopback); engine max_num_seqs={args.concurrency}, prefix caching off; "
-          f"stream_batching_interval_ms={args.stream_batching_interval_ms or 'default'}")
+          f"stream_batching_interval_ms="
+          f"{'default' if args.stream_batching_interval_ms is None else args.stream_batching_interval_ms}")
 
     base = start_server(model, args.concurrency, args.port or _free_port(),
                         args.stream_batching_interval_ms)
