@@ -90,7 +90,7 @@ class AsyncLLM:
             self._queues[request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            # add_request waits for the EngineCore thread's ack: keep it off the event loop.
+            # add_request tokenizes and validates (CPU work): keep it off the event loop.
             await asyncio.to_thread(
                 self.engine.add_request, request_id,
                 {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, sampling_params,
