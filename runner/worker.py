@@ -15,6 +15,7 @@ import torch
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import AsyncModelRunnerOutput
+from raylm.runner.cpu_budget import usable_cpus
 from raylm.runner.host_memory import keep_freed_host_memory
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.models.llama import IntermediateTensors
@@ -53,15 +54,10 @@ def _available_host_memory() -> int:
 
 
 def default_intra_op_threads() -> int:
-    """Torch threads when the caller names none: RAYLM_NUM_THREADS, else every CPU this
-    process may run on (its affinity mask: a container's cpuset, not the host's count)."""
+    """Torch threads when the caller names none: RAYLM_NUM_THREADS, else the CPUs this
+    process may keep busy (its affinity mask capped by its cgroup's CPU quota)."""
     override = envs.num_threads_override()
-    if override is not None:
-        return override
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return usable_cpus() if override is None else override
 
 
 def set_intra_op_threads(num_threads: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raylm.runner import cpu_budget
 from raylm.runner import worker as worker_mod
 
 
@@ -22,7 +23,10 @@ def test_set_intra_op_threads_only_calls_torch_to_change_the_count(monkeypatch):
 def test_default_threads_follow_the_override_else_the_affinity_mask(monkeypatch):
     monkeypatch.delenv("RAYLM_NUM_THREADS", raising=False)
     monkeypatch.setattr(worker_mod.os, "sched_getaffinity", lambda pid: {0, 2, 5})
+    monkeypatch.setattr(cpu_budget, "cgroup_cpu_quota", lambda: None)
     assert worker_mod.default_intra_op_threads() == 3  # the cpuset, not os.cpu_count()
+    monkeypatch.setattr(cpu_budget, "cgroup_cpu_quota", lambda: 2.0)
+    assert worker_mod.default_intra_op_threads() == 2  # a CPU limit caps it
     monkeypatch.setenv("RAYLM_NUM_THREADS", "7")
     assert worker_mod.default_intra_op_threads() == 7
 
