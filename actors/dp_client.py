@@ -28,11 +28,11 @@ from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
+    threads_for_cpus,
     worker_bundles,
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
-from raylm.scheduler import envs
 from raylm.scheduler.config import EngineConfig, dp_rank_bundles
 from raylm.scheduler.executor import EngineDeadError
 from raylm.scheduler.outputs import EngineCoreOutputs, SchedulerStats
@@ -138,7 +138,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
         for rank, (pg, base) in enumerate(zip(self.placement_groups, self.bundle_bases)):
             bundle = pg.bundle_specs[base]
             cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
-            threads = envs.num_threads_override() or max(1, int(cpus or cpus_per_rank))
+            threads = threads_for_cpus(cpus or cpus_per_rank)
             self.ranks.append(DPEngineCoreActor.options(
                 num_cpus=cpus, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -52,6 +52,12 @@ def default_worker_resource() -> str:
     return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
 
 
+def threads_for_cpus(cpus: float) -> int:
+    """Torch intra-op threads of a rank that reserved ``cpus`` CPUs: RAYLM_NUM_THREADS if
+    set, else the whole CPUs reserved, at least one."""
+    return envs.num_threads_override() or max(1, int(cpus))
+
+
 def worker_bundles(world_size: int, resource: str, cpus_per_worker: float = 1.0) -> list[dict]:
     """One bundle per TP x PP rank: ``{"GPU": 1}`` on GPU clusters, ``{"CPU": n}`` otherwise."""
     if world_size < 1:

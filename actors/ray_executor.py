@@ -28,6 +28,7 @@ from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
+    threads_for_cpus,
     worker_bundles,
 )
 from raylm.actors.step_channel import StepChannel
@@ -113,7 +114,7 @@ class RayExecutor:
             bundle = self.placement_group.bundle_specs[bundle_index]
             cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
             # Torch intra-op threads follow the rank's CPU share of its bundle.
-            threads = envs.num_threads_override() or max(1, int(cpus))
+            threads = threads_for_cpus(cpus)
             self.workers.append(WorkerActor.options(
                 num_cpus=cpus, num_gpus=gpus, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
