@@ -33,9 +33,9 @@ from raylm.actors.placement import (
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
-from raylm.scheduler.config import EngineConfig, dp_rank_bundles
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import EngineCoreOutputs, SchedulerStats
+from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
+from raylm.scheduler.engine_config import EngineConfig, dp_rank_bundles
+from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

@@ -1,7 +1,7 @@
 """One DP rank: an EngineCore (own scheduler, KV cache, workers) in a Ray actor, stepped by
 DPEngineCoreLoop over the DP Gloo group.
 
-Rank placement (DESIGN §5): with TP = PP = 1 the rank's model runs inside this actor
+Rank placement (docs/architecture.md §5): with TP = PP = 1 the rank's model runs inside this actor
 (``UniProcExecutor``): no worker actor, no per-step dispatch hop, one process per rank;
 the actor then holds the rank's device (its bundle is ``{"GPU": 1}`` or ``{"CPU": n}``).
 With TP x PP > 1 the rank gets its own ``RayExecutor``: worker actors in the rank's own
@@ -26,11 +26,11 @@ import ray
 
 from raylm.actors.engine_core_actor import poll_outputs
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPRendezvous, DPSyncGroup
-from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.core_outputs import EngineCoreOutputs
 from raylm.scheduler.dp_loop import DPEngineCoreLoop
+from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import EngineCoreOutputs
+from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
@@ -89,7 +89,7 @@ class DPEngineCoreActor:
 
     def _make_executor(self) -> Any:
         if self.rank_config.parallel_config.world_size == 1:
-            from raylm.runner.executor import UniProcExecutor
+            from raylm.runner.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor(self.rank_config, num_threads=self.num_threads)
         from raylm.actors.ray_executor import RayExecutor

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from raylm.actors.ray_executor import RayExecutor
-from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.core_outputs import EngineCoreOutputs
+from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.engine_core_client import EngineCoreLoop
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import EngineCoreOutputs
+from raylm.scheduler.engine_core_loop import EngineCoreLoop
+from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

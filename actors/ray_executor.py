@@ -34,9 +34,9 @@ from raylm.actors.placement import (
 from raylm.actors.step_channel import StepChannel
 from raylm.actors.worker_actor import WorkerActor, new_token, output_rank
 from raylm.scheduler import envs
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.executor_base import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.executor_base import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

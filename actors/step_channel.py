@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.executor_base import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

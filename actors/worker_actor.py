@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from raylm.actors.step_channel import StepServer
-from raylm.scheduler.config import EngineConfig
+from raylm.scheduler.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from raylm.scheduler.config import (
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -56,7 +57,6 @@ from raylm.scheduler.config import (
     SchedulerConfig,
 )
 from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
 

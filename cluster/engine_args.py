@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from raylm.scheduler.config import (
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,

@@ -16,7 +16,7 @@ from typing import Any
 from raylm.cluster.engine_args import EngineArgs
 from raylm.cluster.llm_engine import LLMEngine
 from raylm.cluster.outputs import RequestOutput
-from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

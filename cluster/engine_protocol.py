@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from raylm.cluster.outputs import RequestOutput
-from raylm.scheduler.config import ModelConfig
+from raylm.scheduler.engine_config import ModelConfig
 from raylm.scheduler.sampling_params import SamplingParams
 
 

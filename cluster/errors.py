@@ -62,7 +62,7 @@ def overloaded(message: str) -> OpenAIError:
 
 def from_exception(exc: BaseException) -> OpenAIError:
     """Map an exception from the engine or from validation to what the client sees."""
-    from raylm.scheduler.executor import EngineDeadError
+    from raylm.scheduler.executor_base import EngineDeadError
 
     if isinstance(exc, OpenAIError):
         return exc

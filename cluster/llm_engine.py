@@ -16,8 +16,8 @@ from raylm.cluster.output_processor import OutputProcessor
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.processor import InputProcessor, PromptType
 from raylm.scheduler import envs
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.engine_core_client import EngineCoreClient
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.engine_core_loop import EngineCoreClient
 from raylm.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,12 +30,12 @@ def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
 
         return make_dp_engine_core_client(config)
     if config.parallel_config.distributed_executor_backend == "ray":
-        from raylm.actors.engine_core_client import make_ray_engine_core_client
+        from raylm.actors.ray_engine_core_client import make_ray_engine_core_client
 
         return make_ray_engine_core_client(config)
-    from raylm.runner.executor import UniProcExecutor
+    from raylm.runner.uniproc_executor import UniProcExecutor
     from raylm.scheduler.engine_core import EngineCore
-    from raylm.scheduler.engine_core_client import InprocEngineCoreClient
+    from raylm.scheduler.engine_core_loop import InprocEngineCoreClient
 
     resolved = config.resolve_async_scheduling(executor_supports_async=True)
     executor = UniProcExecutor(resolved, num_threads=ray_actor_threads())

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raylm.cluster import metrics as metrics_mod
+from raylm.cluster import serving_metrics as metrics_mod
 from raylm.cluster.errors import OpenAIError, error_body, from_exception, pydantic_message
 from raylm.cluster.openai_serving import CHAT_COMPLETIONS, COMPLETIONS, OpenAIServing
 

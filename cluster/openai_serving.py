@@ -28,7 +28,6 @@ from raylm.cluster.errors import (
     overloaded,
     pydantic_message,
 )
-from raylm.cluster.metrics import ServingMetrics
 from raylm.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +35,8 @@ from raylm.cluster.openai_protocol import (
     random_id,
 )
 from raylm.cluster.outputs import RequestOutput
-from raylm.scheduler.executor import EngineDeadError
+from raylm.cluster.serving_metrics import ServingMetrics
+from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

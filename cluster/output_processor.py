@@ -15,7 +15,7 @@ from typing import Any
 
 from raylm.cluster.detokenizer import IncrementalDetokenizer
 from raylm.cluster.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from raylm.scheduler.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
+from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
 from raylm.scheduler.sampling_params import SamplingParams
 
 

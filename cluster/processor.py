@@ -8,7 +8,7 @@ from typing import Any
 
 from raylm.cluster.output_processor import ParentRequest
 from raylm.cluster.outputs import RequestMetrics
-from raylm.scheduler.config import ModelConfig
+from raylm.scheduler.engine_config import ModelConfig
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """The serving-facing config of raylm, shaped like Ray Serve LLM's ``LLMConfig``.
 
 This config crosses YAML, Helm and HTTP, so it is pydantic (the engine's own configs are the
-frozen dataclasses of ``raylm.scheduler.config``). Every model forbids unknown keys: a typo
+frozen dataclasses of ``raylm.scheduler.engine_config``). Every model forbids unknown keys: a typo
 fails with the key's dotted path instead of being silently ignored.
 
 The Serve app builder ``raylm.cluster:build_openai_app(args: dict)`` receives, both from
@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from raylm.scheduler.config import dp_rank_bundles
+from raylm.scheduler.engine_config import dp_rank_bundles
 
 __all__ = [
     "AutoscalingConfig",

@@ -1,4 +1,4 @@
-"""The Gloo CPU process group that keeps DP ranks in lockstep waves (DESIGN §5).
+"""The Gloo CPU process group that keeps DP ranks in lockstep waves (docs/architecture.md §5).
 
 One EngineCore per DP rank; each rank's workers may own torch.distributed's default
 group (their TP/PP world), so the DP group is *stateless*: a ProcessGroupGloo built

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.distributed import new_pp_broadcast_group
-from raylm.scheduler.outputs import SchedulerOutput
+from raylm.scheduler.core_outputs import SchedulerOutput
 
 # (hidden_states, residual) -> the runner's IntermediateTensors. Injected, because parallel
-# sits below runner in the import order (DESIGN §1).
+# sits below runner in the import order (docs/architecture.md §1).
 MakeIntermediate = Callable[[torch.Tensor, torch.Tensor], Any]
 
 

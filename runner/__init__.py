@@ -15,7 +15,7 @@ _EXPORTS = {
     "PPTransport": "raylm.runner.worker",
     "Sampler": "raylm.runner.sampler",
     "SamplingMetadata": "raylm.runner.sampler",
-    "UniProcExecutor": "raylm.runner.executor",
+    "UniProcExecutor": "raylm.runner.uniproc_executor",
     "Worker": "raylm.runner.worker",
 }
 

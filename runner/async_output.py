@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from raylm.scheduler.outputs import LogprobsLists, ModelRunnerOutput
+from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput
 
 
 class AsyncCopy:

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.models.config import DecoderConfig
+from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.registry import get_model_class
-from raylm.scheduler.config import ModelConfig
+from raylm.scheduler.engine_config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}

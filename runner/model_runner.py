@@ -1,13 +1,13 @@
 """One rank's model runner: apply the SchedulerOutput diff, prepare inputs, run the model,
 sample, and hand back the result (at once in sync mode, as a pending copy in async mode).
 
-Async scheduling (DESIGN section 3, rule 6): the sampled ids stay on the device as
+Async scheduling (docs/architecture.md §3, rule 6): the sampled ids stay on the device as
 ``input_batch.prev_sampled_token_ids`` and feed the next step's inputs there; the host
 copy starts right after sampling and is awaited only by ``AsyncModelRunnerOutput
 .get_output()`` (the executor's output thread) or when penalties need the history. The
 runner's own token history holds -1 placeholders until then.
 
-Async pipeline parallelism (DESIGN section 4): the last stage broadcasts each step's sampled
+Async pipeline parallelism (docs/architecture.md §4): the last stage broadcasts each step's sampled
 ids over the ``SampledTokenTransport`` it is handed; every other stage keeps a
 ``SampledTokenRing`` and, before preparing step s, takes the broadcast of step s - pp_size
 as ``prev_sampled_token_ids`` (with the ``sampled_req_id_to_index`` it booked for that
@@ -39,8 +39,8 @@ from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTra
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
 from raylm.runner.sampler import Sampler, SamplerOutput
 from raylm.runner.sampling_metadata import build_sampling_metadata
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import EngineConfig
 
 # Settled copies are drained without blocking each step; past this many unsettled steps
 # the oldest is waited for, so the backlog (and the tensors it keeps alive) stays bounded.

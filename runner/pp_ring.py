@@ -1,4 +1,4 @@
-"""The sampled-token ring of a pipeline stage that does not sample (async PP, DESIGN §4).
+"""The sampled-token ring of a pipeline stage that does not sample (async PP, docs/architecture.md §4).
 
 Only the last stage samples. After each step that ran the model it broadcasts the step's
 sampled ids to the other stages; the first stage needs them as inputs, but never sooner

@@ -22,7 +22,7 @@ import torch
 
 from raylm.runner.attention import AttentionMetadata, build_attention_metadata
 from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
-from raylm.scheduler.outputs import SchedulerOutput
+from raylm.scheduler.core_outputs import SchedulerOutput
 
 
 @dataclass

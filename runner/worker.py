@@ -21,9 +21,9 @@ from raylm.runner.model_runner import ModelRunner
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.scheduler import envs
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.executor_base import EngineDeadError
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 

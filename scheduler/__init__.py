@@ -2,17 +2,7 @@
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
 from raylm.scheduler.block_pool import BlockPool, KVCacheBlock
-from raylm.scheduler.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor import EngineDeadError, Executor
-from raylm.scheduler.kv_cache_manager import KVCacheManager
-from raylm.scheduler.outputs import (
+from raylm.scheduler.core_outputs import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -23,6 +13,16 @@ from raylm.scheduler.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from raylm.scheduler.engine_config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.executor_base import EngineDeadError, Executor
+from raylm.scheduler.kv_cache_manager import KVCacheManager
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.scheduler import Scheduler

@@ -9,8 +9,8 @@ Everything else (rule 2 skip, stale outputs, deferred frees) lives in the base c
 
 from __future__ import annotations
 
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.outputs import SchedulerOutput
+from raylm.scheduler.core_outputs import SchedulerOutput
+from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.scheduler import Scheduler
 
 
@@ -22,7 +22,7 @@ class AsyncScheduler(Scheduler):
         self.num_spec_tokens = 0  # no drafter yet
         # Shared read-only list: the workers replace drafts with real ids themselves.
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
-        # A PP stage sees a request's token again only pp steps later (DESIGN §4); with
+        # A PP stage sees a request's token again only pp steps later (docs/architecture.md §4); with
         # pp=1 a request is eligible again at the very next step.
         self.decode_stagger = config.parallel_config.pipeline_parallel_size
 

@@ -1,4 +1,4 @@
-"""The busy loop of one data-parallel rank: EngineCoreLoop plus waves (DESIGN §5).
+"""The busy loop of one data-parallel rank: EngineCoreLoop plus waves (docs/architecture.md §5).
 
 DP ranks step in *waves*. While any rank has work, every rank steps (a rank with nothing
 of its own runs a dummy step), so models whose forward uses collectives across DP ranks
@@ -28,8 +28,8 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from raylm.scheduler.engine_core_client import EngineCoreLoop
-from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.engine_core_loop import EngineCoreLoop
+from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

@@ -24,17 +24,17 @@ from concurrent.futures import Future
 from typing import Any
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.executor import EngineDeadError, Executor
-from raylm.scheduler.metrics import metrics_dict
-from raylm.scheduler.outputs import (
+from raylm.scheduler.core_outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.executor_base import EngineDeadError, Executor
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.scheduler import Scheduler
+from raylm.scheduler.scheduler_stats import metrics_dict
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Per-request KV blocks on top of the BlockPool: prefix hits, allocation, deferred frees.
 
-Deferred free with a step fence (DESIGN §3 rule 5): a request's blocks may still be
+Deferred free with a step fence (docs/architecture.md §3 rule 5): a request's blocks may still be
 written by a step that is in flight when the request finishes, aborts or is preempted.
 ``free`` therefore tags them with the newest step scheduled with them (the fence) and
 ``on_step_processed(step_id)`` returns them to the pool once that step's result is back.

@@ -1,4 +1,4 @@
-"""One mutable Request per generation, with the async-scheduling ledger (DESIGN §3).
+"""One mutable Request per generation, with the async-scheduling ledger (docs/architecture.md §3).
 
 Counters keep vLLM's names. Under async scheduling the scheduler books output tokens it
 has not seen yet (``num_output_placeholders``) and settles them when the step returns;
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
-from raylm.scheduler.outputs import FinishReason
+from raylm.scheduler.core_outputs import FinishReason
 from raylm.scheduler.sampling_params import SamplingParams
 
 
@@ -78,7 +78,7 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
 
-        # The ledger (DESIGN §3).
+        # The ledger (docs/architecture.md §3).
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         self.num_in_flight_tokens = 0

@@ -13,11 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.kv_cache_manager import KVCacheManager
-from raylm.scheduler.kv_cache_utils import cdiv, update_block_hashes
-from raylm.scheduler.metrics import SchedulerCounters
-from raylm.scheduler.outputs import (
+from raylm.scheduler.core_outputs import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -25,8 +21,12 @@ from raylm.scheduler.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.kv_cache_manager import KVCacheManager
+from raylm.scheduler.kv_cache_utils import cdiv, update_block_hashes
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
+from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raylm.scheduler.kv_cache_utils import update_block_hashes
-from raylm.scheduler.outputs import (
+from raylm.scheduler.core_outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     LogprobsLists,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from raylm.scheduler.kv_cache_utils import update_block_hashes
 from raylm.scheduler.stop import check_stop
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from raylm.parallel.layers import (
     get_pp_layer_range,
 )
 from raylm.runner.attention import Attention, AttentionMetadata
-from raylm.runner.models.config import DecoderConfig
+from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.rotary import RotaryEmbedding
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.parallel.context import ParallelContext
-from raylm.scheduler.outputs import ModelRunnerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput
 
 
 class FakeWorker:

@@ -13,8 +13,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from raylm.actors.dp_client import DPEngineCoreClient  # noqa: E402
-from raylm.runner.executor import UniProcExecutor  # noqa: E402
-from raylm.scheduler.config import (  # noqa: E402
+from raylm.runner.uniproc_executor import UniProcExecutor  # noqa: E402
+from raylm.scheduler.core_outputs import FinishReason  # noqa: E402
+from raylm.scheduler.engine_config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -22,8 +23,7 @@ from raylm.scheduler.config import (  # noqa: E402
     SchedulerConfig,
 )
 from raylm.scheduler.engine_core import EngineCore  # noqa: E402
-from raylm.scheduler.executor import EngineDeadError  # noqa: E402
-from raylm.scheduler.outputs import FinishReason  # noqa: E402
+from raylm.scheduler.executor_base import EngineDeadError  # noqa: E402
 from raylm.scheduler.request import Request  # noqa: E402
 from raylm.scheduler.sampling_params import SamplingParams  # noqa: E402
 

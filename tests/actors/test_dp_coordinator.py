@@ -7,7 +7,7 @@ import pytest
 
 from raylm.actors.dp_client import merge_metrics, merge_scheduler_stats
 from raylm.actors.dp_coordinator import DPLoadBalancer, DPWaveCoordinator
-from raylm.scheduler.outputs import SchedulerStats
+from raylm.scheduler.core_outputs import SchedulerStats
 
 
 def test_least_loaded_routing_with_lowest_rank_on_ties():

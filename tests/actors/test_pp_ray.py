@@ -1,4 +1,4 @@
-"""Pipeline (and tensor) parallelism end to end on Ray (DESIGN §4): ``raylm.LLM`` with PP=2,
+"""Pipeline (and tensor) parallelism end to end on Ray (docs/architecture.md §4): ``raylm.LLM`` with PP=2,
 TP=2 x PP=2 and PP=3, async scheduling on and off, greedy output equal to transformers and to the
 single-process engine, under forced preemption (20 KV blocks of 4 tokens) and chunked
 prefill (a 16-token budget). Hidden states travel over gloo between the worker actors;

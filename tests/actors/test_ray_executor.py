@@ -17,15 +17,15 @@ ray = pytest.importorskip("ray")
 
 from raylm.actors.placement import PlacementGroupError  # noqa: E402
 from raylm.actors.ray_executor import RayExecutor  # noqa: E402
-from raylm.scheduler.config import (  # noqa: E402
+from raylm.scheduler.core_outputs import CachedRequestData, SchedulerOutput  # noqa: E402
+from raylm.scheduler.engine_config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.executor import EngineDeadError  # noqa: E402
-from raylm.scheduler.outputs import CachedRequestData, SchedulerOutput  # noqa: E402
+from raylm.scheduler.executor_base import EngineDeadError  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

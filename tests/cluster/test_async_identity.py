@@ -1,4 +1,4 @@
-"""Async scheduling gives exactly what synchronous scheduling gives (DESIGN §3), through the
+"""Async scheduling gives exactly what synchronous scheduling gives (docs/architecture.md §3), through the
 real engine, on one workload that mixes every feature the ledger touches: short and long
 prompts, max_tokens 1..24, min_tokens, stop_token_ids, stop strings, penalties, logprobs,
 seeded sampling, prefix-cache hits, chunked prefill, forced preemption and aborts in flight.

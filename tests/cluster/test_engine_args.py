@@ -1,4 +1,4 @@
-"""EngineArgs -> EngineConfig, and the async_scheduling resolution rules (DESIGN §3 rule 8)."""
+"""EngineArgs -> EngineConfig, and the async_scheduling resolution rules (docs/architecture.md §3 rule 8)."""
 
 from __future__ import annotations
 

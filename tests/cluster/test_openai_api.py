@@ -388,7 +388,7 @@ def test_stream_of_many_prompts_with_n2_matches_non_stream(client):
 
 def test_errors_map_to_statuses():
     from raylm.cluster.errors import EngineOverloadedError, from_exception
-    from raylm.scheduler.executor import EngineDeadError
+    from raylm.scheduler.executor_base import EngineDeadError
 
     class BackPressureError(Exception):  # Ray Serve's queue-full error, by name
         pass

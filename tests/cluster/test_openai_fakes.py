@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 
 from raylm.cluster.outputs import CompletionOutput, Logprob, RequestOutput
-from raylm.scheduler.config import ModelConfig
-from raylm.scheduler.executor import EngineDeadError
+from raylm.scheduler.engine_config import ModelConfig
+from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
 
 FIRST_TOKEN, NUM_PLAIN = 280, 230  # token ids the fake emits: BPE merges (valid UTF-8), no specials

@@ -8,7 +8,12 @@ from transformers import AutoTokenizer
 from raylm.cluster.detokenizer import IncrementalDetokenizer
 from raylm.cluster.output_processor import OutputProcessor, ParentRequest
 from raylm.cluster.outputs import RequestMetrics
-from raylm.scheduler.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
+from raylm.scheduler.core_outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsLists,
+)
 from raylm.scheduler.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SUBPACKAGES = ["raylm", "raylm.scheduler", "raylm.runner", "raylm.runner.models",
                "raylm.parallel", "raylm.actors", "raylm.cluster"]
 FOLDERS = {"scheduler", "runner", "parallel", "actors", "cluster", "api"}
-# Who may import whom (DESIGN.md §1): cluster -> actors -> runner -> parallel; all may
+# Who may import whom (docs/architecture.md §1): cluster -> actors -> runner -> parallel; all may
 # import scheduler; scheduler imports none of them.
 ALLOWED = {
     "scheduler": {"scheduler"},

@@ -123,7 +123,7 @@ def test_tensor_parallel_logits_equal_single_process(llama_path, qwen2_path, lla
     from raylm.parallel.context import ParallelContext as Ctx
     from raylm.runner.model_loader import get_model
     from raylm.runner.model_runner import ModelRunner
-    from raylm.scheduler.config import (
+    from raylm.scheduler.engine_config import (
         CacheConfig,
         EngineConfig,
         ModelConfig,

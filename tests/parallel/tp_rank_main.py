@@ -56,7 +56,7 @@ def run_steps(model) -> list:
 
 
 def greedy_tokens(runner, prompt: list[int], steps: int) -> list[int]:
-    from raylm.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+    from raylm.scheduler.core_outputs import CachedRequestData, NewRequestData, SchedulerOutput
     from raylm.scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps)
@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, port: int, paths: list[str], results) -> No
         from raylm.parallel.context import ParallelContext
         from raylm.runner.model_loader import get_model
         from raylm.runner.model_runner import ModelRunner
-        from raylm.scheduler.config import (
+        from raylm.scheduler.engine_config import (
             CacheConfig,
             EngineConfig,
             ModelConfig,

@@ -11,7 +11,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from raylm.scheduler.outputs import (
+from raylm.scheduler.core_outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -78,7 +78,7 @@ class StepDriver:
                 n = min(req.chunk_size, prompt_len - req.num_computed)
                 samples = req.num_computed + n == prompt_len
             else:
-                # Decode: only if it can still produce a token (DESIGN rule 2), and in sync
+                # Decode: only if it can still produce a token (docs/architecture.md §3 rule 2), and in sync
                 # mode only once the previous token is known.
                 if len(req.outputs) + req.placeholders >= req.max_tokens:
                     continue

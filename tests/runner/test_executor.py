@@ -13,11 +13,11 @@ from conftest import BLOCK_SIZE, NUM_BLOCKS, engine_config, hf_greedy, random_pr
 from step_driver import StepDriver
 
 from raylm.runner.async_output import AsyncModelRunnerOutput
-from raylm.runner.executor import UniProcExecutor
+from raylm.runner.uniproc_executor import UniProcExecutor
 from raylm.runner.worker import Worker
-from raylm.scheduler.config import CacheConfig
-from raylm.scheduler.executor import EngineDeadError, Executor
-from raylm.scheduler.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import CacheConfig
+from raylm.scheduler.executor_base import EngineDeadError, Executor
 from raylm.scheduler.sampling_params import SamplingParams
 
 

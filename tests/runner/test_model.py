@@ -10,9 +10,9 @@ from paged import PagedSequences
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.model_loader import get_model, resolve_dtype
-from raylm.runner.models.config import DecoderConfig
+from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.rotary import RotaryEmbedding
-from raylm.scheduler.config import ModelConfig
+from raylm.scheduler.engine_config import ModelConfig
 
 CPU = ParallelContext.single("cpu")
 

@@ -9,7 +9,7 @@ import torch
 from conftest import BLOCK_SIZE, NUM_BLOCKS, hf_greedy, hf_model, make_runner, random_prompts
 from step_driver import StepDriver
 
-from raylm.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from raylm.scheduler.core_outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)

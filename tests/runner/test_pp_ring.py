@@ -17,7 +17,7 @@ from raylm.parallel.context import ParallelContext
 from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
 from raylm.runner.pp_ring import SampledTokenRing
 from raylm.runner.worker import Worker
-from raylm.scheduler.config import (
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -253,7 +253,7 @@ def _run_engine(config, executor, prompts, params) -> dict[str, list[int]]:
 
 
 def test_seeded_sampling_and_penalties_are_the_same_with_pp_async_or_sync(llama_path):
-    from raylm.runner.executor import UniProcExecutor
+    from raylm.runner.uniproc_executor import UniProcExecutor
 
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 19, 11, 7)]

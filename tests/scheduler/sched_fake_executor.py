@@ -16,14 +16,14 @@ import zlib
 from concurrent.futures import Future
 from dataclasses import replace
 
-from raylm.scheduler.config import (
+from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
 

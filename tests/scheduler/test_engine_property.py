@@ -16,8 +16,8 @@ from sched_fake_executor import (
     prompt_tokens,
 )
 
+from raylm.scheduler.core_outputs import FinishReason
 from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.outputs import FinishReason
 
 BLOCK = 4
 

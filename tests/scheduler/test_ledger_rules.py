@@ -1,4 +1,4 @@
-"""The ledger rules of DESIGN §3, each driven step by step against the fake runner."""
+"""The ledger rules of docs/architecture.md §3, each driven step by step against the fake runner."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from sched_fake_executor import (
 )
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
+from raylm.scheduler.core_outputs import FinishReason, LogprobsLists, ModelRunnerOutput
 from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.outputs import FinishReason, LogprobsLists, ModelRunnerOutput
 from raylm.scheduler.request import RequestStatus
 from raylm.scheduler.scheduler import Scheduler
 

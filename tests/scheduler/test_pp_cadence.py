@@ -1,4 +1,4 @@
-"""The PP decode cadence (DESIGN §4) through the real EngineCore and a fake executor:
+"""The PP decode cadence (docs/architecture.md §4) through the real EngineCore and a fake executor:
 with pp_size P a request never samples twice within P scheduled steps (its token takes P
 steps to come back to the first stage), exactly P apart when nothing else holds it back;
 non-final prefill chunks go in consecutive steps; pp + 1 batches in flight with async

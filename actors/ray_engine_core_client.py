@@ -27,9 +27,9 @@ from raylm.actors.placement import (
     worker_bundles,
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import EngineCoreOutputs
+from raylm.scheduler.core_outputs import EngineCoreOutputs
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

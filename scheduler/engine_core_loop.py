@@ -2,7 +2,7 @@
 
 ``EngineCoreClient`` is what the engine client (raylm.cluster) talks to. Two
 implementations: ``InprocEngineCoreClient`` here (EngineCore in this process, stepped by
-a busy-loop thread) and ``raylm.actors.engine_core_client.RayEngineCoreClient`` (the
+a busy-loop thread) and ``raylm.actors.ray_engine_core_client.RayEngineCoreClient`` (the
 EngineCore in a Ray actor that runs this same loop).
 """
 
@@ -13,8 +13,8 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

@@ -1,6 +1,6 @@
 """The Executor protocol: the EngineCore's only view of the workers.
 
-Implementations: ``raylm.runner.executor.UniProcExecutor`` (in process) and
+Implementations: ``raylm.runner.uniproc_executor.UniProcExecutor`` (in process) and
 ``raylm.actors.ray_executor.RayExecutor`` (Ray worker actors). Tests use fakes.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
-from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class EngineDeadError(RuntimeError):

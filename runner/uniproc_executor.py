@@ -16,9 +16,9 @@ from concurrent.futures import Future
 
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.worker import Worker
-from raylm.scheduler.config import EngineConfig
-from raylm.scheduler.executor import EngineDeadError
-from raylm.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.executor_base import EngineDeadError
 
 _STOP = object()
 
