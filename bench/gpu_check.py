@@ -93,6 +93,25 @@ def check_correctness(root: str, quick: bool) -> None:
             same = sum(a == b for a, b in zip(got, want, strict=True))
             report(same == len(prompts),
                    f"{name} fp32 async={mode}: {same}/{len(prompts)} requests equal transformers")
+            for p, a, b in zip(prompts, got, want, strict=True):
+                if a != b:
+                    print("  " + divergence(path, p, a, b), flush=True)
+
+
+def divergence(path: str, prompt: list[int], got: list[int], want: list[int]) -> str:
+    """Where two greedy runs part, and how close transformers' top two logits are there:
+    a gap near fp32 rounding is a tie that any change of summation order may flip."""
+    from transformers import AutoModelForCausalLM
+
+    i = next(k for k, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + want[:i]], device="cuda")).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    gap = float(top.values[0] - top.values[1])
+    return (f"prompt of {len(prompt)} tokens parts at output {i}: raylm {got[i]} "
+            f"(logit {float(logits[got[i]]):.6f}), transformers {want[i]} "
+            f"(logit {float(logits[want[i]]):.6f}); transformers' top-2 gap {gap:.2e}")
 
 
 def check_copy_stream() -> None:

@@ -8,6 +8,7 @@ needs neither.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Protocol
 
@@ -171,5 +172,12 @@ class Worker:
     def shutdown(self) -> None:
         if self.model_runner is not None:
             self.model_runner.shutdown()
+            # Drop the weights and the KV cache now, not when the last reference to this
+            # worker goes: on a GPU the KV cache takes most of the free memory, and the next
+            # engine in this process sizes its own cache from what is free.
+            self.model_runner = None
+            if self.ctx is not None and self.ctx.device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
         if self.pp_transport is not None:
             self.pp_transport.close()
