@@ -45,11 +45,14 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int, dtype) -> li
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    # ignore_eos as raylm's: no EOS id at all. (min_new_tokens would instead mask EOS out
+    # of the logits, which raylm's ignore_eos does not do, and the two would part there.)
+    model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0)
             outs.append(out[0, len(p):].tolist())
     del model
     torch.cuda.empty_cache()
