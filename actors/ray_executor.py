@@ -67,9 +67,6 @@ class RayExecutor:
         self.config = config
         self.world_size = pc.world_size
         self.output_rank = output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        # The EngineCore resolves async scheduling against us; before that, assume it is on.
-        self.max_concurrent_batches = pc.pipeline_parallel_size + (
-            0 if config.scheduler_config.async_scheduling is False else 1)
         self.dispatch = dispatch
         self.health_timeout_s = health_timeout_s
         self.workers: list[Any] = []

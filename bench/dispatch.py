@@ -155,7 +155,6 @@ def bench_model(path: str, num_reqs: int, max_tokens: int) -> list[tuple[str, fl
                               SchedulerConfig(max_num_seqs=num_reqs),
                               ParallelConfig(tensor_parallel_size=tp,
                                              distributed_executor_backend="ray" if tp > 1 else "uni"))
-        config = config.resolve_async_scheduling()
         executor = (UniProcExecutor(config, num_threads=1) if dispatch is None
                     else RayExecutor(config, dispatch=dispatch))
         core = EngineCore(config, executor)

@@ -148,7 +148,6 @@ class SimulatedDevice:
     """Executor protocol over a virtual device clock; ``model`` is ``event`` or ``thread``."""
 
     supports_async_scheduling = True
-    max_concurrent_batches = 2
 
     def __init__(self, t_device: float, model: str = "event") -> None:
         if model not in ("event", "thread"):

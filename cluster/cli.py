@@ -11,38 +11,10 @@ import sys
 import threading
 from typing import Any
 
+from raylm.cluster.engine_args import add_cli_args, cli_engine_kwargs
 from raylm.scheduler import envs
 
 logger = logging.getLogger("raylm.cli")
-
-# CLI flag dest -> engine argument (the fields of serve_config.EngineKwargs / EngineArgs).
-_ENGINE_ARGS = (
-    "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-    "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
-    "seed", "async_scheduling", "tensor_parallel_size", "pipeline_parallel_size",
-    "data_parallel_size", "distributed_executor_backend", "max_queued_requests",
-)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--served-model-name", help="the name clients send as `model`")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    for flag in ("max-model-len", "max-num-seqs", "max-num-batched-tokens", "block-size",
-                 "num-kv-blocks", "kv-cache-memory-bytes", "seed", "max-queued-requests"):
-        g.add_argument(f"--{flag}", type=int)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int)
-    g.add_argument("--data-parallel-size", "-dp", type=int)
-    g.add_argument("--gpu-memory-utilization", type=float)
-    g.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
-
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     """(checkpoint folder, served model name); the demo model when no model is given."""
@@ -74,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed_sampling,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(path, **engine_kwargs(args))
+    llm = LLM(path, **cli_engine_kwargs(args))
     try:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
@@ -93,7 +65,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.input):
         raise SystemExit(f"raylm batch: input file {args.input!r} does not exist.")
     path, name = resolve_model(args)
-    engine = AsyncLLM.from_engine_args(path, **{**engine_kwargs(args), "served_model_name": name})
+    engine = AsyncLLM.from_engine_args(path, **{**cli_engine_kwargs(args), "served_model_name": name})
     try:
         result = asyncio.run(run_batch_file(
             engine, args.input, args.output, name, model_aliases=(path, args.model or path),
@@ -131,11 +103,9 @@ def build_llm_config(args: argparse.Namespace) -> Any:
                        if getattr(args, k) is not None}
         if autoscaling:
             deployment["autoscaling_config"] = autoscaling
-    return LLMConfig.model_validate({
-        "model_loading_config": {"model_id": name, "model_source": source},
-        "engine_kwargs": engine_kwargs(args), "deployment_config": deployment,
-        "api_key": args.api_key,
-    })
+    return LLMConfig.from_engine_kwargs(
+        cli_engine_kwargs(args), model_id=name, model_source=source,
+        deployment_config=deployment, api_key=args.api_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -191,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="apply the chat template")
-    add_engine_args(p)
+    add_cli_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve")
@@ -205,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int)
     p.add_argument("--target-ongoing-requests", type=float)
     p.add_argument("--max-ongoing-requests", type=int)
-    add_engine_args(p)
+    add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("batch", help="run an OpenAI Batch jsonl file offline")
@@ -214,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint folder (default: the demo model)")
     p.add_argument("--max-concurrency", type=int, default=256)
     p.add_argument("--no-progress", action="store_true")
-    add_engine_args(p)
+    add_cli_args(p)
     p.set_defaults(func=cmd_batch)
     return parser
 

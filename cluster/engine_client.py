@@ -41,14 +41,7 @@ class AsyncLLM:
     @classmethod
     def from_llm_config(cls, llm_config: Any) -> AsyncLLM:
         """Build from a serving ``LLMConfig`` (raylm.cluster.serve_config)."""
-        from raylm.cluster.demo import ensure_demo_model
-
-        loading = llm_config.model_loading_config
-        source = loading.model_source
-        path = ensure_demo_model() if source in (None, "", "demo") else source
-        kwargs = llm_config.engine_kwargs.model_dump(exclude_none=True)
-        kwargs.setdefault("served_model_name", loading.model_id)
-        return cls.from_engine_args(path, **kwargs)
+        return cls(llm_config.engine_args())
 
     # -- the output thread -------------------------------------------------------------
     def _output_loop(self) -> None:

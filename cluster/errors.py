@@ -63,6 +63,7 @@ def overloaded(message: str) -> OpenAIError:
 def from_exception(exc: BaseException) -> OpenAIError:
     """Map an exception from the engine or from validation to what the client sees."""
     from raylm.scheduler.executor_base import EngineDeadError
+    from raylm.scheduler.request import InvalidRequestError
 
     if isinstance(exc, OpenAIError):
         return exc
@@ -72,6 +73,8 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return overloaded(str(exc))
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"The engine is dead: {exc}", 500)
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, (ValueError, TypeError)):
         return bad_request(str(exc))
     return OpenAIError(f"{type(exc).__name__}: {exc}", 500)

@@ -54,9 +54,9 @@ class LLM:
                 )
         # Validate everything before anything is queued: a bad prompt fails the call cleanly.
         tokenized = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt in prompts:
             text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
-            self.llm_engine.input_processor.validate(token_ids, params)
+            self.llm_engine.input_processor.validate(token_ids)
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = [str(next(self._ids)) for _ in prompts]
         for request_id, prompt, params in zip(ids, tokenized, params_list, strict=True):

@@ -37,9 +37,8 @@ def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
     from raylm.scheduler.engine_core import EngineCore
     from raylm.scheduler.engine_core_loop import InprocEngineCoreClient
 
-    resolved = config.resolve_async_scheduling(executor_supports_async=True)
-    executor = UniProcExecutor(resolved, num_threads=ray_actor_threads())
-    return InprocEngineCoreClient(EngineCore(resolved, executor))
+    executor = UniProcExecutor(config, num_threads=ray_actor_threads())
+    return InprocEngineCoreClient(EngineCore(config, executor))
 
 
 def ray_actor_threads() -> int | None:

@@ -14,9 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raylm.cluster.outputs import Logprob, SampleLogprobs
-from raylm.scheduler.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20  # the top-k a client may ask for per token (vLLM's default max_logprobs)
+from raylm.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def random_id(prefix: str) -> str:

@@ -37,6 +37,7 @@ from raylm.cluster.openai_protocol import (
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.serving_metrics import ServingMetrics
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.request import check_max_tokens, check_prompt
 from raylm.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -148,11 +149,6 @@ class OpenAIServing:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, list(self.engine.tokenizer(prompt).input_ids)
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).",
-                              "prompt")
         return None, list(prompt)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -169,24 +165,14 @@ class OpenAIServing:
 
     def _sampling_params(self, request: Any, prompt_ids: list[int]) -> SamplingParams:
         n, max_len = len(prompt_ids), self.max_model_len
-        if n == 0:
-            raise bad_request("prompt is empty (0 tokens); at least one token is required.",
-                              "prompt")
-        if n >= max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens, but the prompt has "
-                f"{n} tokens, which leaves no room to generate.", "prompt")
+        check_prompt(prompt_ids, max_len, self.engine.model_config.vocab_size)
         try:
             params = request.to_sampling_params(default_max_tokens=max_len - n)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field
             raise bad_request(str(e), field if field in type(request).model_fields else None) from e
-        if params.max_tokens is not None and n + params.max_tokens > max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens. However, you "
-                f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
-                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                "max_tokens")
+        if params.max_tokens is not None:
+            check_max_tokens(n, params.max_tokens, max_len)
         return params
 
     # ---- running -------------------------------------------------------------------------

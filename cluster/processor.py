@@ -9,7 +9,7 @@ from typing import Any
 from raylm.cluster.output_processor import ParentRequest
 from raylm.cluster.outputs import RequestMetrics
 from raylm.scheduler.engine_config import ModelConfig
-from raylm.scheduler.request import Request
+from raylm.scheduler.request import Request, check_prompt
 from raylm.scheduler.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
@@ -36,28 +36,16 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}.")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_token_ids)
-        max_len = self.model_config.max_model_len
-        if n == 0:
-            raise ValueError("prompt is empty (0 tokens); at least one token is required.")
-        if n >= max_len:
-            raise ValueError(
-                f"prompt has {n} tokens, which leaves no room to generate within "
-                f"max_model_len={max_len}."
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
-        if params.logprobs is not None and params.logprobs > 20:
-            raise ValueError(f"logprobs must be at most 20, got {params.logprobs}.")
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raises InvalidRequestError (a ValueError). The params validated themselves."""
+        check_prompt(prompt_token_ids, self.model_config.max_model_len,
+                     self.model_config.vocab_size)
 
     def make_requests(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ParentRequest, list[Request]]:
         """One ParentRequest and its n engine Requests (ids ``"{i}_{request_id}"`` when n > 1)."""
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids)
         parent = ParentRequest(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
             params=params, metrics=RequestMetrics(arrival_time=time.monotonic()),

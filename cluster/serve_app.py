@@ -37,10 +37,7 @@ def max_pending_requests(llm_config: LLMConfig) -> int | None:
     kwargs = llm_config.engine_kwargs
     if kwargs.max_queued_requests is None:
         return None
-    from raylm.cluster.engine_args import EngineArgs
-
-    max_num_seqs = kwargs.max_num_seqs or EngineArgs.max_num_seqs
-    return (max_num_seqs + kwargs.max_queued_requests) * kwargs.data_parallel_size
+    return (kwargs.max_num_seqs + kwargs.max_queued_requests) * kwargs.data_parallel_size
 
 
 async def coalesce(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import (
@@ -31,11 +31,14 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from raylm.scheduler.engine_config import dp_rank_bundles
+from raylm.cluster.engine_args import EngineArgs, engine_arg_fields, engine_arg_types
+from raylm.scheduler.engine_config import PlacementStrategy, dp_rank_bundles
 
 __all__ = [
     "AutoscalingConfig",
@@ -82,57 +85,53 @@ class ModelLoadingConfig(BaseModel):
         return ensure_demo_model()
 
 
-class EngineKwargs(BaseModel):
-    """Engine arguments passed to ``raylm.LLM(model=..., **to_llm_kwargs())``.
+# Engine arguments that an LLMConfig holds in a section of its own, as Ray Serve LLM's
+# LLMConfig does; every other EngineArgs field is a key of ``engine_kwargs``.
+ENGINE_ARGS_ELSEWHERE = {
+    "model": "model_loading_config.model_source",
+    "served_model_name": "model_loading_config.model_id",
+    "placement_group_strategy": "placement_group_config.strategy",
+}
 
-    None means "the engine's default", so the engine keeps one source of truth for defaults;
-    only the parallel sizes are concrete because placement depends on them."""
 
+class _EngineKwargsBase(BaseModel):
     model_config = _STRICT
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] | None = None
-    max_model_len: PositiveInt | None = None
-    max_num_seqs: PositiveInt | None = None
-    max_num_batched_tokens: PositiveInt | None = None
-    block_size: PositiveInt | None = None
-    enable_prefix_caching: bool | None = None
-    num_kv_blocks: PositiveInt | None = None
-    kv_cache_memory_bytes: PositiveInt | None = None
-    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: NonNegativeInt | None = None
-    async_scheduling: bool | None = None
-    tensor_parallel_size: PositiveInt = 1
-    pipeline_parallel_size: PositiveInt = 1
-    data_parallel_size: PositiveInt = 1
-    distributed_executor_backend: Literal["uni", "ray"] | None = None
-    max_queued_requests: PositiveInt | None = None
-
-    @field_validator("block_size")
+    @field_validator("*")
     @classmethod
-    def _power_of_two(cls, v: int | None) -> int | None:
-        if v is not None and v & (v - 1):
-            raise ValueError(f"block_size must be a power of two, got {v}.")
-        return v
+    def _check_in_engine_config(cls, value: Any, info: ValidationInfo) -> Any:
+        # The frozen engine configs are the one place values are checked; each value is
+        # checked among defaults, so that the error carries its field's name.
+        assert info.field_name is not None
+        EngineArgs(model="", **{info.field_name: value}).check_without_checkpoint()
+        return value
 
     @model_validator(mode="after")
-    def _check_backend(self) -> EngineKwargs:
-        if self.distributed_executor_backend == "uni" and (
-            self.world_size > 1 or self.data_parallel_size > 1
-        ):
-            raise ValueError(
-                "distributed_executor_backend='uni' cannot run tensor_parallel_size="
-                f"{self.tensor_parallel_size}, pipeline_parallel_size="
-                f"{self.pipeline_parallel_size}, data_parallel_size={self.data_parallel_size}; "
-                "use 'ray' or leave it unset.")
+    def _check_together(self) -> _EngineKwargsBase:
+        EngineArgs(model="", **self.to_llm_kwargs()).check_without_checkpoint()
         return self
 
     @property
     def world_size(self) -> int:
         """Workers of one engine (one DP rank): TP x PP."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size  # type: ignore[attr-defined]
 
     def to_llm_kwargs(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        """Keyword arguments of ``raylm.LLM(model, **kwargs)`` / ``EngineArgs``."""
+        return self.model_dump()
+
+
+def _engine_kwargs_model() -> type[_EngineKwargsBase]:
+    types = engine_arg_types()
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        "EngineKwargs", __base__=_EngineKwargsBase, __module__=__name__,
+        __doc__="Engine arguments (``raylm.cluster.engine_args.EngineArgs``, whose fields "
+                "this model is generated from, with their defaults and help).",
+        **{f.name: (types[f.name], Field(default=f.default, description=f.metadata["help"]))
+           for f in engine_arg_fields(exclude=ENGINE_ARGS_ELSEWHERE)})
+
+
+EngineKwargs = _engine_kwargs_model()
 
 
 class AutoscalingConfig(BaseModel):
@@ -205,7 +204,7 @@ class PlacementGroupConfig(BaseModel):
     model_config = _STRICT
 
     bundles: list[dict[str, NonNegativeFloat]] = Field(min_length=1)
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    strategy: PlacementStrategy = "PACK"
 
     @field_validator("bundles")
     @classmethod
@@ -241,7 +240,7 @@ class LLMConfig(BaseModel):
     model_config = _STRICT
 
     model_loading_config: ModelLoadingConfig
-    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)  # type: ignore[valid-type]
     deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
     placement_group_config: PlacementGroupConfig | None = None
     # e.g. "H100": pins the GPU workers to nodes of that type (Ray's `accelerator_type:<T>`).
@@ -309,6 +308,31 @@ class LLMConfig(BaseModel):
     def get_placement_group(self) -> PlacementGroupConfig:
         """The explicit placement_group_config, else the default one."""
         return self.placement_group_config or self.default_placement_group()
+
+    def engine_args(self) -> EngineArgs:
+        """What a replica builds its engine from (writes the demo model on first use)."""
+        return EngineArgs(
+            model=self.model_loading_config.resolve_model_source(),
+            served_model_name=self.model_id,
+            placement_group_strategy=self.get_placement_group().strategy,
+            **self.engine_kwargs.to_llm_kwargs())
+
+    @classmethod
+    def from_engine_kwargs(cls, kwargs: Mapping[str, Any], *, model_id: str,
+                           model_source: str | None, **fields: Any) -> LLMConfig:
+        """An LLMConfig from flat engine arguments (the CLI's), each put where LLMConfig
+        keeps it (ENGINE_ARGS_ELSEWHERE)."""
+        engine_kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_ARGS_ELSEWHERE}
+        config = cls.model_validate({
+            "model_loading_config": {"model_id": model_id, "model_source": model_source},
+            "engine_kwargs": engine_kwargs, **fields})
+        strategy = kwargs.get("placement_group_strategy")
+        if strategy is None:
+            return config
+        bundles = config.default_placement_group().bundles
+        return cls.model_validate({
+            **config.model_dump(exclude_unset=True),
+            "placement_group_config": {"bundles": bundles, "strategy": strategy}})
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> LLMConfig:

@@ -13,19 +13,17 @@ from torch import nn
 from raylm.parallel.context import ParallelContext
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.registry import get_model_class
-from raylm.scheduler.engine_config import ModelConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+from raylm.scheduler.engine_config import DTYPES, ModelConfig
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> float32 on CPU (no fast bf16 matmul there), bfloat16 on CUDA."""
+    """``auto`` -> float32 on CPU (no fast bf16 matmul there), bfloat16 on CUDA; every other
+    name of DTYPES is torch's own."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}.")
-    return _DTYPES[dtype]
+    return getattr(torch, dtype)
 
 
 def safetensors_files(model_dir: str) -> list[str]:

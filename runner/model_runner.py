@@ -79,8 +79,6 @@ class _OnHost(AsyncCopy):
 
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, ctx: ParallelContext) -> None:
-        if engine_config.scheduler_config.async_scheduling is None:
-            engine_config = engine_config.resolve_async_scheduling()
         self.engine_config = engine_config
         self.ctx = ctx
         self.device = ctx.device

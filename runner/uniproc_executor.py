@@ -39,10 +39,7 @@ class UniProcExecutor:
 
     def __init__(self, engine_config: EngineConfig, worker: Worker | None = None,
                  num_threads: int | None = None) -> None:
-        if engine_config.scheduler_config.async_scheduling is None:
-            engine_config = engine_config.resolve_async_scheduling(executor_supports_async=True)
         self.engine_config = engine_config
-        self.max_concurrent_batches = engine_config.max_concurrent_batches
         self._dead: EngineDeadError | None = None
         self._lock = threading.Lock()
         self._steps: queue.Queue = queue.Queue()

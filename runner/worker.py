@@ -73,8 +73,6 @@ def set_intra_op_threads(num_threads: int) -> None:
 class Worker:
     def __init__(self, engine_config: EngineConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
-        if engine_config.scheduler_config.async_scheduling is None:
-            engine_config = engine_config.resolve_async_scheduling()
         self.engine_config = engine_config
         self.rank = rank
         self.local_rank = local_rank

@@ -1,7 +1,9 @@
 """Frozen configuration, one dataclass per layer. Pure Python: read by every layer.
 
 Each config validates itself and raises ``ValueError`` naming the bad value.
-``EngineConfig`` ties them together and resolves ``async_scheduling``.
+``EngineConfig`` ties them together and resolves ``async_scheduling`` (the one place it is
+resolved; every layer below reads the resolved value). The value sets that several layers
+name (dtypes, architectures, executor backends, placement strategies) are defined here once.
 """
 
 from __future__ import annotations
@@ -10,16 +12,33 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 logger = logging.getLogger(__name__)
 
+# Qwen2 (qkv bias) and Qwen3 (q/k norm) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+# "auto": float32 on CPU, bfloat16 on CUDA (resolved by the runner).
+DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+DTYPES: tuple[str, ...] = get_args(DType)
+ExecutorBackend = Literal["uni", "ray"]
+EXECUTOR_BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)
 
 
 def _bad(name: str, value: object, why: str) -> ValueError:
     return ValueError(f"{name} {why}, got {value!r}.")
+
+
+def supported_architecture(architectures: list[str], model: str = "") -> str:
+    """The first of a config.json's ``architectures`` that raylm runs; ValueError if none."""
+    for arch in architectures:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    of = f" of model {model!r}" if model else ""
+    raise ValueError(f"architecture {architectures!r}{of} is not supported; "
+                     f"supported: {list(SUPPORTED_ARCHITECTURES)}.")
 
 
 @dataclass(frozen=True)
@@ -33,25 +52,23 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise _bad("dtype", self.dtype, f"must be one of {_DTYPES}")
+        # The checks that need no checkpoint come first: the Serve config runs them early.
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.max_model_len < 0:
+            raise _bad("max_model_len", self.max_model_len, "must be positive (0: the model's)")
+        if self.seed < 0:
+            raise _bad("seed", self.seed, "must be non-negative")
         if not self.hf_config:
             path = os.path.join(self.model, "config.json")
             if not os.path.isfile(path):
                 raise ValueError(f"model {self.model!r} is not a folder with a config.json.")
             with open(path) as f:
                 object.__setattr__(self, "hf_config", json.load(f))
-        archs = self.hf_config.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"architecture {archs!r} of model {self.model!r} is not supported; "
-                f"supported: {list(SUPPORTED_ARCHITECTURES)}."
-            )
+        supported_architecture(self.hf_config.get("architectures") or [], self.model)
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
         if self.max_model_len == 0:
             object.__setattr__(self, "max_model_len", limit)
-        elif not 0 < self.max_model_len:
-            raise _bad("max_model_len", self.max_model_len, "must be positive")
         elif self.max_model_len > limit:
             raise _bad("max_model_len", self.max_model_len,
                        f"must not exceed the model's max_position_embeddings={limit}")
@@ -60,7 +77,7 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return next(a for a in self.hf_config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+        return supported_architecture(self.hf_config["architectures"], self.model)
 
     @property
     def vocab_size(self) -> int:
@@ -102,7 +119,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    async_scheduling: bool | None = None  # None: on unless incompatible (EngineConfig resolves)
+    async_scheduling: bool | None = None  # None: auto; EngineConfig resolves it to a bool
     max_queued_requests: int | None = None  # serving: reject beyond this many waiting
 
     def __post_init__(self) -> None:
@@ -119,8 +136,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: Literal["uni", "ray"] | None = None
-    placement_group_strategy: str = "PACK"
+    distributed_executor_backend: ExecutorBackend | None = None
+    placement_group_strategy: PlacementStrategy = "PACK"
     dp_sync_interval: int = 16
 
     def __post_init__(self) -> None:
@@ -128,20 +145,23 @@ class ParallelConfig:
                      "dp_sync_interval"):
             if getattr(self, name) < 1:
                 raise _bad(name, getattr(self, name), "must be at least 1")
-        if self.distributed_executor_backend not in (None, "uni", "ray"):
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise _bad("distributed_executor_backend", self.distributed_executor_backend,
-                       "must be 'uni', 'ray' or None")
+                       f"must be one of {EXECUTOR_BACKENDS} or None")
         if self.distributed_executor_backend is None:
             multi = self.world_size > 1 or self.data_parallel_size > 1
             object.__setattr__(self, "distributed_executor_backend", "ray" if multi else "uni")
         if self.distributed_executor_backend == "uni" and (
             self.world_size > 1 or self.data_parallel_size > 1
         ):
-            raise _bad("distributed_executor_backend", "uni",
-                       "cannot serve tensor/pipeline/data parallelism; use 'ray'")
-        if self.placement_group_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(
+                "distributed_executor_backend='uni' cannot run tensor_parallel_size="
+                f"{self.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}, data_parallel_size={self.data_parallel_size}; "
+                "use 'ray' or leave it unset.")
+        if self.placement_group_strategy not in PLACEMENT_STRATEGIES:
             raise _bad("placement_group_strategy", self.placement_group_strategy,
-                       "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+                       f"must be one of {PLACEMENT_STRATEGIES}")
 
     @property
     def world_size(self) -> int:
@@ -159,13 +179,6 @@ def dp_rank_bundles(world_size: int, engine_bundle: dict, worker_bundle: dict) -
     return [dict(engine_bundle)] + [dict(worker_bundle) for _ in range(world_size)]
 
 
-def async_scheduling_incompatibility(parallel: ParallelConfig, executor_supports_async: bool) -> str | None:
-    """The option that rules out async scheduling, or None when it is supported."""
-    if not executor_supports_async:
-        return f"distributed_executor_backend={parallel.distributed_executor_backend!r} (no non-blocking execute)"
-    return None
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -177,25 +190,18 @@ class EngineConfig:
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
-
-    def resolve_async_scheduling(self, executor_supports_async: bool = True) -> EngineConfig:
-        """Turn ``async_scheduling=None`` into a bool; ``True`` with an incompatibility raises."""
-        requested = self.scheduler_config.async_scheduling
-        why = async_scheduling_incompatibility(self.parallel_config, executor_supports_async)
-        if requested is True and why is not None:
-            raise ValueError(f"async_scheduling=True is not supported with {why}.")
-        if requested is None:
-            if why is not None:
-                logger.info("Async scheduling disabled: not supported with %s.", why)
-            resolved = why is None
-        else:
-            resolved = requested
-        return replace(self, scheduler_config=replace(self.scheduler_config, async_scheduling=resolved))
+        if self.scheduler_config.async_scheduling is None:
+            # Resolved here, once: both executor backends execute non-blocking, so the
+            # default is on. An option that cannot overlap would turn it off here (and
+            # raise when the user asked for True).
+            object.__setattr__(self, "scheduler_config", replace(
+                self.scheduler_config, async_scheduling=True))
 
     @property
     def async_scheduling(self) -> bool:
-        assert self.scheduler_config.async_scheduling is not None, "call resolve_async_scheduling() first"
-        return self.scheduler_config.async_scheduling
+        resolved = self.scheduler_config.async_scheduling
+        assert resolved is not None, "EngineConfig.__post_init__ resolves async_scheduling"
+        return resolved
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -45,9 +45,7 @@ _MAX_IDLE_EMPTY_STEPS = 3
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
-        if config.scheduler_config.async_scheduling is None:
-            config = config.resolve_async_scheduling(executor.supports_async_scheduling)
-        elif config.async_scheduling and not executor.supports_async_scheduling:
+        if config.async_scheduling and not executor.supports_async_scheduling:
             logger.warning("async_scheduling is on but the executor blocks in execute_model: "
                            "results stay correct, steps will not overlap.")
         self.config = config

@@ -18,8 +18,8 @@ class EngineDeadError(RuntimeError):
 
 @runtime_checkable
 class Executor(Protocol):
-    #: Steps the EngineCore may keep in flight (pp_size, plus one with async scheduling).
-    max_concurrent_batches: int
+    # How many steps may be in flight is EngineConfig.max_concurrent_batches (one fact,
+    # read by the EngineCore); an executor only says whether it can overlap at all.
     #: Whether ``execute_model(non_block=True)`` really returns before the step completes.
     supports_async_scheduling: bool
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
+# The most top logprobs a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 class SamplingType(IntEnum):
@@ -89,8 +91,9 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "must be greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", self.logprobs, "must be non-negative")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"must be between 0 and {MAX_LOGPROBS}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", list(self.stop_token_ids), "must be non-negative integers")

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-# Qwen2 (qkv bias) and Qwen3 (q/k norm) are Llama with flags; DecoderConfig sets them.
-_MODELS = {
-    "LlamaForCausalLM": ("raylm.runner.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("raylm.runner.models.llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("raylm.runner.models.llama", "LlamaForCausalLM"),
-}
+from raylm.scheduler.engine_config import SUPPORTED_ARCHITECTURES, supported_architecture
+
+# Every supported architecture is a Llama-family decoder; DecoderConfig sets the
+# per-architecture flags (Qwen2's qkv bias, Qwen3's q/k norm).
+_MODELS = {arch: ("raylm.runner.models.llama", "LlamaForCausalLM")
+           for arch in SUPPORTED_ARCHITECTURES}
 
 
 def resolve_architecture(architectures: list[str]) -> str:
-    for arch in architectures:
-        if arch in _MODELS:
-            return arch
-    raise ValueError(f"architecture {architectures!r} is not supported; "
-                     f"supported: {sorted(_MODELS)}.")
+    return supported_architecture(architectures)
 
 
 def get_model_class(architectures: list[str]) -> type[nn.Module]:
-    import importlib
-
     module, name = _MODELS[resolve_architecture(architectures)]
     return getattr(importlib.import_module(module), name)

@@ -103,7 +103,7 @@ def reference(llama_path, hf_oracle):
     max_tokens = [12 + (i * 5) % 9 for i in range(8)]
     hf = [hf_oracle(llama_path).greedy(p, m) for p, m in zip(prompts, max_tokens)]
     config = _config(llama_path, dp=1)
-    core = EngineCore(config, UniProcExecutor(config.resolve_async_scheduling(True)))
+    core = EngineCore(config, UniProcExecutor(config))
     try:
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             core.add_request(_request(config, f"r{i}", p, m))

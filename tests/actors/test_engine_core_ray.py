@@ -79,7 +79,7 @@ def _run_engine(config: EngineConfig, executor, prompts, max_tokens) -> dict[str
 def test_tp2_greedy_matches_single_process_and_hf(llama_path, hf_oracle, async_scheduling):
     prompts = _prompts(4)
     uni_cfg = _config(llama_path, 1, "uni", async_scheduling)
-    single = _run_engine(uni_cfg, UniProcExecutor(uni_cfg.resolve_async_scheduling()),
+    single = _run_engine(uni_cfg, UniProcExecutor(uni_cfg),
                          prompts, MAX_TOKENS)
     ray_cfg = _config(llama_path, 2, "ray", async_scheduling)
     tp2 = _run_engine(ray_cfg, RayExecutor(ray_cfg), prompts, MAX_TOKENS)

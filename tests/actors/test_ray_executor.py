@@ -57,7 +57,7 @@ def _step(step_id: int, req_ids=("a", "b")) -> SchedulerOutput:
 def test_tp2_pipelined_steps_return_in_order_from_output_rank(ray_cluster, llama_path, dispatch):
     ex = RayExecutor(_config(llama_path, tp=2), dispatch=dispatch, worker_cls=ray_cluster)
     try:
-        assert ex.supports_async_scheduling and ex.max_concurrent_batches == 2
+        assert ex.supports_async_scheduling
         assert ex.determine_num_kv_blocks() == 90  # the minimum over ranks
         ex.initialize_kv_cache(90)
         futures = [ex.execute_model(_step(i), non_block=True) for i in range(1, 21)]

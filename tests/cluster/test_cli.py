@@ -15,7 +15,8 @@ import httpx
 import pytest
 from test_openai_fakes import free_port
 
-from raylm.cluster.cli import build_llm_config, build_parser, engine_kwargs, main
+from raylm.cluster.cli import build_llm_config, build_parser, main
+from raylm.cluster.engine_args import cli_engine_kwargs
 
 RAYLM = [sys.executable, "-m", "raylm.cluster.cli"]
 
@@ -30,12 +31,12 @@ def test_engine_flags_map_to_engine_kwargs():
         "serve", "/m", "-tp", "2", "--pipeline-parallel-size", "3", "--no-async-scheduling",
         "--max-num-seqs", "8", "--max-model-len", "512", "--num-kv-blocks", "64",
         "--dtype", "float32", "--max-queued-requests", "5", "--port", "9001"])
-    assert engine_kwargs(args) == {
+    assert cli_engine_kwargs(args) == {
         "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "async_scheduling": False,
         "max_num_seqs": 8, "max_model_len": 512, "num_kv_blocks": 64, "dtype": "float32",
         "max_queued_requests": 5}
     assert args.port == 9001 and args.host == "127.0.0.1"
-    assert engine_kwargs(build_parser().parse_args(["serve"])) == {}
+    assert cli_engine_kwargs(build_parser().parse_args(["serve"])) == {}
 
 
 def test_serve_flags_build_the_llm_config(llama_path, monkeypatch):

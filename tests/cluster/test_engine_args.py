@@ -1,47 +1,58 @@
-"""EngineArgs -> EngineConfig, and the async_scheduling resolution rules (docs/architecture.md §3 rule 8)."""
+"""EngineArgs -> EngineConfig, async_scheduling resolved once (docs/architecture.md §3 rule 8),
+and the three surfaces derived from EngineArgs' fields: LLM(...) keywords, CLI flags, the Serve
+config's engine_kwargs."""
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import inspect
+import typing
 
 import pytest
+from pydantic import ValidationError
 
-from raylm.cluster.engine_args import EngineArgs
+from raylm.cluster.cli import build_llm_config, build_parser
+from raylm.cluster.engine_args import EngineArgs, cli_engine_kwargs
+from raylm.cluster.llm import LLM
+from raylm.cluster.serve_config import ENGINE_ARGS_ELSEWHERE, EngineKwargs, LLMConfig
+from raylm.scheduler.engine_config import DTYPES
+
+FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+# A value other than the default for every engine argument, as a CLI string and as Python.
+NON_DEFAULTS = {
+    "tokenizer": "/tok", "served_model_name": "mine", "dtype": "bfloat16",
+    "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8,
+    "enable_prefix_caching": False, "num_kv_blocks": 40, "kv_cache_memory_bytes": 1 << 20,
+    "gpu_memory_utilization": 0.5, "seed": 7, "async_scheduling": False,
+    "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "data_parallel_size": 2,
+    "distributed_executor_backend": "ray", "placement_group_strategy": "SPREAD",
+    "dp_sync_interval": 4, "max_queued_requests": 5,
+}
 
 
-def test_defaults_resolve_async_on(llama_path):
-    config = EngineArgs(model=llama_path).create_engine_config().resolve_async_scheduling(True)
-    assert config.async_scheduling is True
+def test_async_scheduling_is_resolved_once_by_the_config(llama_path):
+    config = EngineArgs(model=llama_path).create_engine_config()
+    assert config.scheduler_config.async_scheduling is True  # resolved at construction
     assert config.max_concurrent_batches == 2
     assert config.scheduler_config.max_model_len == config.model_config.max_model_len == 1024
-
-
-def test_async_falls_back_with_a_log_line_when_incompatible(llama_path, caplog):
-    config = EngineArgs(model=llama_path).create_engine_config()
-    with caplog.at_level(logging.INFO):
-        resolved = config.resolve_async_scheduling(executor_supports_async=False)
-    assert resolved.async_scheduling is False and resolved.max_concurrent_batches == 1
-    assert "Async scheduling disabled" in caplog.text
-
-
-def test_async_true_with_incompatible_option_is_a_hard_error(llama_path):
-    config = EngineArgs(model=llama_path, async_scheduling=True).create_engine_config()
-    with pytest.raises(ValueError, match="distributed_executor_backend"):
-        config.resolve_async_scheduling(executor_supports_async=False)
+    off = EngineArgs(model=llama_path, async_scheduling=False).create_engine_config()
+    assert off.async_scheduling is False and off.max_concurrent_batches == 1
 
 
 def test_async_false_forces_sync_and_pp_batches(llama_path):
     config = EngineArgs(model=llama_path, async_scheduling=False, pipeline_parallel_size=2)
-    resolved = config.create_engine_config().resolve_async_scheduling(True)
+    resolved = config.create_engine_config()
     assert resolved.async_scheduling is False and resolved.max_concurrent_batches == 2
     on = EngineArgs(model=llama_path, pipeline_parallel_size=2).create_engine_config()
-    assert on.resolve_async_scheduling(True).max_concurrent_batches == 3
+    assert on.max_concurrent_batches == 3
 
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"dtype": "int8"}, "dtype"),
     ({"block_size": 12}, "block_size"),
     ({"max_model_len": 4096}, "max_model_len"),
+    ({"max_model_len": -1}, "max_model_len"),
+    ({"seed": -1}, "seed"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
@@ -56,3 +67,87 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         EngineArgs(model=str(tmp_path)).create_engine_config()
+
+
+# ---- one definition, three surfaces ----------------------------------------------------------
+
+def test_every_field_has_help_and_a_non_default_example():
+    assert set(NON_DEFAULTS) == set(FIELDS) - {"model"}
+    for f in FIELDS.values():
+        assert f.metadata.get("help"), f.name
+        assert NON_DEFAULTS.get(f.name, None) != f.default, f.name
+
+
+def test_llm_keywords_are_the_fields():
+    params = inspect.signature(LLM.__init__).parameters
+    assert list(params)[1] == "model"
+    assert any(p.kind is p.VAR_KEYWORD for p in params.values())
+    assert EngineArgs.from_kwargs("/m", **NON_DEFAULTS).to_dict() == {"model": "/m",
+                                                                      **NON_DEFAULTS}
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_num_sequences'\]"):
+        EngineArgs.from_kwargs("/m", max_num_sequences=8)
+
+
+def _flag(name: str, value: object) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    return [flag, str(value)]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "batch"])
+def test_cli_flags_are_the_fields(command):
+    positional = {"serve": [], "generate": ["hi"], "batch": ["-i", "in", "-o", "out"]}[command]
+    argv = [command, *positional]
+    for name, value in NON_DEFAULTS.items():
+        argv += _flag(name, value)
+    args = build_parser().parse_args(argv)
+    assert cli_engine_kwargs(args) == NON_DEFAULTS
+    assert cli_engine_kwargs(build_parser().parse_args([command, *positional])) == {}
+    # Choices come from the same definition as the config's check.
+    action = next(a for a in build_parser()._subparsers._group_actions[0]
+                  .choices[command]._actions if a.dest == "dtype")
+    assert tuple(action.choices) == DTYPES
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *positional, "--dtype", "int8"])
+
+
+def test_short_parallel_flags():
+    args = build_parser().parse_args(["serve", "-tp", "2", "-pp", "3", "-dp", "4"])
+    assert cli_engine_kwargs(args) == {"tensor_parallel_size": 2, "pipeline_parallel_size": 3,
+                                       "data_parallel_size": 4}
+
+
+def test_serve_engine_kwargs_are_the_fields():
+    assert set(EngineKwargs.model_fields) | set(ENGINE_ARGS_ELSEWHERE) == set(FIELDS)
+    assert not set(EngineKwargs.model_fields) & set(ENGINE_ARGS_ELSEWHERE)
+    hints = typing.get_type_hints(EngineArgs)
+    for name, info in EngineKwargs.model_fields.items():
+        assert info.default == FIELDS[name].default, name
+        assert info.annotation == hints[name], name
+        assert info.description == FIELDS[name].metadata["help"], name
+    assert EngineKwargs().to_llm_kwargs() == {
+        n: f.default for n, f in FIELDS.items() if n not in ENGINE_ARGS_ELSEWHERE}
+
+
+def test_cli_and_serve_config_give_the_replica_the_same_engine_args(llama_path):
+    """Every engine argument given as a flag reaches the EngineArgs a Serve replica builds."""
+    argv = ["serve", llama_path]
+    for name, value in NON_DEFAULTS.items():
+        argv += _flag(name, value)
+    sent = build_llm_config(build_parser().parse_args(argv))
+    config = LLMConfig.model_validate_json(sent.model_dump_json())  # what the replica gets
+    assert config.engine_args() == EngineArgs(model=llama_path, **NON_DEFAULTS)
+    assert config.get_placement_group().strategy == "SPREAD"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("block_size", 24, "block_size must be a positive power of two, got 24"),
+    ("seed", -3, "seed must be non-negative, got -3"),
+    ("dp_sync_interval", 0, "dp_sync_interval must be at least 1, got 0"),
+    ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+])
+def test_serve_config_values_are_checked_by_the_engine_config(key, value, message):
+    with pytest.raises(ValidationError, match=message) as e:
+        EngineKwargs(**{key: value})
+    assert [err["loc"] for err in e.value.errors()] == [(key,)]

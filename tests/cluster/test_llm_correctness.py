@@ -191,7 +191,7 @@ def test_bad_input_raises_value_error_naming_the_value(llama_path):
         llm.generate([{"prompt_token_ids": [5, 100000]}], SamplingParams())
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(llama_path, max_num_sequences=3)
-    with pytest.raises(ValueError, match="tensor/pipeline/data parallelism"):
+    with pytest.raises(ValueError, match="distributed_executor_backend=.uni. cannot run tensor_parallel_size=2"):
         LLM(llama_path, distributed_executor_backend="uni", tensor_parallel_size=2)
     # Nothing was queued by the failed calls; the engine still works.
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))

@@ -32,8 +32,7 @@ def test_defaults():
     assert cfg.model_id == "m" and cfg.model_loading_config.is_demo
     ek = cfg.engine_kwargs
     assert (ek.tensor_parallel_size, ek.pipeline_parallel_size, ek.data_parallel_size) == (1, 1, 1)
-    assert ek.to_llm_kwargs() == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                                  "data_parallel_size": 1}
+    assert ek.to_llm_kwargs()["max_num_seqs"] == 128 and ek.async_scheduling is None
     auto = cfg.deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 1, 16)
     assert cfg.deployment_config.max_ongoing_requests == 64

@@ -183,14 +183,13 @@ class FakeExecutor:
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, mode: str = "lazy",
                  eos_at: dict[str, int] | None = None, fail_at_step: int | None = None,
-                 step_time: float = 0.0, max_concurrent_batches: int = 2) -> None:
+                 step_time: float = 0.0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.mode = mode
         self.eos_at = eos_at
         self.fail_at_step = fail_at_step
         self.step_time = step_time
-        self.max_concurrent_batches = max_concurrent_batches
         self.runner: FakeRunner | None = None
         self.pending: collections.deque[tuple[Future, SchedulerOutput]] = collections.deque()
         self.history: list[SchedulerOutput] = []

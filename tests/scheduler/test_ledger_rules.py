@@ -214,7 +214,7 @@ def test_sync_preemption_frees_at_once():
 
 def test_pp_decode_cadence():
     config = make_config(async_scheduling=True, pipeline_parallel_size=2)
-    executor = FakeExecutor(max_concurrent_batches=3)
+    executor = FakeExecutor()
     engine = EngineCore(config, executor)
     assert engine.batch_queue_size == 3
     r = make_request("a", 5, max_tokens=6)

@@ -80,7 +80,7 @@ def _run(config, executor, requests) -> tuple[EngineCore, _Recorder, dict[str, l
 def test_no_request_samples_twice_within_pp_steps(pp_size, async_scheduling):
     config = make_config(async_scheduling=async_scheduling, pipeline_parallel_size=pp_size,
                          max_num_batched_tokens=10, num_kv_blocks=24, max_num_seqs=6)
-    executor = FakeExecutor(num_blocks=24, max_concurrent_batches=pp_size + 1)
+    executor = FakeExecutor(num_blocks=24)
     reqs = [make_request(f"r{i}", n, max_tokens=m)
             for i, (n, m) in enumerate([(3, 14), (17, 9), (6, 20), (25, 7), (9, 12), (4, 16)])]
     engine, rec, tokens = _run(config, executor, reqs)
@@ -100,7 +100,7 @@ def test_no_request_samples_twice_within_pp_steps(pp_size, async_scheduling):
 @pytest.mark.parametrize("pp_size", [2, 3])
 def test_a_lone_request_decodes_exactly_every_pp_steps(pp_size, async_scheduling):
     config = make_config(async_scheduling=async_scheduling, pipeline_parallel_size=pp_size)
-    executor = FakeExecutor(max_concurrent_batches=pp_size + 1)
+    executor = FakeExecutor()
     r = make_request("solo", 5, max_tokens=6)
     _, rec, tokens = _run(config, executor, [r])
     assert tokens["solo"] == expected_stream(r)
@@ -113,7 +113,7 @@ def test_prefill_chunks_are_not_staggered(async_scheduling):
     pp_size = 3
     config = make_config(async_scheduling=async_scheduling, pipeline_parallel_size=pp_size,
                          max_num_batched_tokens=8)
-    executor = FakeExecutor(max_concurrent_batches=pp_size + 1)
+    executor = FakeExecutor()
     # Two short requests decode (1 token per step each) while a 40-token prompt is chunked
     # into the rest of the budget: its chunks go in consecutive steps.
     reqs = [make_request("a", 3, max_tokens=30), make_request("b", 2, max_tokens=30),
@@ -130,8 +130,7 @@ def test_prefill_chunks_are_not_staggered(async_scheduling):
 
 def test_async_scheduling_defaults_to_on_with_pp():
     config = make_config(async_scheduling=None, pipeline_parallel_size=2)
-    resolved = config.resolve_async_scheduling(executor_supports_async=True)
-    assert resolved.async_scheduling and resolved.max_concurrent_batches == 3
-    engine = EngineCore(config, FakeExecutor(max_concurrent_batches=3))
+    assert config.async_scheduling and config.max_concurrent_batches == 3
+    engine = EngineCore(config, FakeExecutor())
     assert type(engine.scheduler).__name__ == "AsyncScheduler"
     assert engine.scheduler.decode_stagger == 2 and engine.batch_queue_size == 3

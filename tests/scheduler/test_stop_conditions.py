@@ -135,5 +135,5 @@ def test_engine_stops_at_max_model_len(async_scheduling):
 def test_request_rejects_prompt_without_room():
     with pytest.raises(ValueError, match="3 tokens leaves no room to generate within max_model_len=3"):
         _req(max_model_len=3)
-    with pytest.raises(ValueError, match="must not be empty"):
+    with pytest.raises(ValueError, match="prompt is empty"):
         Request("e", [], SamplingParams(), frozenset(), 16, 0)
