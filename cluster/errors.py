@@ -2,12 +2,23 @@
 
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; ``type`` is the
 name OpenAI's clients map to exception classes (``BadRequestError`` etc.).
+
+A 400 is the client's fault and only ever comes from explicit validation: an ``OpenAIError``
+raised by the server's checks, or an ``InvalidRequestError`` raised by the prompt checks and
+the engine's admission checks. Any other exception is the server's fault: a 500, logged with
+its traceback (a ``ValueError`` from a bug is not the client's to fix).
 """
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import Any
+
+from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.request import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError",
@@ -60,24 +71,21 @@ def overloaded(message: str) -> OpenAIError:
     return OpenAIError(message, 503)
 
 
-def from_exception(exc: BaseException) -> OpenAIError:
-    """Map an exception from the engine or from validation to what the client sees."""
-    from raylm.scheduler.executor_base import EngineDeadError
-    from raylm.scheduler.request import InvalidRequestError
-
+def from_exception(exc: Exception) -> OpenAIError:
+    """Map an exception to what the client sees; a 500 is logged with its traceback."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), exc.param)
     # Ray Serve's own queue limit (max_queued_requests of a deployment), matched by name so
     # this module never imports Ray.
     if isinstance(exc, EngineOverloadedError) or type(exc).__name__ == "BackPressureError":
         return overloaded(str(exc))
     if isinstance(exc, EngineDeadError):
+        logger.error("request failed, the engine is dead: %s", exc)
         return OpenAIError(f"The engine is dead: {exc}", 500)
-    if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc), exc.param)
-    if isinstance(exc, (ValueError, TypeError)):
-        return bad_request(str(exc))
-    return OpenAIError(f"{type(exc).__name__}: {exc}", 500)
+    logger.error("request failed with an internal error", exc_info=exc)
+    return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
 
 def pydantic_message(exc: Any) -> tuple[str, str | None]:

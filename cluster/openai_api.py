@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -26,8 +25,6 @@ from raylm.cluster import serving_metrics as metrics_mod
 from raylm.cluster.errors import OpenAIError, error_body, from_exception, pydantic_message
 from raylm.cluster.openai_serving import CHAT_COMPLETIONS, COMPLETIONS, OpenAIServing
 
-logger = logging.getLogger(__name__)
-
 
 class ModelBackend(Protocol):
     def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]: ...
@@ -40,10 +37,8 @@ async def serve_stream(serving: OpenAIServing, route: str, body: Any) -> AsyncIt
     """One API call as the item stream described in the module docstring."""
     try:
         result = await serving.handle(route, body)
-    except Exception as e:
+    except Exception as e:  # from_exception logs what is not the client's fault
         err = from_exception(e)
-        if err.status_code >= 500:
-            logger.warning("%s failed: %s", route, err.message)
         yield ("json", err.status_code, err.to_dict())
         return
     if isinstance(result, dict):

@@ -1,9 +1,12 @@
 """OpenAI completions and chat completions over an EngineClient: validate, run, format.
 
 One code path for the HTTP server and for batch runs. A call returns either a response
-dict (non-streaming) or an async iterator of SSE lines; every bad input raises
-``OpenAIError`` before the engine sees the request. Streams are primed (their first output
-awaited) before returning, so an engine-side ValueError is a 400, not a broken stream.
+dict (non-streaming) or an async iterator of SSE lines. Requests are validated explicitly
+(schema, model, chat template, sampling parameters, prompt length and vocabulary) before the
+engine sees them; what fails there is a 400 (``raylm.cluster.errors``). Streams are primed
+(their first output awaited) before returning, so an engine-side refusal (an
+``InvalidRequestError``, e.g. a request larger than the KV pool) is a 400 too, not a broken
+stream; any other exception is a logged 500.
 """
 
 from __future__ import annotations
@@ -213,8 +216,13 @@ class OpenAIServing:
                 # The client went away (or the engine failed): free the request's KV now.
                 try:
                     await asyncio.shield(self.engine.abort(req.request_id))
-                except BaseException as e:  # the engine may already have dropped it
+                except EngineDeadError as e:  # nothing left to free
                     logger.debug("abort(%s) after an unfinished stream: %r", req.request_id, e)
+                except Exception:
+                    logger.exception("abort(%s) after an unfinished stream failed",
+                                     req.request_id)
+                # CancelledError propagates: the caller is being cancelled (the shielded
+                # abort still runs to completion).
 
     async def _open(self, engine_requests: list[EngineRequest]):
         """Start every engine request and await its first output (errors surface here)."""
@@ -226,10 +234,9 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for it in iterators:
-                await it.aclose()
-            if isinstance(e, (asyncio.CancelledError, OpenAIError)):
-                raise
+            await _aclose_all(iterators)
+            if not isinstance(e, Exception) or isinstance(e, OpenAIError):
+                raise  # CancelledError (the client went away) and the like propagate
             raise from_exception(e) from e
         return list(zip(firsts, iterators, strict=True))
 
@@ -240,9 +247,21 @@ class OpenAIServing:
                 async for line in lines:
                     yield line
         finally:
-            for _, it in streams:
-                await it.aclose()
             self._release(prepared.engine_requests)
+            await _aclose_all([it for _, it in streams])
+
+
+async def _aclose_all(iterators: list[AsyncIterator[RequestOutput]]) -> None:
+    """Close every iterator (each aborts its request if unfinished), even when a close is
+    cancelled mid-way; then re-raise the first exception (a CancelledError included)."""
+    error: BaseException | None = None
+    for it in iterators:
+        try:
+            await it.aclose()  # type: ignore[attr-defined]
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 async def _last(first: RequestOutput, it: AsyncIterator[RequestOutput]) -> RequestOutput:

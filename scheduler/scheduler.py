@@ -24,7 +24,7 @@ from raylm.scheduler.core_outputs import (
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv_cache_utils import cdiv, update_block_hashes
-from raylm.scheduler.request import Request, RequestStatus
+from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
@@ -67,7 +67,7 @@ class Scheduler(UpdateFromOutputMixin):
                 f"max_tokens {request.max_tokens} exceeds max_model_len={self.max_model_len}.")
         needed = cdiv(total, self.block_size)
         if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request {request.request_id!r} needs {needed} KV blocks (prompt "
                 f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens) but the "
                 f"pool holds only {self.kv_cache_manager.num_blocks}.")

@@ -397,7 +397,7 @@ def test_errors_map_to_statuses():
     assert from_exception(EngineOverloadedError("busy")).status_code == 503
     assert from_exception(EngineDeadError("worker 2 died")).status_code == 500
     assert "worker 2 died" in from_exception(EngineDeadError("worker 2 died")).message
-    assert from_exception(ValueError("bad top_p")).status_code == 400
+    assert from_exception(ValueError("bad top_p")).status_code == 500  # a bug, not the client
     assert from_exception(RuntimeError("boom")).status_code == 500
 
 
