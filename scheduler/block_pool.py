@@ -110,15 +110,6 @@ class BlockPool:
     def get_usage(self) -> float:
         return 1.0 - len(self.free_block_queue) / self.num_blocks
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible when no block is in use."""
-        if len(self.free_block_queue) != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True
-
     def check_integrity(self) -> None:
         num_free = len(self.free_block_queue)
         num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)

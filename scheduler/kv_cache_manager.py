@@ -175,9 +175,6 @@ class KVCacheManager:
     def has_deferred_frees(self) -> bool:
         return bool(self._deferred)
 
-    def is_deferred(self, block_id: int) -> bool:
-        return any(b.block_id == block_id for _, _, blocks in self._deferred for b in blocks)
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

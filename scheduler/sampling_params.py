@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 # The most top logprobs a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
-
-
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 @dataclass(frozen=True)
@@ -102,16 +95,6 @@ class SamplingParams:
                 raise bad("stop", list(self.stop), "must be non-empty strings")
         if self.stop and not self.detokenize:
             raise bad("stop", list(self.stop), "needs detokenize=True (stop strings match text)")
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < _GREEDY_EPS:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
-
-    @property
-    def all_stop_token_ids(self) -> frozenset[int]:
-        return frozenset(self.stop_token_ids)
 
     @property
     def needs_output_history(self) -> bool:
