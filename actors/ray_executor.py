@@ -2,12 +2,10 @@
 
 Ray does placement (a placement group, one bundle per rank), lifecycle and failure
 detection. Steps travel over the step stream (``actors/step_channel.py``, the default,
-``dispatch="channel"``) or as plain Ray actor calls (``dispatch="ray"``). Measured on the
-2-core CI box (Ray 2.60, shared with other jobs) with 2 workers and no-op decode steps of
-32 requests, two steps in flight (``bench/dispatch.py``): plain actor calls 1.4-1.7 ms/step,
-a Ray Compiled Graph 0.7-0.8 ms/step, the step stream 0.18-0.21 ms/step. Compiled Graphs
-are not offered: 4x slower than the stream here, ~2 s to compile, a fixed bound on
-in-flight executions, and one more moving part in failure handling. Both paths keep several steps in flight
+``dispatch="channel"``) or as plain Ray actor calls (``dispatch="ray"``); ``bench/dispatch.py``
+measures both, and a Ray Compiled Graph (figures in the README). Compiled Graphs are not
+offered: slower than the stream, seconds to compile, a fixed bound on in-flight executions,
+and one more moving part in failure handling. Both paths keep several steps in flight
 (async scheduling) and fail every pending future with EngineDeadError when a worker dies.
 """
 

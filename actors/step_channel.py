@@ -1,9 +1,9 @@
 """The per-step path from the executor to its workers: one TCP stream per worker.
 
 Ray places the workers, starts them and reports their deaths; the steps themselves go over
-a plain socket, as vLLM's Ray executor does with its message queue, because Ray actor calls
-to 2 workers cost ~1.5 ms per step on the 2-core CI box and a pickled frame on a socket
-~0.2 ms (``bench/dispatch.py`` measures both, and Ray Compiled Graphs).
+a plain socket, as vLLM's Ray executor does with its message queue, because a Ray actor call
+per worker per step costs several times a pickled frame on a socket (``bench/dispatch.py``
+measures both, and Ray Compiled Graphs; figures in the README).
 
 Frames are ``kind`` (1 byte) + ``length`` (8 bytes) + pickle. The executor sends each
 SchedulerOutput to every worker; TCP keeps them in order, so workers run steps strictly in

@@ -7,8 +7,8 @@ either over the step stream (``open_step_server`` + ``serve_steps``, the default
 calls (``execute_model``); setup calls (init, load, KV cache) are Ray calls.
 
 One thread runs every torch call of a rank, setup and steps alike: OpenMP keeps a thread
-team per calling thread, and a second thread's parallel regions ran 25-40% slower on CPU
-than those of the thread that loaded the model. That thread is the actor's default
+team per calling thread, and a second thread's parallel regions ran markedly slower on CPU
+than those of the thread that loaded the model (README, offline throughput). That thread is the actor's default
 concurrency group (one thread); ``serve_steps`` occupies it for as long as the stream is
 open, so the calls that must answer meanwhile (health, node info, ``call``, shutdown) run
 in the ``control`` group.

@@ -59,7 +59,7 @@ class Timer:
 
 def median_rate(num_tokens: int, runs: int, fn) -> float:
     """Tokens/s of ``fn`` over ``runs`` calls, the first a warm-up; the median of the rest
-    (a 2-core box shared with other work is noisy: one run can be 20% off)."""
+    (a small box shared with other work is noisy: single runs move by a lot)."""
     rates = []
     for i in range(runs):
         with Timer() as t:

@@ -10,16 +10,16 @@ realistic request mix. Two ways for the host to learn that a step ended:
   A GPU finishes without the host's help, and so does this device.
 - ``thread``: a device thread sleeps until each step's end and resolves its future, so
   every result crosses threads (lock, futex wake-up, GIL hand-off), as in the in-process
-  CPU executor. On a 2-core VM that hand-off alone costs tens of microseconds per step.
+  CPU executor (the script prints how late that hand-off delivers each result).
 
 In both, the fake model's bookkeeping (who samples this step, the runner's share of host
 work) runs on the host thread at submission, so it belongs to ``t_cpu`` like the rest.
 
 The figures come from the steady state: from the first step until the last waiting request
 is admitted, the batch is full and every finished request is replaced at once, as on a
-loaded server. After that the batch drains and the host's time per step falls from ~270 to
-~50 us; averaged into one ``t_cpu`` that tail would put a "1.0x" device below the host's
-time on most steps, and ``1 / max(t_device, t_cpu)`` assumes one ``t_cpu`` for all steps.
+loaded server. After that the batch drains and the host's time per step falls several-fold;
+averaged into one ``t_cpu`` that tail would put a "1.0x" device below the host's time on
+most steps, and ``1 / max(t_device, t_cpu)`` assumes one ``t_cpu`` for all steps.
 The whole run's async/sync ratio is printed too.
 
 1. Calibrate: run synchronously against an instant device and measure the host thread's

@@ -12,7 +12,7 @@ runner/checkpoint.py SPECS, 32-token prompts, greedy, ignore_eos):
   stage 0 by broadcast) and sync (2 steps in flight, ids sent by the scheduler)
 Every parallel run's tokens are checked against the reference run's. On a 2-core box
 neither TP nor PP can win: the ranks share the cores the single process already used; TP
-adds two gloo all-reduces per layer (~0.5-1 ms each on loopback), PP one hidden-state
+adds two gloo all-reduces per layer, PP one hidden-state
 send per step and halves each step's batch (the decode cadence). The ratios say what it
 costs.
 """

@@ -47,8 +47,7 @@ def ray_actor_threads() -> int | None:
     RAYLM_NUM_THREADS is set: the runner's default applies. Without this a replica spreads
     its forward over every core of a node it shares with other replicas, Serve's proxy and
     ingress; on CPU an OpenMP team then waits at each barrier for whichever of its threads
-    the OS has descheduled (6m model, 2 cores, one busy process beside it: 2 threads ~1100
-    tok/s, 1 thread ~2750)."""
+    the OS has descheduled, which costs more than the extra threads gain."""
     if envs.num_threads_override() is not None:
         return None
     ray = sys.modules.get("ray")  # a Ray worker has imported it; nobody else needs to

@@ -228,9 +228,8 @@ class ExperimentalConfigs(BaseModel):
     # A request's streamed chunks that the replica produces within this window of the
     # first cross the Serve handle (and the HTTP proxy) as one item; the first token is
     # never delayed. Every item costs CPU in the replica, the ingress and the proxy: the
-    # window must span several decode steps to save any (bench/serve.py, 2 cores, ~30 ms
-    # steps: 0 or 10 ms ~790 tok/s, 50 ms ~1050, 100 ms ~1150). Same key, meaning and
-    # default as Ray Serve LLM; 0 sends each chunk on its own.
+    # window must span several decode steps to save any (bench/serve.py; figures in the
+    # README). Same key, meaning and default as Ray Serve LLM; 0 sends each chunk on its own.
     stream_batching_interval_ms: NonNegativeFloat = 50.0
 
 

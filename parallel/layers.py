@@ -36,9 +36,8 @@ def get_pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int
 
 
 # Up to this many rows, a CPU linear runs as (W @ x^T)^T: oneDNN/MKL pick a much faster
-# kernel for a tall-skinny weight-major product (measured at 32 rows, fp32, 2 cores: lm_head
-# 16384x768 10.3 -> 9.3 ms, down_proj 768x2048 0.79 -> 0.60 ms); from ~128 rows on the
-# plain product is as fast or faster.
+# kernel for a tall-skinny weight-major product (measured on lm_head and down_proj at 32
+# rows, fp32); from ~128 rows on the plain product is as fast or faster.
 _CPU_TRANSPOSED_LINEAR_MAX_ROWS = 64
 
 
@@ -111,7 +110,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """One output per projection (this rank's shard of each). On CPU each projection is
         its own matmul over a row block (a view) of the fused weight: measured faster than
         one wide matmul whose output is then read through strided chunks (the 120m MLP at
-        batch 32: 3.1 vs 3.6 ms). Elsewhere one fused matmul, split into views."""
+        batch 32). Elsewhere one fused matmul, split into views."""
         if x.device.type != "cpu":
             return list(self(x).split(self.output_sizes_per_partition, dim=-1))
         weights = self.weight.split(self.output_sizes_per_partition, dim=0)

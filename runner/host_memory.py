@@ -3,8 +3,8 @@
 glibc returns large freed blocks to the kernel (those above its adaptive mmap threshold)
 and trims the top of the heap; the next step's tensors of a similar size then fault every
 page in again. A CPU step allocates megabytes of activations, logits and gathered KV
-whose sizes change from step to step: on the 6m model with 64 mixed requests that is
-~50k minor faults per generate() of 4k tokens, and ~5% of its time. Raising both
+whose sizes change from step to step, so a mixed workload takes tens of thousands of
+minor faults per run (README, offline throughput). Raising both
 thresholds keeps those pages for reuse, the effect vLLM's CPU backend gets from preloading
 tcmalloc. The setting is process-wide and trades a peak-sized heap for it; an engine's
 worker process wants that, and ``RAYLM_CPU_KEEP_FREED_MEMORY=0`` leaves glibc alone.

@@ -63,9 +63,9 @@ def default_intra_op_threads() -> int:
 
 def set_intra_op_threads(num_threads: int) -> None:
     """torch.set_num_threads, skipped when torch already uses that many: on torch 2.13 CPU
-    the call itself, even with the current count, makes the sdpa kernel ~2.5x slower from
-    then on (decode shapes of the 6m model, 2 threads: 0.21 -> 0.53 ms; linear unchanged),
-    and decode attention is a third of a small model's step."""
+    the call itself, even with the current count, makes the sdpa kernel several times
+    slower from then on (linear unchanged; README, offline throughput), and decode
+    attention is a large share of a small model's step."""
     if num_threads != torch.get_num_threads():
         torch.set_num_threads(num_threads)
 
