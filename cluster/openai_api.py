@@ -91,30 +91,21 @@ async def _rest(first: str, stream: Any) -> AsyncIterator[str]:
             await _close(stream)
 
 
-def build_openai_api(backends: Mapping[str, ModelBackend],
-                     api_keys: Mapping[str, str | None] | None = None) -> FastAPI:
-    """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+class OpenAIRoutes:
+    """The steps of one API call: authenticate, parse the body, pick the model's backend,
+    then answer with its first item (a JSON response) or stream the rest as SSE.
 
     ``backends`` maps served model ids to backends; ``api_keys`` maps model ids to the
-    Bearer token their requests need (None: open).
-    """
-    keys = {k: v for k, v in (api_keys or {}).items() if v}
-    app = FastAPI(title="raylm OpenAI-compatible API", docs_url=None, redoc_url=None)
+    Bearer token their requests need (None: open)."""
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        message, param = pydantic_message(exc)
-        return JSONResponse(error_body(message, 400, param), status_code=400)
+    def __init__(self, backends: Mapping[str, ModelBackend],
+                 api_keys: Mapping[str, str | None] | None = None):
+        self.backends = backends
+        self.keys = {k: v for k, v in (api_keys or {}).items() if v}
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError):
-        return _error(exc)
-
-    def check_auth(request: Request, model: str | None) -> None:
+    def check_auth(self, request: Request, model: str | None) -> None:
+        """A model's own key, any key when no model is named; nothing when open."""
+        keys = self.keys
         needed = [keys[model]] if model in keys else ([] if model else list(keys.values()))
         if not needed:
             return
@@ -124,7 +115,8 @@ def build_openai_api(backends: Mapping[str, ModelBackend],
             raise OpenAIError("Invalid or missing API key (send 'Authorization: Bearer <key>').",
                               401)
 
-    def backend_for(model: Any) -> tuple[str, ModelBackend]:
+    def backend_for(self, model: Any) -> tuple[str, ModelBackend]:
+        backends = self.backends
         if model is None:
             if len(backends) == 1:
                 return next(iter(backends.items()))
@@ -135,62 +127,99 @@ def build_openai_api(backends: Mapping[str, ModelBackend],
                               f"{sorted(backends)}.", 404, "model")
         return model, backends[model]
 
-    async def dispatch(route: str, request: Request) -> Response:
+    async def parse_body(self, request: Request) -> dict[str, Any]:
+        """The JSON object of the body; authenticates first (a bad body from a client
+        without the key is a 401, not a 400)."""
         raw = await request.body()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            check_auth(request, None)
+            self.check_auth(request, None)
             raise OpenAIError(f"The request body is not valid JSON: {e}", 400) from e
         if not isinstance(body, dict):
-            check_auth(request, None)
+            self.check_auth(request, None)
             raise OpenAIError("The request body must be a JSON object, got "
                               f"{type(body).__name__}.", 400)
-        check_auth(request, body.get("model") if isinstance(body.get("model"), str) else None)
-        name, backend = backend_for(body.get("model"))
+        model = body.get("model")
+        self.check_auth(request, model if isinstance(model, str) else None)
+        return body
+
+    async def dispatch(self, route: str, request: Request) -> Response:
+        body = await self.parse_body(request)
+        name, backend = self.backend_for(body.get("model"))
         body["model"] = name
-        stream = backend.stream(route, body)
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            return _error(OpenAIError("the model server returned nothing", 500))
-        except Exception as e:
-            return _error(from_exception(e))
-        if isinstance(first, (tuple, list)) and first and first[0] == "json":
-            await _close(stream)
-            return JSONResponse(first[2], status_code=first[1])
-        return StreamingResponse(_rest(first, stream), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return await respond(backend.stream(route, body))
 
-    @app.post(COMPLETIONS)
-    async def completions(request: Request) -> Response:
-        return await dispatch(COMPLETIONS, request)
-
-    @app.post(CHAT_COMPLETIONS)
-    async def chat_completions(request: Request) -> Response:
-        return await dispatch(CHAT_COMPLETIONS, request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_auth(request, None)
-        cards = await asyncio.gather(*(b.model_card() for b in backends.values()))
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.check_auth(request, None)
+        cards = await asyncio.gather(*(b.model_card() for b in self.backends.values()))
         return {"object": "list", "data": list(cards)}
 
-    @app.get("/health")
-    async def health() -> Response:
-        results = await asyncio.gather(*(b.check_health() for b in backends.values()),
+    async def health(self) -> Response:
+        results = await asyncio.gather(*(b.check_health() for b in self.backends.values()),
                                        return_exceptions=True)
-        for name, result in zip(backends, results, strict=True):
+        for name, result in zip(self.backends, results, strict=True):
             if isinstance(result, BaseException):
-                err = OpenAIError(f"model {name!r} is unhealthy: {result}", 503)
-                return _error(err)
+                return _error(OpenAIError(f"model {name!r} is unhealthy: {result}", 503))
         return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        groups = await asyncio.gather(*(b.metrics() for b in backends.values()),
+    async def metrics(self) -> Response:
+        groups = await asyncio.gather(*(b.metrics() for b in self.backends.values()),
                                       return_exceptions=True)
         ok = [g for g in groups if not isinstance(g, BaseException)]
         return Response(metrics_mod.render(ok), media_type=metrics_mod.CONTENT_TYPE)
 
+
+async def respond(stream: Any) -> Response:
+    """The HTTP response for a backend's item stream: its first item decides the status."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        return _error(OpenAIError("the model server returned nothing", 500))
+    except Exception as e:
+        return _error(from_exception(e))
+    if isinstance(first, (tuple, list)) and first and first[0] == "json":
+        await _close(stream)
+        return JSONResponse(first[2], status_code=first[1])
+    return StreamingResponse(_rest(first, stream), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error the app reports, FastAPI's and Starlette's included, in OpenAI's shape."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        message, param = pydantic_message(exc)
+        return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), exc.status_code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError):
+        return _error(exc)
+
+
+def build_openai_api(backends: Mapping[str, ModelBackend],
+                     api_keys: Mapping[str, str | None] | None = None) -> FastAPI:
+    """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    (see ``OpenAIRoutes`` for the arguments)."""
+    routes = OpenAIRoutes(backends, api_keys)
+    app = FastAPI(title="raylm OpenAI-compatible API", docs_url=None, redoc_url=None)
+    add_error_handlers(app)
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        return await routes.dispatch(COMPLETIONS, request)
+
+    @app.post(CHAT_COMPLETIONS)
+    async def chat_completions(request: Request) -> Response:
+        return await routes.dispatch(CHAT_COMPLETIONS, request)
+
+    app.get("/v1/models")(routes.models)
+    app.get("/health")(routes.health)
+    app.get("/metrics")(routes.metrics)
     return app
