@@ -7,6 +7,8 @@ of ``raylm.scheduler.engine_config``). Nothing else: the three surfaces derive f
 ``--field-name``, type and choices from the annotation, help from the metadata) and the
 Serve config's ``engine_kwargs`` (``raylm.cluster.serve_config.EngineKwargs``, a pydantic
 model generated from these fields). tests/cluster/test_engine_args.py checks they agree.
+(The Helm chart's helm/raylm/values.schema.json mirrors ``engine_kwargs`` for ``helm lint``;
+tests/helm/test_values_schema.py names a key it lacks.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from raylm.scheduler.engine_config import (
+    SUPPORTED_ARCHITECTURES,
     CacheConfig,
     DType,
     EngineConfig,
@@ -79,8 +82,9 @@ class EngineArgs:
         return asdict(self)
 
     # ---- EngineConfig --------------------------------------------------------------------
-    def create_engine_config(self) -> EngineConfig:
-        model_config = self.create_model_config()
+    def create_engine_config(self, hf_config: dict[str, Any] | None = None) -> EngineConfig:
+        """``hf_config``: the checkpoint's config.json, read from ``model`` when None."""
+        model_config = self.create_model_config(hf_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=self.create_cache_config(),
@@ -125,12 +129,9 @@ class EngineArgs:
         """Every check of ``create_engine_config`` that does not read the checkpoint (the
         Serve config runs it at load time, before any replica starts)."""
         # A stand-in config.json that fits any max_model_len: only the arguments are checked.
-        self.create_model_config(hf_config={
-            "architectures": ["LlamaForCausalLM"],
-            "max_position_embeddings": max(self.max_model_len or 0, 1)})
-        self.create_cache_config()
-        self.create_scheduler_config(max_model_len=self.max_model_len or 1)
-        self.create_parallel_config()
+        self.create_engine_config(hf_config={
+            "architectures": [SUPPORTED_ARCHITECTURES[0]],
+            "max_position_embeddings": max(self.max_model_len or 0, 2)})
 
 
 # ---- the surfaces derived from the fields ------------------------------------------------

@@ -190,12 +190,28 @@ class EngineConfig:
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
-        if self.scheduler_config.async_scheduling is None:
-            # Resolved here, once: both executor backends execute non-blocking, so the
-            # default is on. An option that cannot overlap would turn it off here (and
-            # raise when the user asked for True).
-            object.__setattr__(self, "scheduler_config", replace(
-                self.scheduler_config, async_scheduling=True))
+        self._resolve_async_scheduling()
+
+    def _resolve_async_scheduling(self) -> None:
+        """The one place async_scheduling is resolved (docs/architecture.md §3 rule 8):
+        None turns on unless an option rules it out (then off, with a log line); True with
+        such an option is an error naming it. Every layer below reads the resolved bool."""
+        requested = self.scheduler_config.async_scheduling
+        why = self.async_scheduling_incompatibility()
+        if requested is True and why is not None:
+            raise ValueError(f"async_scheduling=True is not supported with {why}.")
+        if requested is not None:
+            return
+        if why is not None:
+            logger.info("Async scheduling disabled: not supported with %s.", why)
+        object.__setattr__(self, "scheduler_config", replace(
+            self.scheduler_config, async_scheduling=why is None))
+
+    def async_scheduling_incompatibility(self) -> str | None:
+        """The option that rules out async scheduling, or None. None today: both executor
+        backends execute non-blocking and every option overlaps; an engine argument that
+        cannot overlap names itself here."""
+        return None
 
     @property
     def async_scheduling(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import typing
 
 import pytest
@@ -151,3 +152,20 @@ def test_serve_config_values_are_checked_by_the_engine_config(key, value, messag
     with pytest.raises(ValidationError, match=message) as e:
         EngineKwargs(**{key: value})
     assert [err["loc"] for err in e.value.errors()] == [(key,)]
+
+
+def test_an_incompatible_option_turns_auto_off_and_refuses_true(llama_path, monkeypatch, caplog):
+    from raylm.scheduler.engine_config import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "async_scheduling_incompatibility",
+                        lambda self: "some_option=on")
+    with caplog.at_level(logging.INFO, logger="raylm.scheduler.engine_config"):
+        auto = EngineArgs(model=llama_path).create_engine_config()
+    assert auto.async_scheduling is False and auto.max_concurrent_batches == 1
+    assert "Async scheduling disabled: not supported with some_option=on" in caplog.text
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported with some_opt"):
+        EngineArgs(model=llama_path, async_scheduling=True).create_engine_config()
+    off = EngineArgs(model=llama_path, async_scheduling=False).create_engine_config()
+    assert off.async_scheduling is False
+    with pytest.raises(ValidationError, match="some_option=on"):  # at Serve config load
+        EngineKwargs(async_scheduling=True)
