@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 # The most top logprobs a request may ask for per token (vLLM's default max_logprobs).
@@ -105,5 +106,5 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def clone(self, **changes: object) -> SamplingParams:
+    def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
