@@ -9,23 +9,22 @@ import random
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from raylm.actors.dp_client import DPEngineCoreClient  # noqa: E402
-from raylm.runner.uniproc_executor import UniProcExecutor  # noqa: E402
-from raylm.scheduler.core_outputs import FinishReason  # noqa: E402
-from raylm.scheduler.engine_config import (  # noqa: E402
+from raylm.actors.dp_client import DPEngineCoreClient
+from raylm.runner.uniproc_executor import UniProcExecutor
+from raylm.scheduler.core_outputs import FinishReason
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.engine_core import EngineCore  # noqa: E402
-from raylm.scheduler.executor_base import EngineDeadError  # noqa: E402
-from raylm.scheduler.request import Request  # noqa: E402
-from raylm.scheduler.sampling_params import SamplingParams  # noqa: E402
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.request import Request
+from raylm.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.ray
 

@@ -9,25 +9,24 @@ import sys
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from raylm.actors.placement import PlacementGroupError  # noqa: E402
-from raylm.actors.ray_engine_core_client import RayEngineCoreClient  # noqa: E402
-from raylm.actors.ray_executor import RayExecutor  # noqa: E402
-from raylm.runner.uniproc_executor import UniProcExecutor  # noqa: E402
-from raylm.scheduler.core_outputs import FinishReason  # noqa: E402
-from raylm.scheduler.engine_config import (  # noqa: E402
+from raylm.actors.placement import PlacementGroupError
+from raylm.actors.ray_engine_core_client import RayEngineCoreClient
+from raylm.actors.ray_executor import RayExecutor
+from raylm.runner.uniproc_executor import UniProcExecutor
+from raylm.scheduler.core_outputs import FinishReason
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.engine_core import EngineCore  # noqa: E402
-from raylm.scheduler.executor_base import EngineDeadError  # noqa: E402
-from raylm.scheduler.request import Request  # noqa: E402
-from raylm.scheduler.sampling_params import SamplingParams  # noqa: E402
+from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.request import Request
+from raylm.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.ray
 

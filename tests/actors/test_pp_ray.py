@@ -10,10 +10,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from raylm import LLM, SamplingParams  # noqa: E402
+from raylm import LLM, SamplingParams
 
 pytestmark = pytest.mark.ray
 

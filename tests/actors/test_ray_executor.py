@@ -12,20 +12,19 @@ import sys
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from raylm.actors.placement import PlacementGroupError  # noqa: E402
-from raylm.actors.ray_executor import RayExecutor  # noqa: E402
-from raylm.scheduler.core_outputs import CachedRequestData, SchedulerOutput  # noqa: E402
-from raylm.scheduler.engine_config import (  # noqa: E402
+from raylm.actors.placement import PlacementGroupError
+from raylm.actors.ray_executor import RayExecutor
+from raylm.scheduler.core_outputs import CachedRequestData, SchedulerOutput
+from raylm.scheduler.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.executor_base import EngineDeadError  # noqa: E402
+from raylm.scheduler.executor_base import EngineDeadError
 
 pytestmark = pytest.mark.ray
 
