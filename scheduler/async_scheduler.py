@@ -2,9 +2,9 @@
 
 The scheduler plans step t+1 while step t is in flight, so it cannot wait for t's token
 to know a request's length. After scheduling, each request that will sample gets
-``1 + len(drafts)`` output placeholders (rule 1), settled by ``update_from_output`` when
+``1 + len(drafts)`` output placeholders (§3 rule 1), settled by ``update_from_output`` when
 the step returns; the drafts themselves become ``-1`` placeholders the worker fills in.
-Everything else (rule 2 skip, stale outputs, deferred frees) lives in the base class.
+Everything else (the §3 rule 2 skip, stale outputs, deferred frees) lives in the base class.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ applies results one step late). Hazards of the overlap, where they are handled:
 
 - an abort racing a step: aborts are queued by any thread and applied only at two points
   of the loop thread, before each schedule and before each result is applied; the
-  scheduler then skips the aborted request's in-flight results (rule 5);
+  scheduler then skips the aborted request's in-flight results (§3 rule 5);
 - blocks of a finished request still written by an in-flight step: freed behind the
   step fence (KVCacheManager);
 - a failed step: every request is finished with ABORT and EngineDeadError is raised.

@@ -84,7 +84,7 @@ class Scheduler(UpdateFromOutputMixin):
         """Finish requests from outside (abort). Returns each one's final output, at once.
 
         Unknown or already finished ids are ignored, so a request gets exactly one final
-        output. A step still in flight for it is skipped when it returns (rule 5); its
+        output. A step still in flight for it is skipped when it returns (§3 rule 5); its
         blocks are freed behind that step's fence.
         """
         assert RequestStatus.is_finished(finished_status), finished_status
@@ -245,7 +245,7 @@ class Scheduler(UpdateFromOutputMixin):
         )
 
     def _preempt_request(self, request: Request) -> None:
-        """Recompute preemption. Resets the ledger (rule 4): results of its in-flight
+        """Recompute preemption. Resets the ledger (§3 rule 4): results of its in-flight
         steps become stale and will be drained, never appended."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED

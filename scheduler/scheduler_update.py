@@ -2,8 +2,8 @@
 
 Steps return in the order they were scheduled, but under async scheduling one or more
 later steps are already booked when a result arrives. Each hazard is handled where it
-occurs: a request finished or aborted meanwhile (rule 5), results that predate a
-preemption (rule 4), rejected drafts (rule 3), tokens past a stop (rule 1).
+occurs: a request finished or aborted meanwhile (§3 rule 5), results that predate a
+preemption (§3 rule 4), rejected drafts (§3 rule 3), tokens past a stop (§3 rule 1).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class UpdateFromOutputMixin:
             generated = sampled[i] if i is not None else []
             drafts = spec.get(rid) if spec else None
             if drafts:
-                # Rejected drafts roll back both counters (rule 3).
+                # Rejected drafts roll back both counters (§3 rule 3).
                 num_rejected = len(drafts) - max(len(generated) - 1, 0)
                 if num_rejected > 0:
                     request.num_computed_tokens -= num_rejected
@@ -111,7 +111,7 @@ class UpdateFromOutputMixin:
                     kept = generated[:n]
                 break
         if self.books_output_placeholders:
-            # Settle every returned token, including those trimmed at a stop (rule 1).
+            # Settle every returned token, including those trimmed at a stop (§3 rule 1).
             request.num_output_placeholders -= num_new
             assert request.num_output_placeholders >= 0, (
                 f"{request.request_id}: placeholders {request.num_output_placeholders} after "

@@ -63,7 +63,7 @@ def _check_step(engine: EngineCore, fenced: dict[int, set[int]]) -> None:
     sched = engine.scheduler
     sched.check_integrity()
     free = sched.kv_cache_manager.block_pool.free_block_queue
-    for _, so in engine.batch_queue:  # rule 5: nothing an in-flight step writes is free
+    for _, so in engine.batch_queue:  # §3 rule 5: nothing an in-flight step writes is free
         early = [b for b in fenced[so.step_id] if b in free]
         assert not early, f"blocks {early} free while step {so.step_id} is in flight"
     in_flight: dict[str, int] = {}
