@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 from sched_fake_executor import FakeExecutor, expected_token, make_config, make_request
 
+from raylm.scheduler import dp_loop as dp_loop_module
 from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from raylm.scheduler.dp_loop import DPEngineCoreLoop, WaveRecord
 from raylm.scheduler.engine_core import EngineCore
@@ -41,6 +42,9 @@ class FakeEngineCore:
         self.done_steps: collections.Counter[str] = collections.Counter()
         self._aborts: collections.deque[list[str]] = collections.deque()
         self.num_step_calls = 0
+        # A paused rank's loop asks has_work() once per wake-up (a message, or its idle
+        # timeout): the positive event the idle tests wait for.
+        self.num_has_work_calls = 0
         self.executor = SimpleNamespace(check_health=lambda: None)
         self.shut_down = False
 
@@ -53,6 +57,7 @@ class FakeEngineCore:
         self._aborts.append(list(request_ids))
 
     def has_work(self) -> bool:
+        self.num_has_work_calls += 1
         return bool(self.remaining or self._aborts)
 
     def step_fn(self) -> tuple[EngineCoreOutputs, bool]:
@@ -161,6 +166,15 @@ class LoopGroup:
             assert time.monotonic() < deadline, f"ranks not all paused: {stats}"
             time.sleep(0.01)
 
+    def wait_idle_wakeups(self, n: int) -> None:
+        """Until every rank's loop has woken ``n`` more times while paused. The wake-up in
+        progress may have read its messages before this call; the one after it has not."""
+        start = [c.num_has_work_calls for c in self.cores]
+        deadline = time.monotonic() + DEADLINE_S
+        while any(c.num_has_work_calls < s + n for c, s in zip(self.cores, start)):
+            assert time.monotonic() < deadline, [c.num_has_work_calls for c in self.cores]
+            time.sleep(0.01)
+
     def shutdown(self) -> None:
         for loop in self.loops:
             loop.shutdown()
@@ -234,10 +248,18 @@ def test_idle_ranks_do_not_spin(groups):
     g.wait_all_paused(num_waves=1)
     before = ([loop.get_dp_stats() for loop in g.loops], list(g.ar.calls),
               [c.num_step_calls for c in g.cores])
-    time.sleep(0.3)
+    start = time.monotonic()
+    calls = [c.num_has_work_calls for c in g.cores]
+    # Two idle wake-ups on every rank: each was a chance to step or join a collective.
+    g.wait_idle_wakeups(2)
     after = ([loop.get_dp_stats() for loop in g.loops], list(g.ar.calls),
              [c.num_step_calls for c in g.cores])
     assert before == after  # paused: no steps, no dummies, no collectives
+    # And it sleeps between wake-ups: at most one per idle timeout (a busy box only makes
+    # them rarer), plus the one in progress.
+    bound = (time.monotonic() - start) / dp_loop_module._IDLE_WAIT_S + 2
+    woke = [c.num_has_work_calls - n for c, n in zip(g.cores, calls)]
+    assert all(w <= bound for w in woke), (woke, bound)
 
 
 @pytest.mark.parametrize("inject_rank", [0, 1])
@@ -297,7 +319,7 @@ def test_simultaneous_and_stale_start_wave_are_idempotent(groups):
     for loop in g.loops:
         loop.start_wave(0)  # stale duplicates from a slow coordinator
         loop.start_wave(0)
-    time.sleep(0.2)
+    g.wait_idle_wakeups(2)  # every rank has read the messages and gone back to sleep
     assert g.ar.calls == calls
     assert all(loop.get_dp_stats().num_waves_started == 1 for loop in g.loops)
 
@@ -320,9 +342,10 @@ def test_abort_reaching_a_paused_rank_still_produces_its_output(groups):
     # An abort for a request this rank no longer has: no output, and nobody stays awake.
     g.loops[0].abort_requests(["a", "never-seen"])
     g.wait_all_paused(num_waves=3)
-    time.sleep(0.05)
+    # The abort ran in a step of wave 2, before the collective that ended it: any output it
+    # made is queued by now.
     for loop in g.loops:
-        assert loop.get_output(timeout=0.01) is None
+        assert loop.get_output(timeout=0) is None
     assert not g.cores[0].remaining and not g.cores[1].remaining
 
 
