@@ -262,7 +262,16 @@ def test_api_key(engine):
         assert httpx.get(f"{base}/health").status_code == 200
 
 
-def _wait_for(predicate, timeout=10.0):
+# A request that cannot finish on its own while a test runs (100k tokens at 50 ms each):
+# whatever ends it is what the test is about (a disconnect, a cancel, an engine death).
+FOREVER = 100_000
+
+
+def _slow_engine(tokenizer) -> FakeEngine:
+    return FakeEngine(tokenizer, max_model_len=FOREVER + 128, delay_s=0.05)
+
+
+def _wait_for(predicate, timeout=60.0):  # only turns a hang into a failure
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -274,10 +283,10 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_disconnect_aborts_the_request(tokenizer):
-    slow = FakeEngine(tokenizer, delay_s=0.05)
+    slow = _slow_engine(tokenizer)
     app = build_openai_api({MODEL: LocalBackend(OpenAIServing(slow, MODEL))})
     with running_server(app) as base:
-        body = {"model": MODEL, "prompt": "long one", "max_tokens": 100, "stream": True}
+        body = {"model": MODEL, "prompt": "long one", "max_tokens": FOREVER, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             got = [next(lines) for _ in range(4)]
@@ -291,10 +300,10 @@ def test_disconnect_aborts_the_request(tokenizer):
 
 
 def test_overload_is_503_and_recovers(tokenizer):
-    slow = FakeEngine(tokenizer, delay_s=0.05)
+    slow = _slow_engine(tokenizer)
     app = build_openai_api({MODEL: LocalBackend(OpenAIServing(slow, MODEL, max_pending_requests=2))})
     with running_server(app) as base:
-        body = {"model": MODEL, "prompt": "busy", "max_tokens": 40, "stream": True}
+        body = {"model": MODEL, "prompt": "busy", "max_tokens": FOREVER, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body) as a, \
                 httpx.stream("POST", f"{base}/v1/completions", json=body) as b:
             assert a.status_code == b.status_code == 200
@@ -312,10 +321,10 @@ def test_overload_is_503_and_recovers(tokenizer):
 
 
 def test_engine_death(tokenizer):
-    doomed = FakeEngine(tokenizer, delay_s=0.05)
+    doomed = _slow_engine(tokenizer)
     app = build_openai_api({MODEL: LocalBackend(OpenAIServing(doomed, MODEL))})
     with running_server(app) as base:
-        body = {"model": MODEL, "prompt": "doomed", "max_tokens": 50}
+        body = {"model": MODEL, "prompt": "doomed", "max_tokens": FOREVER}
         with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as resp:
             lines = resp.iter_lines()
             next(lines)
@@ -355,8 +364,10 @@ def test_coalesce_joins_close_items_and_closes_the_source():
                 break
         return out
 
-    # 0 alone (never delayed); 1-2 arrive together; 3 comes after a long gap.
-    assert asyncio.run(collect([0, 0.01, 0, 0.5], 0.1)) == ["<0>", "<1><2>", "<3>"]
+    # 0 alone (never delayed); 1-2 arrive together; 3 comes after a long gap. The window is
+    # wide so that a stall on a busy box cannot split 1 from 2, and 3 waits longer than it
+    # (a sleep never ends early, so 3 can never join).
+    assert asyncio.run(collect([0, 0.01, 0, 1.2], 1.0)) == ["<0>", "<1><2>", "<3>"]
     assert asyncio.run(collect([0, 0, 0], 0)) == ["<0>", "<1>", "<2>"]
     closed.clear()
     assert asyncio.run(collect([0, 0, 5, 5], 0.05, limit=2)) == ["<0>", "<1>"]
@@ -404,12 +415,12 @@ def test_errors_map_to_statuses():
 def test_cancelled_non_streaming_request_aborts_in_the_engine(tokenizer):
     import asyncio
 
-    slow = FakeEngine(tokenizer, delay_s=0.05)
+    slow = _slow_engine(tokenizer)
     serving = OpenAIServing(slow, MODEL)
 
     async def go():
         task = asyncio.ensure_future(serving.handle(
-            "/v1/completions", {"model": MODEL, "prompt": "cancel me", "max_tokens": 50}))
+            "/v1/completions", {"model": MODEL, "prompt": "cancel me", "max_tokens": FOREVER}))
         while not slow.running:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
