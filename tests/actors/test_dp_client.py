@@ -159,11 +159,20 @@ def test_dp2_tp2_ranks_run_their_own_worker_groups(llama_path, reference):
     try:
         assert [i["executor"] for i in client.rank_infos] == ["RayExecutor"] * 2
         col = Collector(client)
-        for i in range(4):
-            client.add_request(_request(config, f"r{i}", prompts[i], max_tokens[i]))
-        col.until_finished([f"r{i}" for i in range(4)])
-        assert [col.tokens[f"r{i}"] for i in range(4)] == hf[:4]
-        assert _wait_paused(client)["routed"] == [2, 2]
+        ids = [f"r{i}" for i in range(4)]
+        # Requests that outlive their routing, so least-loaded routing alternates whatever
+        # the load; each is compared with transformers over its reference length, then aborted.
+        for rid, p in zip(ids, prompts):
+            client.add_request(_request(config, rid, p, 400))  # 400 steps; fits 64 blocks of 8
+        assert client.get_dp_state()["routed"] == [2, 2]
+        deadline = time.monotonic() + DEADLINE_S
+        while not all(len(col.tokens.get(rid, ())) >= m for rid, m in zip(ids, max_tokens)):
+            assert time.monotonic() < deadline, {r: len(col.tokens.get(r, ())) for r in ids}
+            col.read(timeout=1.0)
+        client.abort_requests(ids)
+        col.until_finished(ids)
+        assert [col.tokens[rid][:m] for rid, m in zip(ids, max_tokens)] == hf[:4]
+        assert _wait_paused(client)["unfinished"] == [0, 0]
     finally:
         client.shutdown()
 
