@@ -94,5 +94,11 @@ def test_every_reference_in_the_code_resolves():
     assert dangling == [], f"references with no section/rule in {DOC.name}: {dangling}"
 
 
+def test_the_documents_file_links_exist():
+    missing = [target for target in re.findall(r"\]\((\.\./[^)#]+)\)", DOC.read_text())
+               if not (DOC.parent / target).exists()]
+    assert missing == [], f"links in {DOC.name} to files that do not exist: {missing}"
+
+
 def test_readme_links_the_document():
     assert "(docs/architecture.md)" in (REPO / "README.md").read_text()
