@@ -33,7 +33,8 @@ DEADLINE_S = 120.0  # turns a hang into a failure; nothing asserts on time
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

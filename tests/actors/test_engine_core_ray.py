@@ -35,7 +35,8 @@ MAX_TOKENS = [12, 7, 16, 5]
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     # tests/ is not importable in Ray workers: ship this module's helpers by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield

@@ -25,7 +25,8 @@ MAX_TOKENS = [18, 12, 24, 10, 20, 16]
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     # TP2 x PP2: 4 one-CPU worker bundles + the EngineCore actor's.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

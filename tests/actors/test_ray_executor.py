@@ -33,7 +33,8 @@ pytestmark = pytest.mark.ray
 def ray_cluster():
     import fake_worker
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[fake_worker.__name__])
     yield fake_worker.FakeWorker
     ray.shutdown()

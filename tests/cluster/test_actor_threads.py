@@ -11,7 +11,8 @@ from raylm.cluster.llm_engine import ray_actor_threads
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
