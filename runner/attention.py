@@ -2,21 +2,23 @@
 
 KV cache, per layer: key and value tensors ``[num_blocks, num_kv_heads, block_size,
 head_dim]`` (vLLM's block-major layout); token ``p`` of a request lives at offset
-``p % bs`` of block ``block_table[p // bs]``. Each step first writes the new keys/values,
-then:
+``p % bs`` of block ``block_table[p // bs]``. ``num_kv_heads`` is this rank's KV heads
+(whatever the TP split gave the layer); nothing here depends on the global count. Each
+step first writes the new keys/values, then attends. A step's query rows have any length,
+causal inside the row (a query at position ``p`` sees keys ``0..p`` of its sequence):
 
-- decode rows (query length 1) are batched into ONE padded ``scaled_dot_product_attention``:
-  one ``index_select`` over (block, head) rows copies their context straight into
-  ``[B, H_kv, L, D]``, each (row, head) slab contiguous, which is the layout the CPU sdpa
-  kernel is fast on (B=64, L<=384, fp32, 2 cores: 0.9 ms vs 2.0 ms for the same data seen
-  through a transposed view). A padding mask covers ragged rows. GQA costs nothing extra:
-  the ``G`` query heads sharing a KV head are laid out as that KV head's query "length"
-  (``[B, H_kv, G, D]``), so K/V are never repeated.
-- prefill rows (whole prompts or chunks) run one sdpa each; a chunk with earlier context
-  reads that context from the cache and uses a causal mask shifted by its offset.
+- short rows (at most ``RAGGED_MAX_QUERY_LEN`` tokens: decodes, speculative rows of
+  1 + k tokens, short chunks) go through the ragged kernel (``ragged_attention.py``) token
+  by token: one (query token, KV block) pair per block the token can see, a partial
+  softmax per pair, the partials combined per token. Its cost is the sum of the tokens'
+  contexts rounded up to a block, not ``batch x longest context``.
+- long rows (prompts and prefill chunks) run one ``scaled_dot_product_attention`` each; a
+  chunk with earlier context reads that context from the cache with a causal mask shifted
+  by its offset.
 
-The metadata (block tables, masks, and per KV-head-count indices) is built once per step
-and shared by every layer.
+The metadata is built once per step on the host (numpy), uploaded in one copy (non-blocking
+from pinned memory on CUDA, so a step never waits for the device here) and shared by
+every layer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raylm.runner.ragged_attention import (
+    RaggedTokens,
+    build_ragged_tokens,
+    ragged_paged_attention,
+)
+
+# Query rows up to this long take the ragged kernel (each token its own pairs); longer
+# rows are prefill-like and one sdpa per row is cheaper than repeating their context.
+RAGGED_MAX_QUERY_LEN = 8
 
 
 @dataclass
@@ -43,36 +55,23 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token
-    decode_token_indices: torch.Tensor | None = None  # [B_d]; None when no decode rows
-    decode_is_all: bool = False  # every token is a decode row, in order: no gather needed
-    decode_block_table: torch.Tensor | None = None  # [B_d, nb] blocks covering decode_max_len
-    decode_max_len: int = 0
-    decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, L_max] bool, True = attend; None
-    # when every decode row has length L_max (nothing to mask)
+    ragged: RaggedTokens | None = None  # the short rows' tokens; None when there are none
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Per num_kv_heads: (write index [T * H], decode gather index [B_d * H * nb]); every
-    # layer of one rank has the same head count, so the first layer builds them.
-    _indices: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    # Step-scoped scratch for the decode K/V gather, reused by every layer (each layer's
-    # sdpa is done with it before the next layer writes it): saves two large allocations
-    # per layer per step.
-    decode_kv_workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict)
+    # Per num_kv_heads: the cache write index [T * H]; every layer of one rank has the same
+    # head count, so the first layer builds it.
+    _write_index: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def indices(self, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of the cache seen as ``[num_blocks * H, block_size, D]`` (gathers) and as
-        ``[num_blocks * H * block_size, D]`` (writes)."""
-        if num_kv_heads not in self._indices:
+    def write_index(self, num_kv_heads: int) -> torch.Tensor:
+        """Rows of the cache seen as ``[num_blocks * H * block_size, D]`` for each new
+        token and head."""
+        if num_kv_heads not in self._write_index:
             bs = self.block_size
             heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)
             block, offset = self.slot_mapping // bs, self.slot_mapping % bs
-            write = ((block[:, None] * num_kv_heads + heads[None, :]) * bs
-                     + offset[:, None]).reshape(-1)
-            gather = None
-            if self.decode_block_table is not None:
-                gather = head_rows(self.decode_block_table, heads).reshape(-1)
-            self._indices[num_kv_heads] = (write, gather)
-        return self._indices[num_kv_heads]
+            self._write_index[num_kv_heads] = (
+                (block[:, None] * num_kv_heads + heads[None, :]) * bs
+                + offset[:, None]).reshape(-1)
+        return self._write_index[num_kv_heads]
 
 
 def head_rows(block_ids: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -85,69 +84,85 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
                       dtype: torch.dtype, device: torch.device | str
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (key, value) cache ``[num_blocks, num_kv_heads, block_size, head_dim]``.
-    Zeros, not empty: padded decode positions read (masked) slots, and 0 * NaN garbage
-    would poison the attention output."""
+    Zeros, not empty: masked positions of a partly filled block are still multiplied (by a
+    zero weight), and 0 * NaN garbage would poison the attention output."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     return (torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device))
+
+
+class HostUpload:
+    """Host int64 arrays gathered for one upload: a step's metadata crosses to the device
+    in a single copy (pinned and non-blocking on CUDA), then is sliced there."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, array: np.ndarray) -> tuple[int, int]:
+        start = self._size
+        self._parts.append(np.asarray(array, dtype=np.int64).reshape(-1))
+        self._size += self._parts[-1].size
+        return start, self._size
+
+    def upload(self) -> torch.Tensor:
+        host = torch.from_numpy(np.concatenate(self._parts) if self._parts
+                                else np.empty(0, np.int64))
+        if self.device.type == "cpu":
+            return host
+        # The caching host allocator keeps the pinned buffer alive until the copy is done.
+        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 def build_attention_metadata(
     query_start_loc: np.ndarray,  # [B + 1] cumulative query lengths
     seq_lens: np.ndarray,  # [B] context + this step's tokens
     slot_mapping: torch.Tensor,  # [T] on the device
-    block_table: torch.Tensor,  # [B, nb] on the device (int64)
+    block_table: np.ndarray | torch.Tensor,  # [B, nb] host block ids (a CPU tensor is taken)
     block_size: int,
 ) -> AttentionMetadata:
+    device = slot_mapping.device
+    table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
+    query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
     num_tokens = int(query_start_loc[-1])
     query_lens = np.diff(query_start_loc)
     meta = AttentionMetadata(num_tokens=num_tokens, block_size=block_size,
                              slot_mapping=slot_mapping)
-    device = block_table.device
-    is_decode = query_lens == 1
-    decode_rows = np.flatnonzero(is_decode)
-    if decode_rows.size:
-        decode_lens = seq_lens[decode_rows]
-        max_len = int(decode_lens.max())
-        meta.decode_is_all = decode_rows.size == num_tokens
-        rows_t = None if meta.decode_is_all else torch.from_numpy(decode_rows).to(device)
-        table = block_table if rows_t is None else block_table.index_select(0, rows_t)
-        meta.decode_block_table = table[:, :-(-max_len // block_size)]
-        meta.decode_max_len = max_len
-        if int(decode_lens.min()) < max_len:
-            # Ragged rows: mask the padding. Equal lengths need no mask, and sdpa without
-            # one is faster (CPU, 120m decode: ~60 us of ~600 per layer).
-            lens = torch.from_numpy(decode_lens.astype(np.int64)).to(device)
-            meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[
-                :, None, None, :]
-        if not meta.decode_is_all:
-            starts = query_start_loc[:-1][decode_rows].astype(np.int64)
-            meta.decode_token_indices = torch.from_numpy(starts).to(device)
-    # Prefill rows: few per step (bounded by the token budget), one sdpa each.
-    for row in np.flatnonzero(~is_decode).tolist():
+    pack = HostUpload(device)
+    short = np.flatnonzero(query_lens <= RAGGED_MAX_QUERY_LEN)
+    finish_ragged = None
+    if short.size:
+        finish_ragged = build_ragged_tokens(query_start_loc, seq_lens, table, short,
+                                            block_size, num_tokens, pack)
+    # Long rows: few per step (bounded by the token budget), one sdpa each.
+    spans: list[tuple[PrefillSpan, tuple[int, int] | None]] = []
+    for row in np.flatnonzero(query_lens > RAGGED_MAX_QUERY_LEN).tolist():
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         seq_len = int(seq_lens[row])
-        context_len = seq_len - (end - start)
-        span = PrefillSpan(start, end, context_len)
-        if context_len > 0:
-            span.block_ids = block_table[row, :-(-seq_len // block_size)]
-            q_pos = torch.arange(context_len, seq_len, device=device)
+        span = PrefillSpan(start, end, seq_len - (end - start))
+        spans.append((span, pack.add(table[row, :-(-seq_len // block_size)])
+                      if span.context_len > 0 else None))
+    uploaded = pack.upload()
+    if finish_ragged is not None:
+        meta.ragged = finish_ragged(uploaded)
+    for span, where in spans:
+        if where is not None:
+            seq_len = span.context_len + span.end - span.start
+            span.block_ids = uploaded[where[0]:where[1]]
+            q_pos = torch.arange(span.context_len, seq_len, device=device)
             span.mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         meta.prefills.append(span)
     return meta
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of the (block, head) ``rows`` [..., H, nb] of a
     ``[num_blocks, H, bs, D]`` cache, as ``[..., H, length, D]`` (each (.., head) slab
     contiguous; index_select is several times faster on CPU than advanced indexing)."""
     num_blocks, num_heads, bs, head_dim = cache.shape
-    flat = cache.view(num_blocks * num_heads, bs, head_dim)
-    if out is None:
-        out = flat.index_select(0, rows.reshape(-1))
-    else:
-        torch.index_select(flat, 0, rows.reshape(-1), out=out)
+    out = cache.view(num_blocks * num_heads, bs, head_dim).index_select(0, rows.reshape(-1))
     nb = rows.shape[-1]
     return out.view(*rows.shape[:-1], nb * bs, head_dim)[..., :length, :]
 
@@ -174,39 +189,22 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
         key_cache, value_cache = self.kv_cache
-        write, gather = meta.indices(self.num_kv_heads)
+        write = meta.write_index(self.num_kv_heads)
         tokens = (-1, self.head_dim)
         key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))
         value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
-        num_tokens = query.shape[0]
-        hidden = self.num_heads * self.head_dim
-        if meta.decode_is_all and not meta.prefills:
-            return self._decode(query, key_cache, value_cache, gather, meta)
-        out = query.new_empty((num_tokens, hidden))
-        if gather is not None:
-            idx = meta.decode_token_indices
-            out[idx] = self._decode(query.index_select(0, idx), key_cache, value_cache, gather,
-                                    meta)
+        ragged = meta.ragged
+        if ragged is not None and ragged.token_index is None:  # every token is ragged
+            return ragged_paged_attention(query, key_cache, value_cache, ragged, self.scale)
+        out = query.new_empty((query.shape[0], self.num_heads * self.head_dim))
+        if ragged is not None:
+            idx = ragged.token_index
+            out.index_copy_(0, idx, ragged_paged_attention(
+                query.index_select(0, idx), key_cache, value_cache, ragged, self.scale))
         for span in meta.prefills:
             out[span.start:span.end] = self._prefill(query, key, value, key_cache, value_cache,
                                                      span)
         return out
-
-    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                gather: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        batch = query.shape[0]
-        q = query.reshape(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
-        rows = gather.view(batch, self.num_kv_heads, -1)
-        shape = (rows.numel(), *key_cache.shape[2:])
-        key = (shape, key_cache.dtype)
-        if key not in meta.decode_kv_workspace:
-            meta.decode_kv_workspace[key] = (key_cache.new_empty(shape),
-                                             value_cache.new_empty(shape))
-        k_out, v_out = meta.decode_kv_workspace[key]
-        k = _gather(key_cache, rows, meta.decode_max_len, k_out)  # [B, Hkv, L, D]
-        v = _gather(value_cache, rows, meta.decode_max_len, v_out)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale)
-        return o.reshape(batch, self.num_heads * self.head_dim)
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,

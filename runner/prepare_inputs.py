@@ -154,7 +154,7 @@ class InputPreparer:
             self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=True)
             self.slot_mapping[:n].copy_(self.slot_mapping_cpu[:n], non_blocking=True)
             max_blocks = -(-int(seq_lens.max()) // self.block_size)
-            block_table = self._to_device(ib.block_table[rows, :max_blocks].astype(np.int64))
+            block_table = ib.block_table[rows, :max_blocks]  # host: attention uploads pairs
             logits_indices = self._to_device((cu - 1).astype(np.int64))
         if fill_rows.size:
             self._fill_from_previous_step(fill_rows, fill_src, fill_flat)

@@ -1,0 +1,146 @@
+"""Ragged paged attention: each query token against exactly the KV blocks it can see.
+
+A query token at position ``p`` of its sequence sees keys ``0..p``, i.e. blocks
+``0..p // bs`` of its block table. Every (token, block) pair is one entry of a batch:
+
+    scores  = q_token . K_block^T * scale  (+ -inf past the token's last key)   [P, H, G, bs]
+    partial = softmax over the block, with its max m and sum l                   (per pair)
+    out     = sum over the token's pairs of exp(m - M) * l * partial / normaliser
+
+(``M`` the token's max over its pairs: the usual split-softmax combine, exact up to float
+rounding). The cost is the sum over tokens of their context rounded up to a block, never
+``batch x longest``; K/V are read block by block straight from the ``[num_blocks, H, bs, D]``
+cache (one ``index_select`` over whole blocks, each a contiguous ``[H, bs, D]`` slab).
+GQA costs nothing extra: the ``G`` query heads sharing a KV head form that head's query
+matrix ``[G, D]``. A row of several query tokens (speculative decoding's 1 + k, a short
+chunk) is causal by construction: each token has its own pairs and its own limit.
+
+Why this and not padded sdpa: padded decode attention costs ``batch x longest context``;
+with contexts drawn 16-768 a batch pays for ~2x the keys it needs, and one long row makes
+every row pay (bench/attention.py measures both). It is plain torch ops, so the same code
+runs on CPU and CUDA (on CUDA every op stays on the stream; the metadata arrives in one
+non-blocking copy).
+
+Precision: scores, softmax and the combine are float32 whatever the model dtype; bf16
+models multiply in bf16 (as transformers' eager attention does) and accumulate in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class _Upload(Protocol):
+    def add(self, array: np.ndarray) -> tuple[int, int]: ...
+
+
+@dataclass
+class RaggedTokens:
+    """The ragged kernel's inputs for one step, shared by every layer."""
+
+    num_tokens: int  # N query tokens taking the kernel
+    token_index: torch.Tensor | None  # [N] their rows in the step's flat batch; None when
+    # they are the whole batch in order (then the output needs no scatter)
+    pair_token: torch.Tensor  # [P] token of each (token, block) pair, non-decreasing
+    pair_block: torch.Tensor  # [P] cache block of each pair
+    bias: torch.Tensor | None  # [P, 1, 1, bs] float32: 0 for visible keys, -inf past the
+    # token's last key; None when every pair's block is fully visible
+    single_pair: bool  # every token has one pair: no combine needed
+
+
+def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                        block_table: np.ndarray, rows: np.ndarray, block_size: int,
+                        num_batch_tokens: int, upload: _Upload
+                        ) -> Callable[[torch.Tensor], RaggedTokens]:
+    """Pairs for the query tokens of ``rows`` (host numpy, vectorised). Their index arrays
+    are added to ``upload``; the returned function takes the uploaded tensor and slices
+    them out."""
+    bs = block_size
+    qlens = query_start_loc[rows + 1] - query_start_loc[rows]
+    num_tokens = int(qlens.sum())
+    tok_row = np.repeat(rows, qlens)
+    first = np.cumsum(qlens) - qlens
+    tok = np.repeat(query_start_loc[rows], qlens) + np.arange(num_tokens) - np.repeat(first,
+                                                                                   qlens)
+    # Keys a token sees: its row's context before the step, plus the row's tokens up to
+    # and including itself.
+    kv_len = seq_lens[tok_row] - query_start_loc[tok_row + 1] + tok + 1
+    assert (kv_len >= 1).all(), f"a query token sees no keys: kv_len={kv_len.tolist()}"
+    nblk = -(-kv_len // bs)
+    num_pairs = int(nblk.sum())
+    pair_token = np.repeat(np.arange(num_tokens), nblk)
+    pair_pos = np.arange(num_pairs) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+    max_blocks = block_table.shape[1]
+    assert int(pair_pos.max()) < max_blocks, (
+        f"a token needs block {int(pair_pos.max())} but the block table has {max_blocks}")
+    pair_block = block_table[tok_row[pair_token], pair_pos]
+    visible = kv_len[pair_token] - pair_pos * bs  # keys of the block the token sees (>= 1)
+    masked = bool((visible < bs).any())
+    all_in_order = num_tokens == num_batch_tokens
+    at_token = upload.add(pair_token)
+    at_block = upload.add(pair_block)
+    at_visible = upload.add(visible) if masked else None
+    at_index = None if all_in_order else upload.add(tok)
+    single_pair = bool((nblk == 1).all())
+
+    def finish(uploaded: torch.Tensor) -> RaggedTokens:
+        bias = None
+        if at_visible is not None:
+            vis = uploaded[at_visible[0]:at_visible[1]]
+            keys = torch.arange(bs, device=uploaded.device)
+            bias = torch.zeros(vis.numel(), 1, 1, bs, dtype=torch.float32,
+                               device=uploaded.device)
+            bias.masked_fill_((keys[None, :] >= vis[:, None]).view(-1, 1, 1, bs),
+                              float("-inf"))
+        return RaggedTokens(
+            num_tokens=num_tokens,
+            token_index=None if at_index is None else uploaded[at_index[0]:at_index[1]],
+            pair_token=uploaded[at_token[0]:at_token[1]],
+            pair_block=uploaded[at_block[0]:at_block[1]],
+            bias=bias, single_pair=single_pair)
+
+    return finish
+
+
+def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, meta: RaggedTokens,
+                           scale: float) -> torch.Tensor:
+    """query [N, Hq, D] (the ragged tokens, in ``meta``'s order), caches
+    ``[num_blocks, Hkv, bs, D]`` -> [N, Hq * D] in the query's dtype."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    assert num_tokens == meta.num_tokens, (
+        f"query has {num_tokens} tokens, the metadata {meta.num_tokens}")
+    group = num_heads // num_kv_heads
+    q = query.view(num_tokens, num_kv_heads, group, head_dim).index_select(0, meta.pair_token)
+    k = key_cache.index_select(0, meta.pair_block)  # [P, Hkv, bs, D]
+    v = value_cache.index_select(0, meta.pair_block)
+    s = torch.matmul(q, k.transpose(-1, -2))  # [P, Hkv, G, bs]
+    s = s.float() if s.dtype != torch.float32 else s
+    s.mul_(scale)
+    if meta.bias is not None:
+        s.add_(meta.bias)
+    m = s.amax(-1, keepdim=True)  # finite: every pair sees at least one key
+    p = s.sub_(m).exp_()
+    l = p.sum(-1, keepdim=True)  # noqa: E741 (the softmax normaliser's usual name)
+    o = torch.matmul(p.to(v.dtype), v)  # [P, Hkv, G, D]
+    o = o.float() if o.dtype != torch.float32 else o
+    if meta.single_pair:
+        out = o.div_(l)
+    else:
+        shape = (num_tokens, num_kv_heads, group, 1)
+        index = meta.pair_token.view(-1, 1, 1, 1)
+        row_max = torch.full(shape, float("-inf"), dtype=torch.float32, device=q.device)
+        row_max.scatter_reduce_(0, index.expand_as(m), m, reduce="amax")
+        w = (m - row_max.index_select(0, meta.pair_token)).exp_()
+        out = torch.zeros((num_tokens, num_kv_heads, group, head_dim), dtype=torch.float32,
+                          device=q.device).index_add_(0, meta.pair_token, o.mul_(w))
+        den = torch.zeros(shape, dtype=torch.float32, device=q.device).index_add_(
+            0, meta.pair_token, l.mul_(w))
+        out.div_(den)
+    return out.to(query.dtype).reshape(num_tokens, num_heads * head_dim)
