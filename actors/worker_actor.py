@@ -116,7 +116,7 @@ class WorkerActor:
 
         mc = engine_config.model_config
         hidden_size = int(mc.hf_config["hidden_size"])
-        dtype = resolve_dtype(mc.dtype, ctx.device)  # the runner's activation dtype
+        dtype = resolve_dtype(mc.dtype, ctx.device, mc.hf_config)  # the runner's dtype
         self.worker.pp_transport = build_pp_transport(ctx, hidden_size, dtype,
                                                       IntermediateTensors, dist_timeout_s)
 

@@ -43,8 +43,9 @@ class EngineArgs:
     model: str = dataclasses.field(metadata={"help": "Hugging Face checkpoint folder"})
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
     served_model_name: str | None = _arg(None, "the name clients send as `model`")
-    dtype: DType = _arg("auto", "weights and activations (auto: float32 on CPU, "
-                                "bfloat16 on CUDA)")
+    dtype: DType = _arg("auto", "weights and activations (auto: the checkpoint's; float32 "
+                                "checkpoints run in bfloat16 on CUDA and on CPUs with "
+                                "AVX512-BF16/AMX)")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the "
                                            "model's max_position_embeddings)")
     max_num_seqs: int = _arg(128, "most sequences in one step")

@@ -13,16 +13,49 @@ from torch import nn
 from raylm.parallel.context import ParallelContext
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.registry import get_model_class
+from raylm.scheduler import envs
 from raylm.scheduler.engine_config import DTYPES, ModelConfig
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> float32 on CPU (no fast bf16 matmul there), bfloat16 on CUDA; every other
-    name of DTYPES is torch's own."""
+def cpu_has_fast_bfloat16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """AVX512-BF16 or AMX-BF16 in the CPU flags: oneDNN then runs bf16 matmuls natively
+    (vLLM-CPU's test for defaulting to bf16)."""
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def checkpoint_dtype(hf_config: dict) -> torch.dtype:
+    """The dtype config.json declares (``dtype``, or the older ``torch_dtype``); float32
+    when it declares none."""
+    name = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    name = name.removeprefix("torch.")
+    return getattr(torch, name) if name in DTYPES and name != "auto" else torch.float32
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: dict | None = None,
+                  fast_cpu_bfloat16: bool | None = None) -> torch.dtype:
+    """``auto`` -> the checkpoint's dtype, except that a float32 checkpoint runs in
+    bfloat16 on CUDA, and on a CPU with native bf16 (AVX512-BF16 / AMX) unless
+    RAYLM_CPU_AUTO_BFLOAT16=0 (vLLM-CPU does the same downcast); every other name of DTYPES
+    is torch's own."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        ckpt = checkpoint_dtype(hf_config or {})
+        if ckpt != torch.float32:
+            return ckpt
+        if device.type == "cuda":
+            return torch.bfloat16
+        if fast_cpu_bfloat16 is None:
+            fast_cpu_bfloat16 = envs.cpu_auto_bfloat16() and cpu_has_fast_bfloat16()
+        return torch.bfloat16 if fast_cpu_bfloat16 else torch.float32
     return getattr(torch, dtype)
 
 
@@ -51,7 +84,7 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 def get_model(model_config: ModelConfig, ctx: ParallelContext) -> nn.Module:
     """The model for ``ctx``'s stage and TP shard, weights loaded, in eval mode."""
     cfg = DecoderConfig.from_hf(model_config.hf_config)
-    dtype = resolve_dtype(model_config.dtype, ctx.device)
+    dtype = resolve_dtype(model_config.dtype, ctx.device, model_config.hf_config)
     model_cls = get_model_class(model_config.hf_config.get("architectures") or [])
     max_position = max(cfg.max_position_embeddings, model_config.max_model_len)
     model = model_cls(cfg, ctx, dtype, max_position)

@@ -85,7 +85,8 @@ class ModelRunner:
         self.model_config = engine_config.model_config
         self.block_size = engine_config.cache_config.block_size
         self.use_async_scheduling = engine_config.async_scheduling
-        self.dtype = resolve_dtype(self.model_config.dtype, self.device)
+        self.dtype = resolve_dtype(self.model_config.dtype, self.device,
+                                   self.model_config.hf_config)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(sorted(self.model_config.eos_token_ids))
         self.requests: dict[str, CachedRequestState] = {}

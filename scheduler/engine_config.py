@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 # Qwen2 (qkv bias) and Qwen3 (q/k norm) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# "auto": float32 on CPU, bfloat16 on CUDA (resolved by the runner).
+# "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
+# bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 DTYPES: tuple[str, ...] = get_args(DType)
 ExecutorBackend = Literal["uni", "ray"]
@@ -45,7 +46,7 @@ def supported_architecture(architectures: list[str], model: str = "") -> str:
 class ModelConfig:
     model: str
     tokenizer: str | None = None
-    dtype: str = "auto"  # resolved by the runner: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # resolved by the runner: the checkpoint's, fp32 -> bf16 where fast
     max_model_len: int = 0  # 0: take max_position_embeddings from config.json
     seed: int = 0
     served_model_name: str | None = None

@@ -37,3 +37,8 @@ def num_threads_override() -> int | None:
 def cpu_keep_freed_memory() -> bool:
     """CPU workers keep freed heap memory mapped (see raylm.runner.host_memory)."""
     return os.environ.get("RAYLM_CPU_KEEP_FREED_MEMORY", "1") not in ("0", "false", "False")
+
+
+def cpu_auto_bfloat16() -> bool:
+    """dtype="auto" runs a float32 checkpoint in bfloat16 on a CPU with native bf16."""
+    return os.environ.get("RAYLM_CPU_AUTO_BFLOAT16", "1") not in ("0", "false", "False")

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The equality tests are defined in float32: dtype="auto" would run these float32
+# checkpoints in bfloat16 on a CPU with native bf16. Set before any engine (or Ray worker,
+# which inherits the environment) starts; the bf16 tests ask for bfloat16 explicitly.
+os.environ.setdefault("RAYLM_CPU_AUTO_BFLOAT16", "0")
 
 from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
 

@@ -9,7 +9,7 @@ import transformers
 from paged import PagedSequences
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.runner.model_loader import cpu_has_fast_bfloat16, get_model, resolve_dtype
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.rotary import RotaryEmbedding
 from raylm.scheduler.engine_config import ModelConfig
@@ -97,9 +97,20 @@ def test_bad_activation_is_named(llama_path):
         DecoderConfig.from_hf(hf)
 
 
-def test_dtype_resolution():
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+def test_dtype_resolution(tmp_path):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu, fast_cpu_bfloat16=False) == torch.float32
+    # A float32 checkpoint runs in bf16 where bf16 is native; others keep their dtype.
+    assert resolve_dtype("auto", cpu, {"dtype": "float32"}, True) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, {"torch_dtype": "bfloat16"}, False) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, {"dtype": "float16"}, True) == torch.float16
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, {"dtype": "bfloat16"}, True) == torch.float32
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
+    assert cpu_has_fast_bfloat16(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f\n")
+    assert not cpu_has_fast_bfloat16(str(info))
     assert resolve_dtype("float64", torch.device("cpu")) == torch.float64
     with pytest.raises(ValueError, match="int8"):
         resolve_dtype("int8", torch.device("cpu"))
