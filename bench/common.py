@@ -48,6 +48,15 @@ def mixed_workload(vocab: int, n: int, seed: int = 1) -> Workload:
     return Workload(f"mixed{n}", prompts, [rng.randint(8, 128) for _ in range(n)])
 
 
+def mixed_traffic_workload(vocab: int, n: int = 200, seed: int = 2) -> Workload:
+    """Prompts 16-512 and outputs 16-256 tokens (uniform, seeded): mixed-length traffic
+    for a batch of up to 256 sequences of at most 1024 tokens."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))]
+               for _ in range(n)]
+    return Workload(f"mixed{n}", prompts, [rng.randint(16, 256) for _ in range(n)])
+
+
 class Timer:
     def __enter__(self) -> Timer:
         self.start = time.perf_counter()

