@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
 
+    import torch
+
     from raylm.parallel.context import ParallelContext
     from raylm.runner.model_runner import ModelRunner
     from raylm.scheduler.core_outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -50,8 +52,6 @@ def main() -> None:
         SchedulerConfig,
     )
     from raylm.scheduler.sampling_params import SamplingParams
-
-    import torch
 
     torch.set_num_threads(1)
     clock = time.thread_time
