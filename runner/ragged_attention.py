@@ -3,12 +3,12 @@
 A query token at position ``p`` of its sequence sees keys ``0..p``, i.e. blocks
 ``0..p // bs`` of its block table. Every (token, block) pair is one entry of a batch:
 
-    scores  = q_token . K_block^T * scale  (+ -inf past the token's last key)   [P, H, G, bs]
-    partial = softmax over the block, with its max m and sum l                   (per pair)
-    out     = sum over the token's pairs of exp(m - M) * l * partial / normaliser
+    scores = q_token . K_block^T * scale  (+ -inf past the token's last key)   [P, H, G, bs]
+    M      = the token's max score over all its pairs (a scatter-max of the block maxima)
+    out    = sum_pairs exp(scores - M) @ V_block / sum_pairs sum exp(scores - M)
 
-(``M`` the token's max over its pairs: the usual split-softmax combine, exact up to float
-rounding). The cost is the sum over tokens of their context rounded up to a block, never
+(a softmax over the token's keys, computed block by block and summed per token: exact up
+to float summation order). The cost is the sum over tokens of their context rounded up to a block, never
 ``batch x longest``; K/V are read block by block straight from the ``[num_blocks, H, bs, D]``
 cache (one ``index_select`` over whole blocks, each a contiguous ``[H, bs, D]`` slab).
 GQA costs nothing extra: the ``G`` query heads sharing a KV head form that head's query
@@ -125,7 +125,16 @@ def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
     s.mul_(scale)
     if meta.bias is not None:
         s.add_(meta.bias)
-    m = s.amax(-1, keepdim=True)  # finite: every pair sees at least one key
+    # The softmax over a token's keys, spread over its pairs: subtract the token's own max
+    # (over all its pairs; finite, every pair sees at least one key), exponentiate, and
+    # sum numerators and normalisers per token.
+    m = s.amax(-1, keepdim=True)
+    if not meta.single_pair:
+        token_max = torch.full((num_tokens, num_kv_heads, group, 1), float("-inf"),
+                               dtype=torch.float32, device=q.device)
+        token_max.scatter_reduce_(0, meta.pair_token.view(-1, 1, 1, 1).expand_as(m), m,
+                                  reduce="amax")
+        m = token_max.index_select(0, meta.pair_token)
     p = s.sub_(m).exp_()
     l = p.sum(-1, keepdim=True)  # noqa: E741 (the softmax normaliser's usual name)
     o = torch.matmul(p.to(v.dtype), v)  # [P, Hkv, G, D]
@@ -133,14 +142,8 @@ def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
     if meta.single_pair:
         out = o.div_(l)
     else:
-        shape = (num_tokens, num_kv_heads, group, 1)
-        index = meta.pair_token.view(-1, 1, 1, 1)
-        row_max = torch.full(shape, float("-inf"), dtype=torch.float32, device=q.device)
-        row_max.scatter_reduce_(0, index.expand_as(m), m, reduce="amax")
-        w = (m - row_max.index_select(0, meta.pair_token)).exp_()
         out = torch.zeros((num_tokens, num_kv_heads, group, head_dim), dtype=torch.float32,
-                          device=q.device).index_add_(0, meta.pair_token, o.mul_(w))
-        den = torch.zeros(shape, dtype=torch.float32, device=q.device).index_add_(
-            0, meta.pair_token, l.mul_(w))
-        out.div_(den)
+                          device=q.device).index_add_(0, meta.pair_token, o)
+        out.div_(torch.zeros((num_tokens, num_kv_heads, group, 1), dtype=torch.float32,
+                             device=q.device).index_add_(0, meta.pair_token, l))
     return out.to(query.dtype).reshape(num_tokens, num_heads * head_dim)
