@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+from raylm.scheduler.block_pool import KVCacheBlock
 from raylm.scheduler.core_outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -28,6 +30,18 @@ from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` has decided so far."""
+
+    budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    cached: list[tuple[Request, list[int]]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    blocked_on_kv: bool = False
 
 
 class Scheduler(UpdateFromOutputMixin):
@@ -128,64 +142,86 @@ class Scheduler(UpdateFromOutputMixin):
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.current_step += 1
-        step = self.current_step
-        self.counters.num_steps += 1
-        kv = self.kv_cache_manager
-        kv.begin_step(step)
-        budget = self.max_num_scheduled_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        cached: list[tuple[Request, list[int]]] = []
-        preempted: list[Request] = []
-        blocked_on_kv = False
+        step = self._begin_step()
+        plan = _StepPlan(budget=self.max_num_scheduled_tokens)
+        self._schedule_running(step, plan)
+        new_reqs: list[Request] = []
+        if not plan.preempted and not plan.blocked_on_kv:
+            new_reqs = self._schedule_waiting(plan.budget, plan.num_scheduled_tokens)
+        out = self._make_scheduler_output(step, plan, new_reqs)
+        self.finished_req_ids = set()
+        self._update_after_schedule(out)
+        return out
 
+    def _begin_step(self) -> int:
+        self.current_step += 1
+        self.counters.num_steps += 1
+        self.kv_cache_manager.begin_step(self.current_step)
+        return self.current_step
+
+    def _schedule_running(self, step: int, plan: _StepPlan) -> None:
+        """Give each RUNNING request the tokens it lacks, oldest first, preempting the
+        newest when KV blocks run out."""
         running = self.running
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             request = running[i]
             i += 1
-            # Rule 2: the steps in flight already produce every token it may emit.
-            if (request.num_output_placeholders > 0
-                    and request.num_computed_tokens + 2 - request.num_output_placeholders
-                    >= request.num_prompt_tokens + request.max_tokens):
-                continue
-            if step < request.next_decode_eligible_step:  # PP decode cadence
-                continue
-            computed = request.num_computed_tokens
-            num_new = min(
-                request.num_tokens_with_spec + request.num_output_placeholders - computed,
-                budget, self.max_model_len - 1 - computed)
+            num_new = self._num_new_running_tokens(request, step, plan.budget)
             if num_new <= 0:
                 continue
-            new_blocks = kv.allocate_slots(request, num_new)
-            while new_blocks is None:
-                if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(request, num_new) <= (
-                        kv.block_pool.get_num_free_blocks() + kv.num_deferred_blocks):
-                    # Blocks freed behind an in-flight step's fence will cover it: wait
-                    # for them instead of preempting (preempted blocks would be deferred too).
-                    blocked_on_kv = True
-                    break
-                victim = running.pop()
-                self._preempt_request(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                new_blocks = kv.allocate_slots(request, num_new)
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 continue
+            computed = request.num_computed_tokens
             num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
             if num_spec > 0 and request.spec_token_ids:
-                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            cached.append((request, [b.block_id for b in new_blocks]))
-            num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
+                plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            plan.cached.append((request, [b.block_id for b in new_blocks]))
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            plan.budget -= num_new
 
-        new_reqs: list[Request] = []
-        if not preempted and not blocked_on_kv:
-            new_reqs = self._schedule_waiting(budget, num_scheduled_tokens)
+    def _num_new_running_tokens(self, request: Request, step: int, budget: int) -> int:
+        """Tokens to schedule for a running request this step (0: skip it)."""
+        # Rule 2: the steps in flight already produce every token it may emit.
+        if (request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens):
+            return 0
+        if step < request.next_decode_eligible_step:  # PP decode cadence
+            return 0
+        computed = request.num_computed_tokens
+        return min(request.num_tokens_with_spec + request.num_output_placeholders - computed,
+                   budget, self.max_model_len - 1 - computed)
 
-        out = SchedulerOutput(
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             plan: _StepPlan) -> list[KVCacheBlock] | None:
+        """KV slots for ``num_new`` more tokens, preempting the newest running requests
+        until they fit. None: not this step (the request itself was preempted, or blocks
+        freed behind an in-flight step's fence will cover it soon)."""
+        kv = self.kv_cache_manager
+        running = self.running
+        new_blocks = kv.allocate_slots(request, num_new)
+        while new_blocks is None:
+            if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(request, num_new) <= (
+                    kv.block_pool.get_num_free_blocks() + kv.num_deferred_blocks):
+                # Blocks freed behind an in-flight step's fence will cover it: wait
+                # for them instead of preempting (preempted blocks would be deferred too).
+                plan.blocked_on_kv = True
+                return None
+            victim = running.pop()
+            self._preempt_request(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+            new_blocks = kv.allocate_slots(request, num_new)
+        return new_blocks
+
+    def _make_scheduler_output(self, step: int, plan: _StepPlan,
+                               new_reqs: list[Request]) -> SchedulerOutput:
+        num_scheduled_tokens = plan.num_scheduled_tokens
+        cached = plan.cached
+        return SchedulerOutput(
             step_id=step,
             scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
             scheduled_cached_reqs=CachedRequestData(
@@ -198,12 +234,9 @@ class Scheduler(UpdateFromOutputMixin):
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-            scheduled_spec_decode_tokens=spec_tokens,
+            preempted_req_ids={r.request_id for r in plan.preempted},
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
-        self.finished_req_ids = set()
-        self._update_after_schedule(out)
-        return out
 
     def _schedule_waiting(self, budget: int, num_scheduled_tokens: dict[str, int]) -> list[Request]:
         kv = self.kv_cache_manager
