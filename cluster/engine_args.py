@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -31,6 +32,7 @@ from raylm.scheduler.engine_config import (
     PlacementStrategy,
     SchedulerConfig,
 )
+from raylm.scheduler.speculative_config import SpeculativeConfig
 
 
 def _arg(default: Any, help: str, *aliases: str) -> Any:
@@ -70,6 +72,9 @@ class EngineArgs:
     dp_sync_interval: int = _arg(16, "steps between the DP ranks' wave syncs")
     max_queued_requests: int | None = _arg(None, "serving: refuse requests beyond this many "
                                                  "waiting (HTTP 503)")
+    speculative_config: dict[str, Any] | None = _arg(
+        None, "speculative decoding, vLLM's dict as JSON: {\"method\": \"ngram\" | "
+              "\"draft_model\", \"num_speculative_tokens\": k, ...}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -91,6 +96,7 @@ class EngineArgs:
             cache_config=self.create_cache_config(),
             scheduler_config=self.create_scheduler_config(model_config.max_model_len),
             parallel_config=self.create_parallel_config(),
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
         )
 
     def create_model_config(self, hf_config: dict[str, Any] | None = None) -> ModelConfig:
@@ -156,8 +162,20 @@ def _cli_kwargs(annotation: Any) -> dict[str, Any]:
     if typing.get_origin(annotation) is Literal:
         choices = typing.get_args(annotation)
         return {"choices": choices, "type": type(choices[0])}
+    if typing.get_origin(annotation) is dict:
+        return {"type": _json_object, "metavar": "JSON"}
     assert annotation in (int, float, str), f"no CLI form for the annotation {annotation!r}"
     return {"type": annotation}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_cli_args(parser: argparse.ArgumentParser, exclude: typing.Collection[str] = ("model",)

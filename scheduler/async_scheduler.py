@@ -19,9 +19,6 @@ class AsyncScheduler(Scheduler):
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         super().__init__(config, num_kv_blocks)
-        self.num_spec_tokens = 0  # no drafter yet
-        # Shared read-only list: the workers replace drafts with real ids themselves.
-        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         # A PP stage sees a request's token again only pp steps later (docs/architecture.md §4); with
         # pp=1 a request is eligible again at the very next step.
         self.decode_stagger = config.parallel_config.pipeline_parallel_size
@@ -38,5 +35,4 @@ class AsyncScheduler(Scheduler):
             if request.is_prefill_chunk:
                 continue  # a non-final chunk samples nothing
             request.num_output_placeholders += 1 + len(spec.get(rid, ()))
-            request.spec_token_ids = self._spec_token_placeholders
             request.next_decode_eligible_step = next_eligible

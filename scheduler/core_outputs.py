@@ -100,6 +100,9 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: list[LogprobsLists | None] | None = None
+    # Speculative decoding: drafts the worker actually proposed per request (it may find
+    # fewer than the scheduler booked); None = as booked.
+    num_draft_tokens: list[int] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

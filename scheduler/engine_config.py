@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from raylm.scheduler.speculative_config import SpeculativeConfig
+
 logger = logging.getLogger(__name__)
 
 # Qwen2 (qkv bias) and Qwen3 (q/k norm) run on the Llama decoder with flags.
@@ -186,8 +188,12 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            spec.check_draft_vocab(self.model_config.hf_config)
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
@@ -219,6 +225,12 @@ class EngineConfig:
         resolved = self.scheduler_config.async_scheduling
         assert resolved is not None, "EngineConfig.__post_init__ resolves async_scheduling"
         return resolved
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens per decode step (0: no speculative decoding)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -30,6 +30,7 @@ from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
+from raylm.scheduler.spec_decode_stats import SpecDecodingCounters, num_useful_drafts
 
 
 @dataclass
@@ -67,6 +68,12 @@ class Scheduler(UpdateFromOutputMixin):
         self.send_sampled_token_ids = (config.parallel_config.pipeline_parallel_size > 1
                                        and not self.books_output_placeholders)
         self.counters = SchedulerCounters()
+        # Speculative decoding: every decode books k draft positions as -1 placeholders
+        # in both modes; the workers propose the drafts and write them over these
+        # (shared, read-only list).
+        self.num_spec_tokens = config.num_spec_tokens
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+        self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
         self._stats_snapshot = (0, 0, 0)
 
     # ---- requests in and out -------------------------------------------------------
@@ -133,13 +140,6 @@ class Scheduler(UpdateFromOutputMixin):
             request.request_id, new_token_ids, finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
 
-    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """Drafts proposed for the next step (synchronous speculative decoding)."""
-        for rid, drafts in draft_token_ids.items():
-            request = self.requests.get(rid)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.spec_token_ids = list(drafts)
-
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = self._begin_step()
@@ -191,8 +191,16 @@ class Scheduler(UpdateFromOutputMixin):
         if step < request.next_decode_eligible_step:  # PP decode cadence
             return 0
         computed = request.num_computed_tokens
-        return min(request.num_tokens_with_spec + request.num_output_placeholders - computed,
-                   budget, self.max_model_len - 1 - computed)
+        if request.num_tokens + request.num_output_placeholders <= computed:
+            # Sync PP: its last token is still in flight. Drafts alone are no step: they
+            # follow that token.
+            return 0
+        num_new = min(request.num_tokens_with_spec + request.num_output_placeholders - computed,
+                      budget, self.max_model_len - 1 - computed)
+        num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
+        if num_spec > 0:
+            num_new -= max(num_spec - num_useful_drafts(request), 0)
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              plan: _StepPlan) -> list[KVCacheBlock] | None:
@@ -294,15 +302,16 @@ class Scheduler(UpdateFromOutputMixin):
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         requests = self.requests
-        spec = scheduler_output.scheduled_spec_decode_tokens
+        spec_placeholders = self._spec_token_placeholders
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests[rid]
             request.num_computed_tokens += n
             request.num_in_flight_tokens += n
-            if spec and rid in spec:
-                request.spec_token_ids = []  # consumed by this step; the drafter proposes anew
             request.is_prefill_chunk = request.num_computed_tokens < (
                 request.num_tokens + request.num_output_placeholders)
+            if spec_placeholders and not request.is_prefill_chunk:
+                # Drafts for the step after this one, proposed by the workers.
+                request.spec_token_ids = spec_placeholders
 
     # ---- queries -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -64,12 +64,19 @@ class UpdateFromOutputMixin:
             generated = sampled[i] if i is not None else []
             drafts = spec.get(rid) if spec else None
             if drafts:
-                # Rejected drafts roll back both counters (§3 rule 3).
-                num_rejected = len(drafts) - max(len(generated) - 1, 0)
+                # Rejected drafts roll back both counters (§3 rule 3). Their KV is garbage
+                # past num_computed_tokens: overwritten by later steps, never cached.
+                num_accepted = max(len(generated) - 1, 0)
+                num_rejected = len(drafts) - num_accepted
+                assert num_rejected >= 0, (
+                    f"{rid}: {len(generated)} tokens back for {len(drafts)} drafts")
                 if num_rejected > 0:
                     request.num_computed_tokens -= num_rejected
                     if self.books_output_placeholders:
                         request.num_output_placeholders -= num_rejected
+                proposed = model_runner_output.num_draft_tokens
+                self.spec_decode_counters.observe(
+                    len(drafts) if proposed is None or i is None else proposed[i], num_accepted)
             new_token_ids, stopped = self._update_request_with_output(request, generated)
             # KV of tokens whose steps have all returned is settled: cache its full blocks.
             kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)

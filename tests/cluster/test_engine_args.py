@@ -169,3 +169,13 @@ def test_an_incompatible_option_turns_auto_off_and_refuses_true(llama_path, monk
     assert off.async_scheduling is False
     with pytest.raises(ValidationError, match="some_option=on"):  # at Serve config load
         EngineKwargs(async_scheduling=True)
+
+
+def test_speculative_config_reaches_the_engine_config(llama_path):
+    args = EngineArgs.from_kwargs(llama_path, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3})
+    config = args.create_engine_config()
+    assert config.speculative_config is not None and config.num_spec_tokens == 3
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        EngineArgs(model=llama_path, speculative_config={
+            "method": "medusa", "num_speculative_tokens": 3}).create_engine_config()

@@ -11,6 +11,7 @@ block freed too early would show up here), prefix hits read KV with the right co
 from __future__ import annotations
 
 import collections
+import random
 import threading
 import zlib
 from concurrent.futures import Future
@@ -26,6 +27,7 @@ from raylm.scheduler.engine_config import (
 )
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.speculative_config import SpeculativeConfig
 
 EOS = 2
 VOCAB = 1000
@@ -42,7 +44,7 @@ def prompt_tokens(seed: str, n: int) -> list[int]:
 def make_config(*, async_scheduling: bool, block_size: int = 4, num_kv_blocks: int | None = None,
                 max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
                 max_model_len: int = 256, enable_prefix_caching: bool = True,
-                pipeline_parallel_size: int = 1) -> EngineConfig:
+                pipeline_parallel_size: int = 1, num_spec_tokens: int = 0) -> EngineConfig:
     model = ModelConfig(model="fake", max_model_len=max_model_len, hf_config={
         "architectures": ["LlamaForCausalLM"], "max_position_embeddings": max_model_len,
         "vocab_size": VOCAB, "eos_token_id": EOS})
@@ -54,6 +56,8 @@ def make_config(*, async_scheduling: bool, block_size: int = 4, num_kv_blocks: i
                                          max_num_batched_tokens=max_num_batched_tokens,
                                          async_scheduling=async_scheduling),
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+        speculative_config=(SpeculativeConfig("ngram", num_spec_tokens)
+                            if num_spec_tokens else None),
     )
     return config
 
@@ -81,7 +85,13 @@ class FakeRunner:
     """What a worker does with SchedulerOutputs, minus the model."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 eos_at: dict[str, int] | None = None) -> None:
+                 eos_at: dict[str, int] | None = None,
+                 spec_rng: random.Random | None = None) -> None:
+        # Speculative decoding: how many of the booked drafts the worker proposes and how
+        # many are accepted, drawn from ``spec_rng`` (None: all proposed, all accepted).
+        self.spec_rng = spec_rng
+        self.num_accepted: collections.Counter[str] = collections.Counter()
+        self.saw_drafts = False
         self.block_size = block_size
         self.eos_at = eos_at if eos_at is not None else {}  # req_id -> output index of EOS
         self.reqs: dict[str, _ReqState] = {}
@@ -127,38 +137,61 @@ class FakeRunner:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.reqs[rid]
-            assert st.num_computed == cached.num_computed_tokens[i], (
+            # With drafts in flight the scheduler books as if all were accepted; the
+            # worker's own count trails by the rejections it has not seen yet.
+            lag = cached.num_computed_tokens[i] - st.num_computed
+            assert lag == 0 or (self.saw_drafts and 0 < lag), (
                 rid, st.num_computed, cached.num_computed_tokens[i])
             st.block_ids.extend(cached.new_block_ids[i])
             for b in cached.new_block_ids[i]:
                 self.block_users[b].add(rid)
-        req_ids, sampled, logprobs = [], [], []
+        req_ids, sampled, logprobs, proposed = [], [], [], []
+        spec = so.scheduled_spec_decode_tokens
+        self.saw_drafts |= bool(spec)
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
             self.scheduled_tokens[rid] += n
             start = st.num_computed
-            assert n > 0 and start + n <= len(st.tokens), (rid, start, n, len(st.tokens))
-            for pos in range(start, start + n):
+            num_booked = len(spec.get(rid, ()))
+            num_known = n - num_booked
+            assert n > 0 and start + num_known <= len(st.tokens), (
+                rid, start, n, num_booked, len(st.tokens))
+            assert num_booked == 0 or start + num_known == len(st.tokens), (
+                f"{rid}: drafts booked on a prefill chunk", start, n, len(st.tokens))
+            num_drafts = num_accepted = num_booked
+            if num_booked and self.spec_rng is not None:
+                num_drafts = self.spec_rng.randint(0, num_booked)
+                num_accepted = self.spec_rng.randint(0, num_drafts)
+            # Accepted drafts are the tokens the target samples; rejected ones are garbage.
+            inputs = st.tokens[start:start + num_known] + [
+                self.token_at(rid, st, len(st.tokens) + j) if j < num_accepted else -7
+                for j in range(num_drafts)]
+            for pos, tok in enumerate(inputs, start):
                 block = st.block_ids[pos // self.block_size]
                 assert self.block_users[block] == {rid}, (
                     f"step {so.step_id}: {rid} writes block {block} shared with "
                     f"{self.block_users[block]}")
-                self.kv[block][pos % self.block_size] = (st.tokens[pos], pos)
-            st.num_computed = start + n
+                self.kv[block][pos % self.block_size] = (tok, pos)
+            st.num_computed = start + num_known
             out: list[int] = []
             if st.num_computed == len(st.tokens):  # the last known token was an input
-                tok = self.token_at(rid, st, len(st.tokens))
-                st.tokens.append(tok)
-                out.append(tok)
+                for _ in range(1 + num_accepted):
+                    tok = self.token_at(rid, st, len(st.tokens))
+                    st.tokens.append(tok)
+                    out.append(tok)
+                st.num_computed += num_accepted
                 self.num_sampled[rid] += 1
+                self.num_accepted[rid] += num_accepted
             req_ids.append(rid)
+            proposed.append(num_drafts)
             sampled.append(out)
             logprobs.append(LogprobsLists([[t] for t in out], [[-0.5] for _ in out], [1 for _ in out])
                             if st.logprobs is not None else None)
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            logprobs=logprobs if any(lp is not None for lp in logprobs) else None)
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            num_draft_tokens=proposed if spec else None)
 
 
 class LazyFuture(Future):
@@ -183,7 +216,8 @@ class FakeExecutor:
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, mode: str = "lazy",
                  eos_at: dict[str, int] | None = None, fail_at_step: int | None = None,
-                 step_time: float = 0.0) -> None:
+                 step_time: float = 0.0, spec_rng: random.Random | None = None) -> None:
+        self.spec_rng = spec_rng
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.mode = mode
@@ -202,7 +236,7 @@ class FakeExecutor:
         return self.num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner = FakeRunner(num_blocks, self.block_size, self.eos_at)
+        self.runner = FakeRunner(num_blocks, self.block_size, self.eos_at, self.spec_rng)
         if self.mode == "thread":
             self._thread = threading.Thread(target=self._loop, daemon=True)
             self._thread.start()

@@ -42,6 +42,10 @@ def scenarios(draw):
         "caching": draw(st.sampled_from([True, True, False])),
         "requests": draw(st.lists(request_st, min_size=3, max_size=14)),
         "seed": draw(st.integers(0, 2**16)),
+        # Speculative decoding: k drafts per decode; the fake worker proposes and accepts
+        # random counts of them (or all).
+        "k": draw(st.sampled_from([0, 0, 1, 3])),
+        "accept_all": draw(st.booleans()),
     }
 
 
@@ -84,9 +88,11 @@ def test_engine_loop_invariants(sc):
     config = make_config(async_scheduling=sc["async"], block_size=BLOCK,
                          num_kv_blocks=sc["num_blocks"], max_num_batched_tokens=sc["budget"],
                          max_num_seqs=sc["max_num_seqs"], enable_prefix_caching=sc["caching"],
-                         pipeline_parallel_size=sc["pp"])
+                         pipeline_parallel_size=sc["pp"], num_spec_tokens=sc["k"])
     eos_at: dict[str, int] = {}
-    executor = FakeExecutor(num_blocks=sc["num_blocks"], block_size=BLOCK, eos_at=eos_at)
+    spec_rng = None if sc["accept_all"] else random.Random(sc["seed"] + 1)
+    executor = FakeExecutor(num_blocks=sc["num_blocks"], block_size=BLOCK, eos_at=eos_at,
+                            spec_rng=spec_rng)
     engine = EngineCore(config, executor)
     fenced = _record_fences(engine, executor)
     rng = random.Random(sc["seed"])
@@ -146,6 +152,7 @@ def test_engine_loop_invariants(sc):
     metrics = engine.get_metrics()
     event(f"preempted: {metrics['raylm:num_preemptions'] > 0}")
     event(f"prefix hits: {metrics['raylm:prefix_cache_hits'] > 0}")
+    event(f"drafts accepted: {sum(executor.runner.num_accepted.values()) > 0}")
     event(f"aborted: {any(f[0].finish_reason == FinishReason.ABORT for f in finals.values())}")
     engine.scheduler.check_integrity(no_steps_in_flight=True)
     pool = engine.scheduler.kv_cache_manager.block_pool

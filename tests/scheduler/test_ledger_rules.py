@@ -105,16 +105,21 @@ def test_rule2_no_step_for_a_finished_max_tokens():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_rule3_rejected_drafts_roll_back(async_scheduling):
-    sched, runner = _sched(async_scheduling)
+    sched, runner = _sched(async_scheduling, num_spec_tokens=3)
     r = make_request("a", 8, max_tokens=20)
     sched.add_request(r)
-    so1, out1 = _step(sched, runner)
-    sched.update_from_output(so1, out1)
+    so1 = sched.schedule()
+    assert so1.num_scheduled_tokens == {"a": 8} and not so1.scheduled_spec_decode_tokens
+    if async_scheduling:  # step 2 is booked before step 1 is back
+        so2 = sched.schedule()
+        sched.update_from_output(so1, runner.execute(so1))
+    else:
+        sched.update_from_output(so1, runner.execute(so1))
+        so2 = sched.schedule()
     assert r.num_tokens == 9
-    sched.update_draft_token_ids({"a": [11, 12, 13]})
-    so2 = sched.schedule()
+    # The decode carries the last token and 3 drafts, booked as -1 for the worker to fill.
     assert so2.num_scheduled_tokens == {"a": 4}
-    assert so2.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+    assert so2.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
     assert r.num_computed_tokens == 12
     assert r.num_output_placeholders == (4 if async_scheduling else 0)
     # One draft accepted plus the bonus token: two drafts rejected.
@@ -125,6 +130,31 @@ def test_rule3_rejected_drafts_roll_back(async_scheduling):
     assert r.num_computed_tokens == 10  # every known token but the last
     assert r.num_output_placeholders == 0
     assert r.num_in_flight_tokens == 0
+    stats = sched.spec_decode_counters
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    assert stats.num_accepted_tokens_per_pos == [1, 0, 0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 7])
+def test_drafts_never_past_max_tokens(async_scheduling, max_tokens):
+    """A decode books only the drafts that could still be emitted (vLLM's _drafts_unused),
+    and every draft accepted still yields exactly max_tokens."""
+    config = make_config(async_scheduling=async_scheduling, num_spec_tokens=5)
+    executor = FakeExecutor()
+    engine = EngineCore(config, executor)
+    r = make_request("a", 6, max_tokens=max_tokens)
+    tokens, finals = collect(_run(engine, [r]))
+    assert tokens["a"] == expected_stream(r)
+    assert [o.finish_reason for o in finals["a"]] == [FinishReason.LENGTH]
+    scheduled = executor.runner.scheduled_tokens["a"]
+    if async_scheduling:
+        # The scheduler counts on at least one token from the step in flight; when that
+        # step accepts all its drafts, the next one's drafts may run past max_tokens.
+        assert scheduled <= r.num_prompt_tokens + max_tokens - 1 + 5
+    else:
+        # Sync: it knows every output, so no booked draft is wasted.
+        assert scheduled == r.num_prompt_tokens + max_tokens - 1
 
 
 def test_rule4_stale_outputs_drained_never_appended():

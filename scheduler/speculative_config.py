@@ -1,0 +1,90 @@
+"""SpeculativeConfig: vLLM's ``speculative_config`` dict, validated and frozen.
+
+Methods:
+- ``"ngram"`` (prompt lookup): drafts are the tokens that followed the most recent earlier
+  occurrence of the request's last ``n`` tokens (``prompt_lookup_max >= n >=
+  prompt_lookup_min``) in its prompt + output.
+- ``"draft_model"``: a smaller checkpoint with the target's vocabulary proposes the drafts.
+
+Pure Python (read by the scheduler and the runner alike).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+def _bad(name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"speculative_config.{name} {why}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    model: str | None = None  # draft_model: the draft checkpoint's folder
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise _bad("method", self.method, f"must be one of {list(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise _bad("num_speculative_tokens", k, "must be an integer of at least 1")
+        if self.method == "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise _bad(name, value, "must be an integer of at least 1")
+            if self.prompt_lookup_max < self.prompt_lookup_min:
+                raise _bad("prompt_lookup_max", self.prompt_lookup_max,
+                           f"must be at least prompt_lookup_min={self.prompt_lookup_min}")
+            if self.model is not None:
+                raise _bad("model", self.model, "is only for method 'draft_model'")
+        elif self.model is None or not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise _bad("model", self.model, "must be a folder with a config.json for "
+                       "method 'draft_model'")
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any] | SpeculativeConfig | None,
+                  target_hf_config: dict[str, Any] | None = None) -> SpeculativeConfig | None:
+        """vLLM's dict -> config. Unknown keys are refused by name; a draft model whose
+        vocabulary differs from the target's (``target_hf_config``) is refused."""
+        if config is None or isinstance(config, SpeculativeConfig):
+            spec = config
+        else:
+            if not isinstance(config, dict):
+                raise ValueError(f"speculative_config must be a dict, got {config!r}.")
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(config) - known)
+            if unknown:
+                raise ValueError(f"speculative_config has unknown key(s) {unknown}; "
+                                 f"known: {sorted(known)}.")
+            for required in ("method", "num_speculative_tokens"):
+                if required not in config:
+                    raise ValueError(f"speculative_config.{required} is required.")
+            spec = cls(**config)
+        if spec is not None and spec.method == "draft_model" and target_hf_config is not None:
+            spec.check_draft_vocab(target_hf_config)
+        return spec
+
+    def check_draft_vocab(self, target_hf_config: dict[str, Any]) -> None:
+        assert self.model is not None
+        if "vocab_size" not in target_hf_config:
+            return  # a stand-in config (arguments checked without the checkpoint)
+        with open(os.path.join(self.model, "config.json")) as f:
+            draft = json.load(f)
+        if draft.get("vocab_size") != target_hf_config.get("vocab_size"):
+            raise _bad("model", self.model,
+                       f"has vocab_size={draft.get('vocab_size')}; the target model has "
+                       f"{target_hf_config.get('vocab_size')} (they must share a tokenizer)")
+
+    @property
+    def use_ngram(self) -> bool:
+        return self.method == "ngram"
