@@ -16,6 +16,7 @@ from typing import Any
 from raylm.cluster.engine_args import EngineArgs
 from raylm.cluster.llm_engine import LLMEngine
 from raylm.cluster.outputs import RequestOutput
+from raylm.cluster.serving_metrics import spec_decode_stats
 from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -128,6 +129,7 @@ class AsyncLLM:
             "generation_tokens_total": m.get("raylm:generation_tokens", 0),
             "prefix_cache_queries_total": m.get("raylm:prefix_cache_queries", 0),
             "prefix_cache_hits_total": m.get("raylm:prefix_cache_hits", 0),
+            **spec_decode_stats(m),
         }
 
     def shutdown(self) -> None:

@@ -42,6 +42,28 @@ _COUNTERS = {
     "prefix_cache_queries_total": ("raylm:prefix_cache_queries", "Prefix cache tokens queried."),
     "prefix_cache_hits_total": ("raylm:prefix_cache_hits", "Prefix cache tokens hit."),
 }
+# Speculative decoding (only when the engine reports them: speculation is configured).
+_SPEC_COUNTERS = {
+    "spec_decode_num_drafts_total": ("raylm:spec_decode_num_drafts",
+                                     "Steps of a request that verified drafts."),
+    "spec_decode_num_draft_tokens_total": ("raylm:spec_decode_num_draft_tokens",
+                                           "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens_total": ("raylm:spec_decode_num_accepted_tokens",
+                                              "Draft tokens accepted."),
+}
+_SPEC_PER_POS = ("raylm:spec_decode_num_accepted_tokens_per_pos",
+                 "Draft tokens accepted, per draft position.")
+
+
+def spec_decode_stats(metrics: dict[str, Any]) -> dict[str, Any]:
+    """get_metrics() -> the get_stats() keys of speculative decoding (none when off)."""
+    if "raylm:spec_decode_num_drafts" not in metrics:
+        return {}
+    stats: dict[str, Any] = {key: metrics[name] for key, (name, _) in _SPEC_COUNTERS.items()}
+    prefix = _SPEC_PER_POS[0] + '{position="'
+    per_pos = {int(k[len(prefix):-2]): v for k, v in metrics.items() if k.startswith(prefix)}
+    stats["spec_decode_num_accepted_tokens_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return stats
 
 
 class _EngineStatsCollector:
@@ -64,6 +86,15 @@ class _EngineStatsCollector:
         for key, (name, doc) in _COUNTERS.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(stats.get(key, 0)))
+            yield family
+        if "spec_decode_num_drafts_total" in stats:
+            for key, (name, doc) in _SPEC_COUNTERS.items():
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], float(stats[key]))
+                yield family
+            family = CounterMetricFamily(*_SPEC_PER_POS, labels=["model_name", "position"])
+            for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric([self._model_name, str(pos)], float(n))
             yield family
 
 

@@ -39,6 +39,7 @@ from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTra
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
 from raylm.runner.sampler import Sampler, SamplerOutput
 from raylm.runner.sampling_metadata import build_sampling_metadata
+from raylm.runner.spec_decode.speculator import Speculator
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
 
@@ -105,6 +106,9 @@ class ModelRunner:
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
                         if self.use_async_scheduling and ctx.pp_size > 1
                         and not ctx.is_last_pp_rank else None)
+        self.speculator = (Speculator(engine_config.speculative_config, self.input_batch,
+                                      self.vocab_size, self.device)
+                           if engine_config.speculative_config is not None else None)
         self.model: nn.Module | None = None
         self.sampler: Sampler | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -150,11 +154,13 @@ class ModelRunner:
         the sampled ids from the last stage to the others; without it a caller that runs
         the stages itself sets ``prev_sampled_token_ids`` on the earlier stages."""
         so = scheduler_output
-        if so.scheduled_spec_decode_tokens:
-            raise ValueError("scheduled_spec_decode_tokens is not empty: speculative decoding "
-                             "is not supported by this runner.")
+        if so.scheduled_spec_decode_tokens and self.speculator is None:
+            raise ValueError("scheduled_spec_decode_tokens is not empty but this runner has "
+                             "no speculative_config.")
         self._settle_placeholders(block=False)
         self._update_states(so)
+        if self.speculator is not None:
+            so = self.speculator.begin_step(so)  # drafts in, positions from this rank
         ring = self.pp_ring if pp_transport is not None else None
         if ring is not None:
             # After _update_states: a request that left this step drops its tokens.
@@ -172,6 +178,8 @@ class ModelRunner:
                 ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs),
                          self.sampled_req_id_to_index, placeholders)
             return hidden
+        if self.speculator is not None:
+            return self.speculator.verify(batch, hidden, self.model, self.sampler)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
                                      self._settle_placeholders)

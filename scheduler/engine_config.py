@@ -194,6 +194,9 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.hf_config)
+        if spec is not None and self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size="
+                             f"{self.parallel_config.pipeline_parallel_size} (only 1).")
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))

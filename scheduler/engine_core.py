@@ -213,10 +213,13 @@ class EngineCore:
     def get_metrics(self) -> dict[str, Any]:
         s = self.scheduler
         kv = s.kv_cache_manager
-        return metrics_dict(
+        metrics = metrics_dict(
             s.counters, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_running=len(s.running),
             num_waiting=len(s.waiting), kv_cache_usage=kv.usage)
+        if s.num_spec_tokens:
+            metrics.update(s.spec_decode_counters.metrics())
+        return metrics
 
     def shutdown(self) -> None:
         self.batch_queue.clear()

@@ -61,5 +61,5 @@ class SpecDecodingCounters:
             "raylm:spec_decode_num_accepted_tokens": self.num_accepted_tokens,
         }
         for pos, n in enumerate(self.num_accepted_tokens_per_pos):
-            out[f"raylm:spec_decode_num_accepted_tokens_per_pos|position={pos}"] = n
+            out[f'raylm:spec_decode_num_accepted_tokens_per_pos{{position="{pos}"}}'] = n
         return out

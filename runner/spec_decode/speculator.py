@@ -1,0 +1,164 @@
+"""One rank's side of speculative decoding: draft before the forward, verify after it.
+
+The scheduler books ``k`` draft positions per decode as -1 placeholders (both scheduling
+modes). Before preparing inputs, ``begin_step`` fills them: it proposes drafts from the
+request's token history, writes them after its known tokens (scratch: they are not
+history until accepted) and runs only as many draft positions as were proposed (none when
+the lookup finds nothing, so a miss costs no compute). After the forward, ``verify``
+samples every verified position (rejection_sampler.py), keeps the accepted run plus one
+token, and returns the step's output.
+
+Positions: under async scheduling the scheduler books step t+1 as if every draft of step
+t were accepted, so its ``num_computed_tokens`` runs ahead of this rank's by the drafts
+rejected since. The rank keeps its own count (``num_computed``) and places step t+1's
+tokens from it; the KV slots booked for the optimistic case cover the real ones, and the
+scheduler's count catches up (rule 3) when step t's result reaches it.
+
+The drafts need the previous step's tokens on the host, so with speculative decoding a
+step's output is copied to the host before it returns (no -1 history placeholders); the
+scheduler still plans the next step while this one runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from raylm.runner.input_batch import InputBatch
+from raylm.runner.prepare_inputs import StepBatch
+from raylm.runner.rejection_sampler import num_accepted_drafts
+from raylm.runner.sampler import Sampler
+from raylm.runner.sampling_metadata import build_sampling_metadata
+from raylm.runner.spec_decode.ngram_proposer import NgramProposer
+from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.speculative_config import SpeculativeConfig
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, input_batch: InputBatch, vocab_size: int,
+                 device: torch.device) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config.method {config.method!r} has no proposer "
+                             "on this runner.")
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.input_batch = input_batch
+        self.vocab_size = vocab_size
+        self.device = device
+        # This rank's computed-token count per request (may trail the scheduler's).
+        self.num_computed: dict[str, int] = {}
+        self._drafts: dict[str, np.ndarray] = {}  # this step's proposed drafts
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def begin_step(self, so: SchedulerOutput) -> SchedulerOutput:
+        """After the diff is applied: correct positions, propose and place drafts.
+        Returns the SchedulerOutput to prepare (the scheduler's own is left untouched:
+        it settles this step against what it booked)."""
+        ib = self.input_batch
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.num_computed.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.num_computed[new.req_id] = new.num_computed_tokens
+        spec = so.scheduled_spec_decode_tokens
+        num_scheduled = dict(so.num_scheduled_tokens)
+        self._drafts = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            row = ib.req_id_to_index[rid]
+            computed = self.num_computed[rid]
+            booked = int(ib.num_computed_tokens[row])
+            assert computed <= booked, (
+                f"{rid}: rank computed {computed} tokens, the scheduler only {booked}")
+            ib.num_computed_tokens[row] = computed
+            ib.states[row].num_computed_tokens = computed
+            num_booked = len(spec.get(rid, ()))
+            if not num_booked:
+                continue
+            num_tokens = int(ib.num_tokens[row])
+            assert computed + n - num_booked == num_tokens, (
+                f"{rid}: {n - num_booked} known tokens from {computed} do not end at the "
+                f"history's {num_tokens}")
+            drafts = self.proposer.propose(ib.token_ids[row, :num_tokens], num_booked)
+            if drafts.size:
+                ib.token_ids[row, num_tokens:num_tokens + drafts.size] = drafts
+                ib.num_tokens[row] = num_tokens + drafts.size  # scratch, until verified
+                self._drafts[rid] = drafts.copy()
+            num_scheduled[rid] = n - num_booked + drafts.size
+        return replace(so, num_scheduled_tokens=num_scheduled,
+                       total_num_scheduled_tokens=sum(num_scheduled.values()))
+
+    @torch.inference_mode()
+    def verify(self, batch: StepBatch, hidden: torch.Tensor, model: nn.Module,
+               sampler: Sampler) -> ModelRunnerOutput:
+        ib = self.input_batch
+        empty = np.zeros(0, np.int64)
+        num_drafts = np.array([len(self._drafts.get(r, empty)) for r in batch.req_ids], np.int64)
+        sampling = np.flatnonzero(batch.sample_mask)
+        if sampling.size == 0:  # only non-final prefill chunks: nothing to sample
+            return self._bookkeeping(batch, sampling, empty, empty, empty, num_drafts, empty,
+                                     None)
+        nd = num_drafts[sampling]
+        counts = nd + 1  # verified positions per sampling row: its drafts and the bonus
+        total = int(counts.sum())
+        seg_starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        within = np.arange(total) - np.repeat(seg_starts, counts)
+        ends = np.cumsum(batch.num_scheduled)[sampling]
+        flat = np.repeat(ends - counts, counts) + within
+        # Position of each verified token: after the known tokens (seq_len less drafts).
+        base_len = batch.seq_lens[sampling] - nd
+        expanded = replace(batch, rows=np.repeat(batch.rows[sampling], counts),
+                           seq_lens=np.repeat(base_len, counts) + within,
+                           sample_mask=np.ones(total, bool))
+        logits = model.compute_logits(hidden.index_select(0, self._to_device(flat)))
+        md = build_sampling_metadata(ib, expanded, self.vocab_size, self.device,
+                                     lambda: None)  # the history holds no placeholders
+        out = sampler(logits, md)
+        lp = out.logprobs_tensors
+        tensors = [out.sampled_token_ids]
+        if lp is not None:
+            tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
+        host = [t.cpu().numpy() for t in tensors]
+        sampled = host[0][:, 0]
+        drafts = [self._drafts.get(batch.req_ids[i], empty) for i in sampling.tolist()]
+        accepted = num_accepted_drafts(sampled, np.concatenate(drafts) if drafts else empty, nd)
+        return self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
+                                 sampled, host[1:] if lp is not None else None)
+
+    def _bookkeeping(self, batch: StepBatch, sampling: np.ndarray, seg_starts: np.ndarray,
+                     base_len: np.ndarray, accepted: np.ndarray, num_drafts: np.ndarray,
+                     sampled: np.ndarray, logprob_arrays: list[np.ndarray] | None,
+                     ) -> ModelRunnerOutput:
+        ib = self.input_batch
+        ib.prev_sampled_token_ids = None  # inputs come from the host history
+        ib.prev_req_id_to_index = {}
+        sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
+        for k, i in enumerate(sampling.tolist()):
+            row, length, a = int(batch.rows[i]), int(base_len[k]), int(accepted[k])
+            start = int(seg_starts[k])
+            emitted = sampled[start:start + a + 1]
+            ib.token_ids[row, length:length + a + 1] = emitted
+            ib.num_tokens[row] = length + a + 1
+            ib.last_sampled_pos[row] = length + a
+            tokens = emitted.tolist()
+            ib.states[row].output_token_ids.extend(tokens)
+            sampled_token_ids[i] = tokens
+            n = int(ib.num_logprobs[row])
+            if logprob_arrays is not None and n >= 0:
+                ids, values, ranks = (a_[start:start + a + 1] for a_ in logprob_arrays)
+                logprobs[i] = LogprobsLists(ids[:, :n + 1].tolist(), values[:, :n + 1].tolist(),
+                                            ranks.tolist())
+        # This rank's computed count: the step's tokens less the rejected drafts.
+        rejected = np.zeros(len(batch.req_ids), np.int64)
+        rejected[sampling] = num_drafts[sampling] - accepted
+        for i, rid in enumerate(batch.req_ids):
+            self.num_computed[rid] = int(batch.seq_lens[i] - rejected[i])
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids, req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs if logprob_arrays is not None else None,
+            num_draft_tokens=num_drafts.tolist())

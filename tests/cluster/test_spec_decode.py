@@ -1,0 +1,168 @@
+"""Speculative decoding (ngram) through the offline engine: the same tokens as
+transformers and as no speculation, in both scheduling modes, with drafts really accepted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from raylm import LLM, SamplingParams
+
+ASYNC_MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+@pytest.fixture(scope="module")
+def loopy_path(tmp_path_factory) -> str:
+    """A random Llama whose attention output is scaled down 250x: its next token depends
+    mostly on the current one, so greedy text falls into loops that prompt lookup predicts
+    (a plain random model almost never repeats, so nearly every draft would be rejected).
+    Attention still contributes, so misplaced KV still changes the tokens."""
+    from safetensors.torch import load_file, save_file
+
+    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("loopy")), CheckpointSpec(seed=6))
+    weights_file = f"{path}/model.safetensors"
+    weights = load_file(weights_file)
+    for name in weights:
+        if name.endswith("o_proj.weight"):
+            weights[name] = weights[name] * 0.004
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _copy_heavy(vocab: int) -> list[list[int]]:
+    """Prompts that repeat a passage (prompt lookup can win) next to ones that do not."""
+    passages = _prompts(vocab, [12, 20, 7], seed=3)
+    return [passages[0] * 3, passages[1] * 2 + passages[1][:5], passages[2] * 4,
+            *_prompts(vocab, [9, 30], seed=4)]
+
+
+def _ngram(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+
+
+def _no_leak(llm: LLM) -> dict:
+    m = llm.get_metrics()
+    assert m["raylm:num_requests_running"] == 0 and m["raylm:kv_cache_usage_perc"] == 0.0, m
+    return m
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
+@pytest.mark.parametrize("model, k", [("loopy", 1), ("loopy", 3), ("loopy", 5), ("llama", 3)])
+def test_greedy_equals_hf_with_chunks_prefix_hits_and_preemption(
+        loopy_path, llama_path, hf_oracle, model, k, async_scheduling):
+    path = loopy_path if model == "loopy" else llama_path
+    # A 24-token budget chunks the long prompts; 36 blocks of 4 tokens cannot hold every
+    # request at full length, so the scheduler preempts with drafts in flight.
+    llm = LLM(path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=36,
+              max_num_batched_tokens=24, max_num_seqs=8, speculative_config=_ngram(k))
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = _copy_heavy(vocab)
+    prompts += [prompts[0][:20] + p for p in _prompts(vocab, [3, 8], seed=5)]  # prefix hits
+    max_tokens = [24, 30, 16, 28, 20, 12, 26]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                         for m in max_tokens])
+    oracle = hf_oracle(path)
+    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, m), f"prompt of {len(p)} diverged"
+    m = _no_leak(llm)
+    assert m["raylm:num_preemptions"] > 0 and m["raylm:prefix_cache_hits"] > 0, m
+    assert m["raylm:spec_decode_num_accepted_tokens"] > 0, m
+    assert m["raylm:spec_decode_num_draft_tokens"] >= m["raylm:spec_decode_num_accepted_tokens"]
+    per_pos = [m[f'raylm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}']
+               for i in range(k)]
+    assert sum(per_pos) == m["raylm:spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft counts only after its elders
+    llm.shutdown()
+
+
+def _mixed_batch(vocab: int) -> tuple[list[dict], list[SamplingParams]]:
+    prompts = [{"prompt_token_ids": p} for p in _copy_heavy(vocab)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=25, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3,
+                       presence_penalty=0.5, frequency_penalty=0.2, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=18, n=2, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True,
+                       logprobs=1),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_tokens=14, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_sampling_penalties_logprobs_and_n_identical_to_no_speculation(loopy_path):
+    """Seeded sampling, penalties, logprobs and n > 1 give the very tokens of no
+    speculation (drafts are verified against the target's own seeded draw), async on and
+    off, alone or in a batch."""
+    results = {}
+    for spec in (None, _ngram(3)):
+        for async_scheduling in (False, True):
+            llm = LLM(loopy_path, async_scheduling=async_scheduling, speculative_config=spec)
+            prompts, params = _mixed_batch(llm.llm_engine.model_config.vocab_size)
+            outs = llm.generate(prompts, params)
+            results[spec is not None, async_scheduling] = outs
+            if spec is not None:
+                alone = llm.generate(prompts[:1], params[:1])[0]
+                assert alone.outputs[0].token_ids == outs[0].outputs[0].token_ids
+                assert _no_leak(llm)["raylm:spec_decode_num_accepted_tokens"] > 0
+            llm.shutdown()
+    ref = results[False, False]
+    for key, outs in results.items():
+        assert _tokens(outs) == _tokens(ref), key
+        for o, r in zip(outs, ref, strict=True):
+            for c, rc in zip(o.outputs, r.outputs, strict=True):
+                if rc.logprobs is None:
+                    continue
+                assert len(c.logprobs) == len(c.token_ids)
+                for entry, ref_entry in zip(c.logprobs, rc.logprobs, strict=True):
+                    assert entry.keys() == ref_entry.keys()
+                    for t in entry:
+                        assert entry[t].logprob == pytest.approx(ref_entry[t].logprob, abs=1e-4)
+                        assert entry[t].rank == ref_entry[t].rank
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
+def test_stops_inside_an_accepted_run(loopy_path, hf_oracle, async_scheduling):
+    """stop_token_ids, min_tokens, stop strings and max_tokens cut a run of accepted drafts
+    exactly where the engine without speculation stops."""
+    llm = LLM(loopy_path, async_scheduling=async_scheduling, speculative_config=_ngram(5))
+    plain = LLM(loopy_path, async_scheduling=async_scheduling)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompt = {"prompt_token_ids": _copy_heavy(vocab)[2]}
+    ref = hf_oracle(loopy_path).greedy(prompt["prompt_token_ids"], 30)
+    text = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                                                   ignore_eos=True))[0].outputs[0].text
+    g = {"temperature": 0.0}
+    cases = [SamplingParams(**g, max_tokens=m, ignore_eos=True) for m in (1, 2, 4, 7)]
+    for j in (3, 9, 17):
+        cases.append(SamplingParams(**g, max_tokens=30, stop_token_ids=[ref[j]]))
+        cases.append(SamplingParams(**g, max_tokens=30, min_tokens=j + 1,
+                                    stop_token_ids=[ref[j]]))
+    cases += [SamplingParams(**g, max_tokens=30, stop=[text[i:i + 3]], ignore_eos=True)
+              for i in (5, 20) if text[i:i + 3].strip()]
+    for params in cases:
+        got = llm.generate([prompt], params)[0].outputs[0]
+        want = plain.generate([prompt], params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason), params
+        if params.stop_token_ids and not params.min_tokens:
+            first = ref.index(params.stop_token_ids[0])
+            assert got.token_ids == ref[:first + 1] and got.finish_reason == "stop"
+        if params.max_tokens < 30:
+            assert got.token_ids == ref[:params.max_tokens] and got.finish_reason == "length"
+    assert _no_leak(llm)["raylm:spec_decode_num_accepted_tokens"] > 0
+    plain.shutdown()
+    llm.shutdown()
