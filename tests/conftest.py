@@ -45,6 +45,25 @@ def qwen3_path(tmp_path_factory) -> str:
     return _write(tmp_path_factory, "qwen3", spec)
 
 
+@pytest.fixture(scope="session")
+def loopy_llama_path(tmp_path_factory) -> str:
+    """A random Llama whose attention output is scaled down 250x: its next token depends
+    mostly on the current one, so greedy text falls into loops that prompt lookup predicts
+    (speculative decoding tests: a plain random model almost never repeats, so nearly
+    every draft would be rejected). Attention still contributes, so misplaced KV still
+    changes the tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = _write(tmp_path_factory, "loopy_llama", CheckpointSpec(seed=6))
+    weights_file = f"{path}/model.safetensors"
+    weights = load_file(weights_file)
+    for name in weights:
+        if name.endswith("o_proj.weight"):
+            weights[name] = weights[name] * 0.004
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="session", params=["llama", "llama_mha_tied", "qwen2", "qwen3"])
 def any_model_path(request) -> str:
     return request.getfixturevalue(f"{request.param}_path")

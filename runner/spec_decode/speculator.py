@@ -14,6 +14,9 @@ rejected since. The rank keeps its own count (``num_computed``) and places step 
 tokens from it; the KV slots booked for the optimistic case cover the real ones, and the
 scheduler's count catches up (rule 3) when step t's result reaches it.
 
+Drafting is gated per request (draft_gate.py): a request whose drafts keep being rejected
+stops drafting for a while, so speculation switches itself off where it cannot pay.
+
 The drafts need the previous step's tokens on the host, so with speculative decoding a
 step's output is copied to the host before it returns (no -1 history placeholders); the
 scheduler still plans the next step while this one runs.
@@ -32,6 +35,7 @@ from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.rejection_sampler import num_accepted_drafts
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import build_sampling_metadata
+from raylm.runner.spec_decode.draft_gate import DraftGate
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
 from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.speculative_config import SpeculativeConfig
@@ -44,6 +48,7 @@ class Speculator:
             raise ValueError(f"speculative_config.method {config.method!r} has no proposer "
                              "on this runner.")
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.gate = DraftGate()
         self.input_batch = input_batch
         self.vocab_size = vocab_size
         self.device = device
@@ -62,6 +67,7 @@ class Speculator:
         ib = self.input_batch
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.num_computed.pop(rid, None)
+            self.gate.forget(rid)
         for new in so.scheduled_new_reqs:
             self.num_computed[new.req_id] = new.num_computed_tokens
         spec = so.scheduled_spec_decode_tokens
@@ -82,7 +88,10 @@ class Speculator:
             assert computed + n - num_booked == num_tokens, (
                 f"{rid}: {n - num_booked} known tokens from {computed} do not end at the "
                 f"history's {num_tokens}")
-            drafts = self.proposer.propose(ib.token_ids[row, :num_tokens], num_booked)
+            if self.gate.allows(rid):
+                drafts = self.proposer.propose(ib.token_ids[row, :num_tokens], num_booked)
+            else:
+                drafts = ib.token_ids[row, :0]
             if drafts.size:
                 ib.token_ids[row, num_tokens:num_tokens + drafts.size] = drafts
                 ib.num_tokens[row] = num_tokens + drafts.size  # scratch, until verified
@@ -139,6 +148,7 @@ class Speculator:
         logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
         for k, i in enumerate(sampling.tolist()):
             row, length, a = int(batch.rows[i]), int(base_len[k]), int(accepted[k])
+            self.gate.observe(batch.req_ids[i], int(num_drafts[i]), a)
             start = int(seg_starts[k])
             emitted = sampled[start:start + a + 1]
             ib.token_ids[row, length:length + a + 1] = emitted

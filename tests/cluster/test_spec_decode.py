@@ -12,26 +12,6 @@ from raylm import LLM, SamplingParams
 ASYNC_MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
-@pytest.fixture(scope="module")
-def loopy_path(tmp_path_factory) -> str:
-    """A random Llama whose attention output is scaled down 250x: its next token depends
-    mostly on the current one, so greedy text falls into loops that prompt lookup predicts
-    (a plain random model almost never repeats, so nearly every draft would be rejected).
-    Attention still contributes, so misplaced KV still changes the tokens."""
-    from safetensors.torch import load_file, save_file
-
-    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
-
-    path = write_random_checkpoint(str(tmp_path_factory.mktemp("loopy")), CheckpointSpec(seed=6))
-    weights_file = f"{path}/model.safetensors"
-    weights = load_file(weights_file)
-    for name in weights:
-        if name.endswith("o_proj.weight"):
-            weights[name] = weights[name] * 0.004
-    save_file(weights, weights_file, metadata={"format": "pt"})
-    return path
-
-
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -58,8 +38,8 @@ def _no_leak(llm: LLM) -> dict:
 @pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
 @pytest.mark.parametrize("model, k", [("loopy", 1), ("loopy", 3), ("loopy", 5), ("llama", 3)])
 def test_greedy_equals_hf_with_chunks_prefix_hits_and_preemption(
-        loopy_path, llama_path, hf_oracle, model, k, async_scheduling):
-    path = loopy_path if model == "loopy" else llama_path
+        loopy_llama_path, llama_path, hf_oracle, model, k, async_scheduling):
+    path = loopy_llama_path if model == "loopy" else llama_path
     # A 24-token budget chunks the long prompts; 36 blocks of 4 tokens cannot hold every
     # request at full length, so the scheduler preempts with drafts in flight.
     llm = LLM(path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=36,
@@ -103,14 +83,14 @@ def _tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def test_sampling_penalties_logprobs_and_n_identical_to_no_speculation(loopy_path):
+def test_sampling_penalties_logprobs_and_n_identical_to_no_speculation(loopy_llama_path):
     """Seeded sampling, penalties, logprobs and n > 1 give the very tokens of no
     speculation (drafts are verified against the target's own seeded draw), async on and
     off, alone or in a batch."""
     results = {}
     for spec in (None, _ngram(3)):
         for async_scheduling in (False, True):
-            llm = LLM(loopy_path, async_scheduling=async_scheduling, speculative_config=spec)
+            llm = LLM(loopy_llama_path, async_scheduling=async_scheduling, speculative_config=spec)
             prompts, params = _mixed_batch(llm.llm_engine.model_config.vocab_size)
             outs = llm.generate(prompts, params)
             results[spec is not None, async_scheduling] = outs
@@ -135,14 +115,14 @@ def test_sampling_penalties_logprobs_and_n_identical_to_no_speculation(loopy_pat
 
 
 @pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
-def test_stops_inside_an_accepted_run(loopy_path, hf_oracle, async_scheduling):
+def test_stops_inside_an_accepted_run(loopy_llama_path, hf_oracle, async_scheduling):
     """stop_token_ids, min_tokens, stop strings and max_tokens cut a run of accepted drafts
     exactly where the engine without speculation stops."""
-    llm = LLM(loopy_path, async_scheduling=async_scheduling, speculative_config=_ngram(5))
-    plain = LLM(loopy_path, async_scheduling=async_scheduling)
+    llm = LLM(loopy_llama_path, async_scheduling=async_scheduling, speculative_config=_ngram(5))
+    plain = LLM(loopy_llama_path, async_scheduling=async_scheduling)
     vocab = llm.llm_engine.model_config.vocab_size
     prompt = {"prompt_token_ids": _copy_heavy(vocab)[2]}
-    ref = hf_oracle(loopy_path).greedy(prompt["prompt_token_ids"], 30)
+    ref = hf_oracle(loopy_llama_path).greedy(prompt["prompt_token_ids"], 30)
     text = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
                                                    ignore_eos=True))[0].outputs[0].text
     g = {"temperature": 0.0}
