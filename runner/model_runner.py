@@ -106,8 +106,7 @@ class ModelRunner:
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
                         if self.use_async_scheduling and ctx.pp_size > 1
                         and not ctx.is_last_pp_rank else None)
-        self.speculator = (Speculator(engine_config.speculative_config, self.input_batch,
-                                      self.vocab_size, self.device)
+        self.speculator = (Speculator(engine_config, self.input_batch, self.device)
                            if engine_config.speculative_config is not None else None)
         self.model: nn.Module | None = None
         self.sampler: Sampler | None = None
@@ -120,11 +119,14 @@ class ModelRunner:
         self.model = model if model is not None else get_model(self.model_config, self.ctx)
         if self.ctx.is_last_pp_rank:
             self.sampler = Sampler(self.vocab_size, self.device)
+        if self.speculator is not None:
+            self.speculator.load_model(self.ctx)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
-                   for a in self.model.attention_layers)
+        draft = self.speculator.kv_cache_bytes_per_block() if self.speculator else 0
+        return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+                           for a in self.model.attention_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -135,6 +137,8 @@ class ModelRunner:
                                       attn.head_dim, self.dtype, self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.speculator is not None:
+            self.speculator.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
 
     @property

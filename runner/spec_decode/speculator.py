@@ -30,31 +30,48 @@ import numpy as np
 import torch
 from torch import nn
 
+from raylm.parallel.context import ParallelContext
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.rejection_sampler import num_accepted_drafts
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.draft_gate import DraftGate
+from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
 from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.speculative_config import SpeculativeConfig
+from raylm.scheduler.engine_config import EngineConfig
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, input_batch: InputBatch, vocab_size: int,
+    def __init__(self, engine_config: EngineConfig, input_batch: InputBatch,
                  device: torch.device) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} has no proposer "
-                             "on this runner.")
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        config = engine_config.speculative_config
+        assert config is not None
+        self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
+        self.draft_model = (DraftModelProposer(engine_config, input_batch, device)
+                            if config.method == "draft_model" else None)
+        # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
         self.input_batch = input_batch
-        self.vocab_size = vocab_size
+        self.vocab_size = engine_config.model_config.vocab_size
         self.device = device
         # This rank's computed-token count per request (may trail the scheduler's).
         self.num_computed: dict[str, int] = {}
         self._drafts: dict[str, np.ndarray] = {}  # this step's proposed drafts
+
+    # A draft model lives beside the target: loaded, sized and given blocks with it.
+    def load_model(self, ctx: ParallelContext) -> None:
+        if self.draft_model is not None:
+            self.draft_model.load_model(ctx)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.draft_model.kv_cache_bytes_per_block() if self.draft_model else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.draft_model is not None:
+            self.draft_model.initialize_kv_cache(num_blocks)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))
@@ -68,11 +85,14 @@ class Speculator:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.num_computed.pop(rid, None)
             self.gate.forget(rid)
+            if self.draft_model is not None:
+                self.draft_model.forget(rid)
         for new in so.scheduled_new_reqs:
             self.num_computed[new.req_id] = new.num_computed_tokens
         spec = so.scheduled_spec_decode_tokens
         num_scheduled = dict(so.num_scheduled_tokens)
         self._drafts = {}
+        wanted: list[DraftRequest] = []
         for rid, n in so.num_scheduled_tokens.items():
             row = ib.req_id_to_index[rid]
             computed = self.num_computed[rid]
@@ -88,17 +108,28 @@ class Speculator:
             assert computed + n - num_booked == num_tokens, (
                 f"{rid}: {n - num_booked} known tokens from {computed} do not end at the "
                 f"history's {num_tokens}")
+            num_scheduled[rid] = n - num_booked  # plus the drafts proposed below
             if self.gate.allows(rid):
-                drafts = self.proposer.propose(ib.token_ids[row, :num_tokens], num_booked)
-            else:
-                drafts = ib.token_ids[row, :0]
+                wanted.append(DraftRequest(rid, row, num_tokens, num_booked))
+        for r, drafts in self._propose(wanted).items():
             if drafts.size:
-                ib.token_ids[row, num_tokens:num_tokens + drafts.size] = drafts
-                ib.num_tokens[row] = num_tokens + drafts.size  # scratch, until verified
-                self._drafts[rid] = drafts.copy()
-            num_scheduled[rid] = n - num_booked + drafts.size
+                ib.token_ids[r.row, r.num_tokens:r.num_tokens + drafts.size] = drafts
+                ib.num_tokens[r.row] = r.num_tokens + drafts.size  # scratch, until verified
+                self._drafts[r.req_id] = drafts
+                num_scheduled[r.req_id] += drafts.size
         return replace(so, num_scheduled_tokens=num_scheduled,
                        total_num_scheduled_tokens=sum(num_scheduled.values()))
+
+    def _propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
+        if not wanted:
+            return {}
+        if self.ngram is not None:
+            ib = self.input_batch
+            return {r: self.ngram.propose(ib.token_ids[r.row, :r.num_tokens], r.max_drafts).copy()
+                    for r in wanted}
+        assert self.draft_model is not None
+        drafts = self.draft_model.propose(wanted)
+        return {r: drafts[r.req_id] for r in wanted}
 
     @torch.inference_mode()
     def verify(self, batch: StepBatch, hidden: torch.Tensor, model: nn.Module,
@@ -149,6 +180,8 @@ class Speculator:
         for k, i in enumerate(sampling.tolist()):
             row, length, a = int(batch.rows[i]), int(base_len[k]), int(accepted[k])
             self.gate.observe(batch.req_ids[i], int(num_drafts[i]), a)
+            if self.draft_model is not None:
+                self.draft_model.on_verified(batch.req_ids[i], length + a + 1)
             start = int(seg_starts[k])
             emitted = sampled[start:start + a + 1]
             ib.token_ids[row, length:length + a + 1] = emitted

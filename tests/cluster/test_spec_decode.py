@@ -146,3 +146,50 @@ def test_stops_inside_an_accepted_run(loopy_llama_path, hf_oracle, async_schedul
     assert _no_leak(llm)["raylm:spec_decode_num_accepted_tokens"] > 0
     plain.shutdown()
     llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_equal_to_target_accepts_every_draft(llama_path, hf_oracle, k,
+                                                         async_scheduling):
+    llm = LLM(llama_path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=48,
+              max_num_batched_tokens=24, speculative_config={
+                  "method": "draft_model", "model": llama_path, "num_speculative_tokens": k})
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = _prompts(vocab, [5, 17, 33, 9], seed=8)
+    max_tokens = [20, 13, 16, 24]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                         for m in max_tokens])
+    oracle = hf_oracle(llama_path)
+    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, m)
+    m = _no_leak(llm)
+    assert m["raylm:spec_decode_num_draft_tokens"] > 0, m
+    assert m["raylm:spec_decode_num_accepted_tokens"] == m["raylm:spec_decode_num_draft_tokens"]
+    llm.shutdown()
+
+
+def test_random_draft_model_is_rejected_and_output_still_exact(llama_path, tmp_path,
+                                                                 hf_oracle):
+    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    draft = write_random_checkpoint(str(tmp_path / "draft"), CheckpointSpec(
+        seed=9, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    llm = LLM(llama_path, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    prompts = _prompts(512, [5, 17, 33], seed=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    oracle = hf_oracle(llama_path)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, 30)
+    m = _no_leak(llm)
+    assert m["raylm:spec_decode_num_draft_tokens"] > 0, m
+    assert m["raylm:spec_decode_num_accepted_tokens"] <= 0.1 * m[
+        "raylm:spec_decode_num_draft_tokens"], m
+    llm.shutdown()
+    with pytest.raises(ValueError, match="speculative_config.model .*vocab_size"):
+        other = write_random_checkpoint(str(tmp_path / "other"), CheckpointSpec(vocab_size=256))
+        LLM(llama_path, speculative_config={"method": "draft_model", "model": other,
+                                            "num_speculative_tokens": 2})

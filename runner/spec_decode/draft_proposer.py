@@ -1,0 +1,123 @@
+"""Drafts from a smaller model with the target's vocabulary, run on the same rank.
+
+The draft model has a KV cache of its own, with as many blocks as the target's and
+addressed through the target's block table (the scheduler allocates one set of block ids
+for both), so it needs no allocator. Each request's draft KV is valid for its first
+``num_computed[req]`` positions. To propose, the draft model first catches up on the
+tokens it has not seen (the target's accepted tokens since its last proposal, or the whole
+prompt at the first decode), then drafts greedily one token at a time; all requests that
+draft in a step share each forward. Greedy drafts are point masses, which is what the
+verification (rejection_sampler.py) expects. KV written for drafts that the target then
+rejects lies past ``num_computed`` and is overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from raylm.parallel.context import ParallelContext
+from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
+from raylm.runner.input_batch import InputBatch
+from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.scheduler.engine_config import EngineConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    req_id: str
+    row: int  # InputBatch row
+    num_tokens: int  # known tokens; the drafts follow them
+    max_drafts: int
+
+
+class DraftModelProposer:
+    def __init__(self, engine_config: EngineConfig, input_batch: InputBatch,
+                 device: torch.device) -> None:
+        spec = engine_config.speculative_config
+        assert spec is not None and spec.model is not None
+        target = engine_config.model_config
+        self.model_config = ModelConfig(model=spec.model, dtype=target.dtype,
+                                        max_model_len=target.max_model_len, seed=target.seed)
+        self.block_size = engine_config.cache_config.block_size
+        self.input_batch = input_batch
+        self.device = device
+        self.dtype = resolve_dtype(self.model_config.dtype, device)
+        self.model: nn.Module | None = None
+        self.num_computed: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- setup
+    def load_model(self, ctx: ParallelContext) -> None:
+        self.model = get_model(self.model_config, ctx)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+                   for a in self.model.attention_layers)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        for attn in self.model.attention_layers:
+            attn.kv_cache = allocate_kv_cache(num_blocks, self.block_size, attn.num_kv_heads,
+                                              attn.head_dim, self.dtype, self.device)
+
+    # ---------------------------------------------------------------- per step
+    def forget(self, req_id: str) -> None:
+        self.num_computed.pop(req_id, None)
+
+    def on_verified(self, req_id: str, num_tokens: int) -> None:
+        """After verification: draft KV past the accepted tokens is not the request's."""
+        if req_id in self.num_computed:
+            self.num_computed[req_id] = min(self.num_computed[req_id], num_tokens - 1)
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, np.ndarray]:
+        ib = self.input_batch
+        drafts: dict[str, list[int]] = {r.req_id: [] for r in reqs}
+        # Step 0 catches up on the unseen known tokens; step j > 0 feeds draft j - 1.
+        active = [r for r in reqs if r.max_drafts > 0]
+        inputs = []
+        for r in active:
+            start = min(self.num_computed.get(r.req_id, 0), r.num_tokens - 1)
+            inputs.append((r, start, ib.token_ids[r.row, start:r.num_tokens].astype(np.int64)))
+        step = 0
+        while active:
+            tokens = self._forward(inputs)
+            for r, token in zip(active, tokens, strict=True):
+                drafts[r.req_id].append(token)
+            step += 1
+            for r, s, t in inputs:
+                self.num_computed[r.req_id] = s + len(t)
+            active = [r for r in active if len(drafts[r.req_id]) < r.max_drafts]
+            inputs = [(r, r.num_tokens + step - 1, np.array([drafts[r.req_id][-1]], np.int64))
+                      for r in active]
+        return {rid: np.array(d, np.int64) for rid, d in drafts.items()}
+
+    def _forward(self, inputs: list[tuple[DraftRequest, int, np.ndarray]]) -> list[int]:
+        """One draft forward over ``(request, start position, token ids)`` rows; the greedy
+        next token of each row."""
+        ib = self.input_batch
+        q_lens = np.array([len(t) for _, _, t in inputs], np.int64)
+        starts = np.array([s for _, s, _ in inputs], np.int64)
+        rows = np.array([r.row for r, _, _ in inputs], np.int64)
+        cu = np.concatenate(([0], np.cumsum(q_lens)))
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
+        token_rows = np.repeat(rows, q_lens)
+        block_ids = ib.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slots = block_ids * self.block_size + positions % self.block_size
+        seq_lens = starts + q_lens
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        meta = build_attention_metadata(cu, seq_lens, dev(slots),
+                                        dev(ib.block_table[rows, :max_blocks].astype(np.int64)),
+                                        self.block_size)
+        hidden = self.model(dev(np.concatenate([t for _, _, t in inputs])), dev(positions),
+                            meta, None)
+        logits = self.model.compute_logits(hidden.index_select(0, dev(cu[1:] - 1)))
+        return logits.argmax(dim=-1).cpu().tolist()
+
