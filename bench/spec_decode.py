@@ -1,4 +1,5 @@
-"""Speculative decoding: output tok/s and mean acceptance length, speculation off vs ngram.
+"""Speculative decoding: output tok/s and mean acceptance length, speculation off vs ngram
+vs a draft model.
 
     python bench/spec_decode.py [--k 3] [--batches 1,4,32] [--repeats 3]
 
@@ -15,7 +16,10 @@ Workloads (6m-size random-weight Llama checkpoints written locally, greedy, igno
 Each batch size b runs b requests at once (max_num_seqs=b). Engines run in this process
 one after the other, each with a warm-up run; the median of --repeats timed runs is shown.
 accept_len is the mean number of tokens a verifying step emits (1 + accepted drafts).
-The draft-model method is not built yet, so it has no row.
+The draft model is a 1-layer random checkpoint with the target's vocabulary (hidden 64):
+it predicts neither target, so its row shows what drafting costs when it cannot win and
+the draft gate has to switch it off (there is no trained small model to draft with here).
+Every run checks that speculation left the tokens unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ def copy_checkpoint() -> str:
             if name.endswith("o_proj.weight"):
                 weights[name] = weights[name] * 0.004
         save_file(weights, weights_file, metadata={"format": "pt"})
+    return path
+
+
+def draft_checkpoint() -> str:
+    from raylm.runner.checkpoint import SPECS, CheckpointSpec, write_random_checkpoint
+
+    path = os.path.join(CACHE, "llama-draft-1layer")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        write_random_checkpoint(path, CheckpointSpec(
+            vocab_size=SPECS["6m"].vocab_size, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=1, max_position_embeddings=2048, seed=11))
     return path
 
 
@@ -89,19 +104,26 @@ def main() -> None:
     args = ap.parse_args()
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
              "prompt_lookup_max": 3}
+    draft = {"method": "draft_model", "model": draft_checkpoint(),
+             "num_speculative_tokens": args.k}
     workloads = [("copy", copy_checkpoint(), 32, 96, 128), ("miss", checkpoint("6m"), 32, 0, 64)]
     print(f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} | {'ngram tok/s':>11} | "
-          f"{'speedup':>7} | {'accept_len':>10} |")
-    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 12}|")
+          f"{'speedup':>7} | {'accept_len':>10} | {'draft tok/s':>11} | {'speedup':>7} | "
+          f"{'accept_len':>10} |")
+    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 12}|{'-' * 13}|"
+          f"{'-' * 9}|{'-' * 12}|")
     batch1 = None
     for name, path, prompt_len, quote_len, out_len in workloads:
         for batch in [int(b) for b in args.batches.split(",")]:
             shape = (path, batch, prompt_len, quote_len, out_len)
             off, _, want = run(*shape, None, args.repeats)
             on, accept_len, got = run(*shape, ngram, args.repeats)
-            assert got == want, f"{name} batch {batch}: speculation changed the tokens"
+            assert got == want, f"{name} batch {batch}: ngram changed the tokens"
+            dm, dm_len, got = run(*shape, draft, args.repeats)
+            assert got == want, f"{name} batch {batch}: the draft model changed the tokens"
             print(f"| {name:<8} | {batch:>5} | {off:>9.1f} | {on:>11.1f} | {on / off:>6.2f}x "
-                  f"| {accept_len:>10.2f} |", flush=True)
+                  f"| {accept_len:>10.2f} | {dm:>11.1f} | {dm / off:>6.2f}x | {dm_len:>10.2f} |",
+                  flush=True)
             if name == "copy" and batch == 1:
                 batch1 = (off, on, accept_len)
     if batch1 is not None:

@@ -210,3 +210,15 @@ def test_serve_without_arguments_serves_the_demo_model(demo_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_speculative_config_flag_reaches_the_serve_config(llama_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    args = build_parser().parse_args(["serve", llama_path, "--speculative-config",
+                                      json.dumps(spec)])
+    assert cli_engine_kwargs(args) == {"speculative_config": spec}
+    config = build_llm_config(args)
+    assert config.engine_kwargs.to_llm_kwargs()["speculative_config"] == spec
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
