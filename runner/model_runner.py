@@ -18,6 +18,7 @@ ring: the scheduler already knows every input and sends it in ``new_token_ids``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +107,8 @@ class ModelRunner:
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
                         if self.use_async_scheduling and ctx.pp_size > 1
                         and not ctx.is_last_pp_rank else None)
-        self.speculator = (Speculator(engine_config, self.input_batch, self.device)
+        self.speculator = (Speculator(engine_config, self.input_batch, self.device,
+                                      is_last_pp_rank=ctx.is_last_pp_rank)
                            if engine_config.speculative_config is not None else None)
         self.model: nn.Module | None = None
         self.sampler: Sampler | None = None
@@ -151,12 +153,16 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       intermediate_tensors: IntermediateTensors | None = None,
                       pp_transport: SampledTokenTransport | None = None,
+                      recv_intermediate: Callable[[SchedulerOutput], IntermediateTensors]
+                      | None = None,
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors:
         """Run one step. The last PP stage returns the step's output (an
         AsyncModelRunnerOutput under async scheduling); other stages return the
         IntermediateTensors to send to the next stage. ``pp_transport`` (async PP) carries
         the sampled ids from the last stage to the others; without it a caller that runs
-        the stages itself sets ``prev_sampled_token_ids`` on the earlier stages."""
+        the stages itself sets ``prev_sampled_token_ids`` on the earlier stages.
+        ``recv_intermediate`` (speculative decoding, not the first stage) receives the
+        hidden states once the drafts have fixed the step's size."""
         so = scheduler_output
         if so.scheduled_spec_decode_tokens and self.speculator is None:
             raise ValueError("scheduled_spec_decode_tokens is not empty but this runner has "
@@ -173,10 +179,14 @@ class ModelRunner:
             if ring is not None:
                 ring.put(None)  # the ring advances on empty steps too
             return ModelRunnerOutput.empty()
+        if recv_intermediate is not None:
+            intermediate_tensors = recv_intermediate(so)
         batch = self.input_preparer.prepare(so, self._settle_placeholders)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             intermediate_tensors)
         if not self.ctx.is_last_pp_rank:
+            if self.speculator is not None:
+                self.speculator.end_step_non_last(batch)
             placeholders = self._bookkeeping_non_last(batch)
             if ring is not None:
                 ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs),
@@ -254,8 +264,10 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids[i])
                 ib.append_block_ids(state.row, cached.new_block_ids[i])
             if cached.new_token_ids and cached.new_token_ids[i]:
-                # The scheduler's ids for this step's inputs that are outputs (sync PP).
-                start = max(state.num_computed_tokens, state.num_prompt_tokens)
+                # The scheduler's ids for this step's inputs that are outputs (sync PP),
+                # from k tokens earlier with speculative decoding (the accepted drafts).
+                start = max(state.num_computed_tokens - self.engine_config.num_spec_tokens,
+                            state.num_prompt_tokens)
                 ib.receive_tokens(state.row, start, cached.new_token_ids[i])
 
     def _bookkeeping(self, batch: StepBatch, out: SamplerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:

@@ -133,11 +133,15 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """Run one step; only the driver rank (TP rank 0 of the last stage) returns output."""
-        intermediate = None
+        intermediate = recv = None
         if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
-            intermediate = self._transport().recv_intermediate(scheduler_output)
+            if self.model_runner.speculator is None:
+                intermediate = self._transport().recv_intermediate(scheduler_output)
+            else:  # the step's size is known once the runner has placed its drafts
+                recv = self._transport().recv_intermediate
         out = self.model_runner.execute_model(scheduler_output, intermediate,
-                                              pp_transport=self.pp_transport)
+                                              pp_transport=self.pp_transport,
+                                              recv_intermediate=recv)
         if isinstance(out, IntermediateTensors):
             self._transport().send_intermediate(out)
             return None

@@ -194,9 +194,11 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.hf_config)
-        if spec is not None and self.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config is not supported with pipeline_parallel_size="
-                             f"{self.parallel_config.pipeline_parallel_size} (only 1).")
+        if (spec is not None and spec.method == "draft_model"
+                and self.parallel_config.pipeline_parallel_size > 1):
+            raise ValueError("speculative_config.method 'draft_model' is not supported with "
+                             f"pipeline_parallel_size={self.parallel_config.pipeline_parallel_size}"
+                             " (use 'ngram').")
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
@@ -218,9 +220,12 @@ class EngineConfig:
             self.scheduler_config, async_scheduling=why is None))
 
     def async_scheduling_incompatibility(self) -> str | None:
-        """The option that rules out async scheduling, or None. None today: both executor
-        backends execute non-blocking and every option overlaps; an engine argument that
-        cannot overlap names itself here."""
+        """The option that rules out async scheduling, or None. Both executor backends
+        execute non-blocking; an engine argument that cannot overlap names itself here."""
+        pp = self.parallel_config.pipeline_parallel_size
+        if self.speculative_config is not None and pp > 1:
+            # The PP ring carries one sampled token per request, not an accepted run.
+            return f"speculative_config and pipeline_parallel_size={pp}"
         return None
 
     @property

@@ -271,7 +271,9 @@ class Scheduler(UpdateFromOutputMixin):
         """Output ids among this step's inputs, for ranks that did not sample them."""
         if not self.send_sampled_token_ids:
             return []
-        start = max(request.num_computed_tokens, request.num_prompt_tokens)
+        # From k tokens earlier: the last step's accepted drafts were never inputs there.
+        start = max(request.num_computed_tokens - self.num_spec_tokens,
+                    request.num_prompt_tokens)
         return request.all_token_ids[start:request.num_computed_tokens + num_new]
 
     def _new_request_data(self, request: Request) -> NewRequestData:

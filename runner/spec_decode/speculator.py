@@ -45,7 +45,7 @@ from raylm.scheduler.engine_config import EngineConfig
 
 class Speculator:
     def __init__(self, engine_config: EngineConfig, input_batch: InputBatch,
-                 device: torch.device) -> None:
+                 device: torch.device, is_last_pp_rank: bool = True) -> None:
         config = engine_config.speculative_config
         assert config is not None
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -60,6 +60,12 @@ class Speculator:
         # This rank's computed-token count per request (may trail the scheduler's).
         self.num_computed: dict[str, int] = {}
         self._drafts: dict[str, np.ndarray] = {}  # this step's proposed drafts
+        # Sync PP, a stage that does not sample: it drafts from the same history as the
+        # last stage (the scheduler sends it the accepted tokens), so both propose the
+        # same drafts and run the same query lengths; it learns a request's acceptance
+        # when the request's next tokens arrive: (history length, drafts) per request.
+        self.is_last_pp_rank = is_last_pp_rank
+        self._unverified: dict[str, tuple[int, int]] = {}
 
     # A draft model lives beside the target: loaded, sized and given blocks with it.
     def load_model(self, ctx: ParallelContext) -> None:
@@ -85,6 +91,7 @@ class Speculator:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.num_computed.pop(rid, None)
             self.gate.forget(rid)
+            self._unverified.pop(rid, None)
             if self.draft_model is not None:
                 self.draft_model.forget(rid)
         for new in so.scheduled_new_reqs:
@@ -95,8 +102,11 @@ class Speculator:
         wanted: list[DraftRequest] = []
         for rid, n in so.num_scheduled_tokens.items():
             row = ib.req_id_to_index[rid]
-            computed = self.num_computed[rid]
             booked = int(ib.num_computed_tokens[row])
+            if not self.is_last_pp_rank:
+                self.num_computed[rid] = booked  # sync PP: the scheduler's count is exact
+                self._observe_unverified(rid, int(ib.num_tokens[row]))
+            computed = self.num_computed[rid]
             assert computed <= booked, (
                 f"{rid}: rank computed {computed} tokens, the scheduler only {booked}")
             ib.num_computed_tokens[row] = computed
@@ -119,6 +129,23 @@ class Speculator:
                 num_scheduled[r.req_id] += drafts.size
         return replace(so, num_scheduled_tokens=num_scheduled,
                        total_num_scheduled_tokens=sum(num_scheduled.values()))
+
+    def end_step_non_last(self, batch: StepBatch) -> None:
+        """A stage that does not sample: drop this step's drafts from the history."""
+        ib = self.input_batch
+        for i, rid in enumerate(batch.req_ids):
+            drafts = self._drafts.get(rid)
+            if drafts is not None:
+                row = int(batch.rows[i])
+                ib.num_tokens[row] -= drafts.size
+                self._unverified[rid] = (int(ib.num_tokens[row]), int(drafts.size))
+
+    def _observe_unverified(self, rid: str, num_tokens: int) -> None:
+        """The gate update the last stage made at verification, once the tokens are in."""
+        entry = self._unverified.pop(rid, None)
+        if entry is not None:
+            before, num_drafts = entry
+            self.gate.observe(rid, num_drafts, num_tokens - before - 1)
 
     def _propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
         if not wanted:

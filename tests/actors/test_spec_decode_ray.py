@@ -60,3 +60,28 @@ def test_tp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle, async_scheduli
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         assert tokens[f"r{i}"] == oracle.greedy(p, m), f"request {i} diverged from HF"
     assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+
+
+def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
+    """Sync PP (the default with speculation): both stages draft from the same history,
+    the scheduler sends the first stage the accepted tokens; chunking and preemption on."""
+    from raylm import LLM, SamplingParams
+
+    llm = LLM(loopy_llama_path, pipeline_parallel_size=2, block_size=4, num_kv_blocks=40,
+              max_num_batched_tokens=24, max_num_seqs=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 12, 30, 41, 9)]
+        max_tokens = [40, 33, 24, 30, 36]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in max_tokens], use_tqdm=False)
+        oracle = hf_oracle(loopy_llama_path)
+        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(p, m)
+        metrics = llm.get_metrics()
+        assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()

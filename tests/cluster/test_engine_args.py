@@ -179,3 +179,18 @@ def test_speculative_config_reaches_the_engine_config(llama_path):
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineArgs(model=llama_path, speculative_config={
             "method": "medusa", "num_speculative_tokens": 3}).create_engine_config()
+
+
+def test_speculation_with_pp_resolves_async_off(llama_path):
+    """The PP ring carries one token per request: with speculation PP runs sync."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    config = EngineArgs(model=llama_path, pipeline_parallel_size=2,
+                        speculative_config=spec).create_engine_config()
+    assert config.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling=True .*speculative_config"):
+        EngineArgs(model=llama_path, pipeline_parallel_size=2, async_scheduling=True,
+                   speculative_config=spec).create_engine_config()
+    with pytest.raises(ValueError, match="speculative_config.method 'draft_model'"):
+        EngineArgs(model=llama_path, pipeline_parallel_size=2, speculative_config={
+            "method": "draft_model", "model": llama_path,
+            "num_speculative_tokens": 2}).create_engine_config()
