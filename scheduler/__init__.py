@@ -26,6 +26,7 @@ from raylm.scheduler.kv_cache_manager import KVCacheManager
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.scheduler import Scheduler
+from raylm.scheduler.speculative_config import SpeculativeConfig
 
 __all__ = [
     "AsyncScheduler",
@@ -53,4 +54,5 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SpeculativeConfig",
 ]

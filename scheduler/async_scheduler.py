@@ -3,7 +3,8 @@
 The scheduler plans step t+1 while step t is in flight, so it cannot wait for t's token
 to know a request's length. After scheduling, each request that will sample gets
 ``1 + len(drafts)`` output placeholders (§3 rule 1), settled by ``update_from_output`` when
-the step returns; the drafts themselves become ``-1`` placeholders the worker fills in.
+the step returns (the drafts themselves are ``-1`` placeholders the worker fills in, booked
+by the base class in both modes).
 Everything else (the §3 rule 2 skip, stale outputs, deferred frees) lives in the base class.
 """
 
