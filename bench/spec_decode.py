@@ -13,7 +13,10 @@ Workloads (6m-size random-weight Llama checkpoints written locally, greedy, igno
 - miss: the plain random checkpoint (text that almost never repeats): drafts miss, and
   the per-request draft gate turns speculation off for the requests it cannot help.
   32-token prompts, 64 output tokens.
-Each batch size b runs b requests at once (max_num_seqs=b). Engines run in this process
+Each batch size b runs b requests at once (max_num_seqs=b). Both methods run with
+disable_by_batch_size=8 (--disable-by-batch-size): a step of more requests drafts nothing,
+because on this CPU a request's 1 + k verified positions take the attention path of a
+prefill chunk (one attention call per request) instead of the batched decode path. Engines run in this process
 one after the other, each with a warm-up run; the median of --repeats timed runs is shown.
 accept_len is the mean number of tokens a verifying step emits (1 + accepted drafts).
 The draft model is a 1-layer random checkpoint with the target's vocabulary (hidden 64):
@@ -101,11 +104,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--batches", default="1,4,32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--disable-by-batch-size", type=int, default=8,
+                    help="speculative_config.disable_by_batch_size (0: never)")
     args = ap.parse_args()
+    args.disable_by_batch_size = args.disable_by_batch_size or None
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 3}
+             "prompt_lookup_max": 3, "disable_by_batch_size": args.disable_by_batch_size}
     draft = {"method": "draft_model", "model": draft_checkpoint(),
-             "num_speculative_tokens": args.k}
+             "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size}
     workloads = [("copy", copy_checkpoint(), 32, 96, 128), ("miss", checkpoint("6m"), 32, 0, 64)]
     print(f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} | {'ngram tok/s':>11} | "
           f"{'speedup':>7} | {'accept_len':>10} | {'draft tok/s':>11} | {'speedup':>7} | "

@@ -30,6 +30,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     model: str | None = None  # draft_model: the draft checkpoint's folder
+    # vLLM's name: no drafts in a step that runs more than this many requests (verifying
+    # 1 + k positions per request costs more than it saves once the batch is large).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -37,6 +40,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise _bad("num_speculative_tokens", k, "must be an integer of at least 1")
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise _bad("disable_by_batch_size", b, "must be an integer of at least 1")
         if self.method == "ngram":
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)

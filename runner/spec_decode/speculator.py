@@ -15,7 +15,8 @@ tokens from it; the KV slots booked for the optimistic case cover the real ones,
 scheduler's count catches up (rule 3) when step t's result reaches it.
 
 Drafting is gated per request (draft_gate.py): a request whose drafts keep being rejected
-stops drafting for a while, so speculation switches itself off where it cannot pay.
+stops drafting for a while, so speculation switches itself off where it cannot pay; and
+with ``disable_by_batch_size`` a step that runs more requests than that drafts nothing.
 
 The drafts need the previous step's tokens on the host, so with speculative decoding a
 step's output is copied to the host before it returns (no -1 history placeholders); the
@@ -54,6 +55,7 @@ class Speculator:
                             if config.method == "draft_model" else None)
         # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
+        self.disable_by_batch_size = config.disable_by_batch_size
         self.input_batch = input_batch
         self.vocab_size = engine_config.model_config.vocab_size
         self.device = device
@@ -121,6 +123,8 @@ class Speculator:
             num_scheduled[rid] = n - num_booked  # plus the drafts proposed below
             if self.gate.allows(rid):
                 wanted.append(DraftRequest(rid, row, num_tokens, num_booked))
+        if self.disable_by_batch_size and len(num_scheduled) > self.disable_by_batch_size:
+            wanted = []  # a large batch: verifying drafts costs more than it saves
         for r, drafts in self._propose(wanted).items():
             if drafts.size:
                 ib.token_ids[r.row, r.num_tokens:r.num_tokens + drafts.size] = drafts

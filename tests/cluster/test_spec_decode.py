@@ -193,3 +193,20 @@ def test_random_draft_model_is_rejected_and_output_still_exact(llama_path, tmp_p
         other = write_random_checkpoint(str(tmp_path / "other"), CheckpointSpec(vocab_size=256))
         LLM(llama_path, speculative_config={"method": "draft_model", "model": other,
                                             "num_speculative_tokens": 2})
+
+
+def test_disable_by_batch_size_turns_drafting_off_for_large_batches(loopy_llama_path,
+                                                                     hf_oracle):
+    llm = LLM(loopy_llama_path, speculative_config={**_ngram(3), "disable_by_batch_size": 1})
+    prompts = _prompts(512, [7, 7], seed=21)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    assert _no_leak(llm)["raylm:spec_decode_num_drafts"] == 0  # two requests every step
+    alone = llm.generate([{"prompt_token_ids": prompts[0]}],
+                         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    assert _no_leak(llm)["raylm:spec_decode_num_accepted_tokens"] > 0  # one: it drafts
+    oracle = hf_oracle(loopy_llama_path)
+    assert alone.outputs[0].token_ids == outs[0].outputs[0].token_ids == oracle.greedy(
+        prompts[0], 30)
+    assert outs[1].outputs[0].token_ids == oracle.greedy(prompts[1], 30)
+    llm.shutdown()

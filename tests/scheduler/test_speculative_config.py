@@ -28,6 +28,8 @@ def test_ngram_defaults_and_values():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
 ])
 def test_invalid_configs_name_the_field(config, field):
     with pytest.raises(ValueError, match=field):
