@@ -12,7 +12,7 @@ Positions: under async scheduling the scheduler books step t+1 as if every draft
 t were accepted, so its ``num_computed_tokens`` runs ahead of this rank's by the drafts
 rejected since. The rank keeps its own count (``num_computed``) and places step t+1's
 tokens from it; the KV slots booked for the optimistic case cover the real ones, and the
-scheduler's count catches up (rule 3) when step t's result reaches it.
+scheduler's count catches up (§3 rule 3) when step t's result reaches it.
 
 Drafting is gated per request (draft_gate.py): a request whose drafts keep being rejected
 stops drafting for a while, so speculation switches itself off where it cannot pay; and

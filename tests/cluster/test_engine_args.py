@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import typing
 
@@ -28,6 +29,7 @@ NON_DEFAULTS = {
     "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "data_parallel_size": 2,
     "distributed_executor_backend": "ray", "placement_group_strategy": "SPREAD",
     "dp_sync_interval": 4, "max_queued_requests": 5,
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
 }
 
 
@@ -93,7 +95,7 @@ def _flag(name: str, value: object) -> list[str]:
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return [flag if value else "--no-" + flag[2:]]
-    return [flag, str(value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "batch"])
