@@ -21,6 +21,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from raylm.runner.gguf_checkpoint import find_gguf_file, read_gguf_config
 from raylm.scheduler.engine_config import (
     SUPPORTED_ARCHITECTURES,
     CacheConfig,
@@ -42,7 +43,8 @@ def _arg(default: Any, help: str, *aliases: str) -> Any:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = dataclasses.field(metadata={"help": "Hugging Face checkpoint folder"})
+    model: str = dataclasses.field(metadata={"help": "Hugging Face checkpoint folder or GGUF "
+                                                     "file"})
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
     served_model_name: str | None = _arg(None, "the name clients send as `model`")
     dtype: DType = _arg("auto", "weights and activations (auto: the checkpoint's; float32 "
@@ -100,8 +102,12 @@ class EngineArgs:
         )
 
     def create_model_config(self, hf_config: dict[str, Any] | None = None) -> ModelConfig:
+        # A GGUF checkpoint carries its config in the file's metadata.
+        gguf_path = None if hf_config else find_gguf_file(self.model)
+        if gguf_path is not None:
+            hf_config = read_gguf_config(gguf_path)
         return ModelConfig(
-            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+            model=gguf_path or self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len or 0, seed=self.seed,
             served_model_name=self.served_model_name, hf_config=hf_config or {},
         )

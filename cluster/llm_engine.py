@@ -60,8 +60,14 @@ def ray_actor_threads() -> int | None:
 
 
 def load_tokenizer(name: str) -> Any:
+    """A Hugging Face folder's (or hub name's) tokenizer, or the one in a GGUF file."""
     from transformers import AutoTokenizer
 
+    from raylm.runner.gguf_checkpoint import find_gguf_file, load_gguf_tokenizer
+
+    gguf_path = find_gguf_file(name)
+    if gguf_path is not None:
+        return load_gguf_tokenizer(gguf_path)
     return AutoTokenizer.from_pretrained(name)
 
 

@@ -1,16 +1,17 @@
-"""Build a model for one rank and fill it from the Hugging Face folder's safetensors."""
+"""Build a model for one rank and fill it from a Hugging Face folder's safetensors or a GGUF file."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
+from raylm.runner.gguf_checkpoint import find_gguf_file, iterate_gguf_weights
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.registry import get_model_class
 from raylm.scheduler import envs
@@ -72,13 +73,16 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str, wanted: Callable[[str], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor ``wanted`` accepts; the others are never read."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if wanted is None or wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext) -> nn.Module:
@@ -88,5 +92,10 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext) -> nn.Module:
     model_cls = get_model_class(model_config.hf_config.get("architectures") or [])
     max_position = max(cfg.max_position_embeddings, model_config.max_model_len)
     model = model_cls(cfg, ctx, dtype, max_position)
-    model.load_weights(iterate_weights(model_config.model))
+    gguf_path = find_gguf_file(model_config.model)
+    if gguf_path is not None:
+        model.load_weights(iterate_gguf_weights(gguf_path, model_config.hf_config,
+                                                wanted=model.needs_weight))
+    else:
+        model.load_weights(iterate_weights(model_config.model, wanted=model.needs_weight))
     return model.eval()

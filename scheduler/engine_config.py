@@ -65,7 +65,8 @@ class ModelConfig:
         if not self.hf_config:
             path = os.path.join(self.model, "config.json")
             if not os.path.isfile(path):
-                raise ValueError(f"model {self.model!r} is not a folder with a config.json.")
+                raise ValueError(f"model {self.model!r} is not a folder with a config.json "
+                                 "(nor a GGUF file).")
             with open(path) as f:
                 object.__setattr__(self, "hf_config", json.load(f))
         supported_architecture(self.hf_config.get("architectures") or [], self.model)

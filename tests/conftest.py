@@ -77,7 +77,11 @@ class HFOracle:
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        kwargs = {}
+        if path.endswith(".gguf"):  # transformers dequantizes GGUF files itself
+            path, kwargs["gguf_file"] = os.path.split(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          **kwargs).eval()
         self.eos = self.model.generation_config.eos_token_id
 
     def greedy(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:

@@ -219,6 +219,21 @@ class LlamaForCausalLM(nn.Module):
         """Full-vocab float32 logits on every TP rank of the last stage."""
         return self.lm_head.compute_logits(hidden_states).float()
 
+    def needs_weight(self, name: str) -> bool:
+        """Whether this rank loads the checkpoint tensor ``name`` (its stage's layers, the
+        embedding on the first stage, norm and head on the last), so loaders that read lazily
+        skip the rest without reading them. ``load_weights`` applies the same rules."""
+        ctx, tied = self.ctx, self.config.tie_word_embeddings
+        if name.startswith("model.layers."):
+            return self.model.start_layer <= int(name.split(".")[2]) < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return ctx.is_first_pp_rank or (tied and ctx.is_last_pp_rank)
+        if name.startswith("lm_head."):
+            return ctx.is_last_pp_rank and not tied
+        if name.startswith("model.norm."):
+            return ctx.is_last_pp_rank
+        return "rotary_emb.inv_freq" not in name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises ValueError on unknown names or unloaded parameters."""
         params = dict(self.named_parameters())
