@@ -17,16 +17,29 @@ from raylm.scheduler import envs
 logger = logging.getLogger("raylm.cli")
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
-    """(checkpoint folder, served model name); the demo model when no model is given."""
-    from raylm.cluster.demo import DEMO_MODEL_ID, ensure_demo_model
+    """(checkpoint, served model name): a Hugging Face folder or GGUF file, the random demo
+    model for ``demo-random``, or the default model (fetched once) when none is given."""
+    from raylm.cluster.demo import DEMO_MODEL_ID, DEMO_MODEL_NAMES, ensure_demo_model
+    from raylm.runner.default_model import (
+        DEFAULT_MODEL_ID,
+        ModelFetchError,
+        resolve_default_model,
+    )
+    from raylm.runner.gguf_checkpoint import find_gguf_file
 
-    if args.model:
+    if args.model in DEMO_MODEL_NAMES:
+        return ensure_demo_model(), args.served_model_name or DEMO_MODEL_ID
+    if args.model and args.model != DEFAULT_MODEL_ID:
         path = os.path.abspath(args.model)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise SystemExit(f"raylm: model {args.model!r} is not a folder with a config.json.")
+        if not os.path.isfile(os.path.join(path, "config.json")) and not find_gguf_file(path):
+            raise SystemExit(f"raylm: model {args.model!r} is not a folder with a config.json "
+                             "nor a GGUF file.")
         return path, args.served_model_name or args.model
-    path = ensure_demo_model()
-    return path, args.served_model_name or DEMO_MODEL_ID
+    try:
+        path = resolve_default_model()
+    except ModelFetchError as e:
+        raise SystemExit(f"raylm: {e}") from e
+    return path, args.served_model_name or DEFAULT_MODEL_ID
 
 
 # ---- subcommands ---------------------------------------------------------------------------
@@ -80,18 +93,18 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def build_llm_config(args: argparse.Namespace) -> Any:
+    from raylm.cluster.demo import DEMO_MODEL_ID, DEMO_MODEL_NAMES
     from raylm.cluster.serve_config import LLMConfig
+    from raylm.runner.default_model import DEFAULT_MODEL_ID
 
-    joined = envs.ray_address() is not None
-    if args.model:
-        path, name = resolve_model(args)
-        source: str | None = path
+    source: str | None
+    if envs.ray_address() is not None and (args.model is None or args.model in DEMO_MODEL_NAMES):
+        # Joining a cluster: each replica's node fetches (or writes) the model itself.
+        demo = args.model is not None
+        source = "demo" if demo else None
+        name = args.served_model_name or (DEMO_MODEL_ID if demo else DEFAULT_MODEL_ID)
     else:
-        # Joining a cluster, each node writes its own demo model; locally, write it now.
-        from raylm.cluster.demo import DEMO_MODEL_ID
-
-        source = None if joined else resolve_model(args)[0]
-        name = args.served_model_name or DEMO_MODEL_ID
+        source, name = resolve_model(args)  # locally: fetch it now, with the progress line
     deployment: dict[str, Any] = {}
     if args.max_ongoing_requests is not None:
         deployment["max_ongoing_requests"] = args.max_ongoing_requests
@@ -142,6 +155,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------
 
+_MODEL_HELP = ("Hugging Face folder or GGUF file; `demo-random` for the random-weight demo "
+               "model (default: SmolLM2-135M-Instruct, fetched once into RAYLM_CACHE_DIR)")
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="raylm: LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate offline for one prompt and print the text")
     p.add_argument("prompt")
-    p.add_argument("--model", help="checkpoint folder (default: the demo model)")
+    p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -165,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: demo)")
+    p.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
@@ -181,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("batch", help="run an OpenAI Batch jsonl file offline")
     p.add_argument("--input", "-i", required=True)
     p.add_argument("--output", "-o", required=True)
-    p.add_argument("--model", help="checkpoint folder (default: the demo model)")
+    p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument("--max-concurrency", type=int, default=256)
     p.add_argument("--no-progress", action="store_true")
     add_cli_args(p)

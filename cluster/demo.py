@@ -8,6 +8,8 @@ from raylm.runner.checkpoint import SPECS, write_random_checkpoint
 from raylm.scheduler import envs
 
 DEMO_MODEL_ID = "raylm-demo"
+# The names that select the demo model where a model is expected (CLI, Serve config).
+DEMO_MODEL_NAMES = ("demo-random", "demo")
 
 
 def ensure_demo_model(path: str | None = None, size: str = "6m") -> str:

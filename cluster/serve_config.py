@@ -52,7 +52,6 @@ __all__ = [
     "load_app_config",
 ]
 
-DEMO_MODEL_SOURCE = "demo"
 BUILD_OPENAI_APP = "raylm.cluster:build_openai_app"
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,23 +65,35 @@ class ModelLoadingConfig(BaseModel):
     model_config = _STRICT
 
     model_id: str = Field(min_length=1, description="The name clients send as `model`.")
-    # A local Hugging Face folder (config.json + safetensors + tokenizer) on every node;
-    # None or "demo": the small random-weight demo model raylm writes itself.
+    # A local Hugging Face folder (config.json + safetensors + tokenizer) or GGUF file on
+    # every node; "demo" / "demo-random": the small random-weight demo model raylm writes
+    # itself; None: the default model (SmolLM2-135M-Instruct), fetched by each node.
     model_source: str | None = Field(default=None, min_length=1)
 
     @property
     def is_demo(self) -> bool:
-        return self.model_source in (None, DEMO_MODEL_SOURCE)
+        from raylm.cluster.demo import DEMO_MODEL_NAMES
+
+        return self.model_source in DEMO_MODEL_NAMES
+
+    @property
+    def is_default(self) -> bool:
+        return self.model_source is None
 
     def resolve_model_source(self) -> str:
-        """The checkpoint folder to load; writes the demo model on first use."""
-        if not self.is_demo:
-            assert self.model_source is not None
-            return self.model_source
-        # Imported here: the demo writer pulls in the checkpoint code, config loading must not.
-        from raylm.cluster.demo import ensure_demo_model
+        """The checkpoint to load on this node; fetches the default model or writes the demo
+        model on first use."""
+        # Imported here: these pull in the checkpoint code, config loading must not.
+        if self.is_default:
+            from raylm.runner.default_model import resolve_default_model
 
-        return ensure_demo_model()
+            return resolve_default_model()
+        if self.is_demo:
+            from raylm.cluster.demo import ensure_demo_model
+
+            return ensure_demo_model()
+        assert self.model_source is not None
+        return self.model_source
 
 
 # Engine arguments that an LLMConfig holds in a section of its own, as Ray Serve LLM's
@@ -309,7 +320,8 @@ class LLMConfig(BaseModel):
         return self.placement_group_config or self.default_placement_group()
 
     def engine_args(self) -> EngineArgs:
-        """What a replica builds its engine from (writes the demo model on first use)."""
+        """What a replica builds its engine from (on its own node: fetches the default model
+        or writes the demo model on first use)."""
         return EngineArgs(
             model=self.model_loading_config.resolve_model_source(),
             served_model_name=self.model_id,

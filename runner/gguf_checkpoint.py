@@ -157,3 +157,20 @@ def load_gguf_tokenizer(path: str) -> Any:
 
     return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                          gguf_file=os.path.basename(path))
+
+
+def convert_gguf_to_hf(path: str, out_dir: str) -> str:
+    """Write ``path`` as a float32 Hugging Face folder (config.json, model.safetensors,
+    tokenizer files with the chat template) that loads without dequantizing."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = read_gguf_config(path)
+    os.makedirs(out_dir, exist_ok=True)
+    load_gguf_tokenizer(path).save_pretrained(out_dir)
+    save_file(dict(iterate_gguf_weights(path, config)),
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:  # last: marks it complete
+        json.dump(config, f, indent=2)
+    return out_dir

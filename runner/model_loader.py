@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
+from raylm.runner.default_model import ensure_local_model
 from raylm.runner.gguf_checkpoint import find_gguf_file, iterate_gguf_weights
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.registry import get_model_class
@@ -87,6 +88,7 @@ def iterate_weights(model_dir: str, wanted: Callable[[str], bool] | None = None
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext) -> nn.Module:
     """The model for ``ctx``'s stage and TP shard, weights loaded, in eval mode."""
+    ensure_local_model(model_config.model)  # a rank on a node that has not fetched it yet
     cfg = DecoderConfig.from_hf(model_config.hf_config)
     dtype = resolve_dtype(model_config.dtype, ctx.device, model_config.hf_config)
     model_cls = get_model_class(model_config.hf_config.get("architectures") or [])

@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 
 
+def cache_dir() -> str:
+    """raylm's cache folder (the default model is fetched into it): RAYLM_CACHE_DIR, else
+    raylm/ under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                   ".cache")
+    return os.environ.get("RAYLM_CACHE_DIR") or os.path.join(user_cache, "raylm")
+
+
 def demo_model_dir() -> str:
     """Where the demo model lives (created on first use)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "raylm", "demo-model")

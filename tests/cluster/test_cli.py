@@ -86,8 +86,9 @@ def test_generate_matches_the_offline_llm(llama_path, demo_dir, greedy_hello):
                 "--ignore-eos")
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == greedy_hello
-    r = run_cli("generate", "hi", "--max-tokens", "3", env={"RAYLM_DEMO_MODEL_DIR": demo_dir})
-    assert r.returncode == 0, r.stderr  # no --model: the demo model
+    r = run_cli("generate", "hi", "--model", "demo-random", "--max-tokens", "3",
+                env={"RAYLM_DEMO_MODEL_DIR": demo_dir})
+    assert r.returncode == 0, r.stderr
 
 
 def _batch_rows(model: str) -> str:
@@ -181,9 +182,9 @@ def test_batch_as_a_ray_job(llama_path, tmp_path):
 
 
 @pytest.mark.ray
-def test_serve_without_arguments_serves_the_demo_model(demo_dir):
+def test_serve_demo_random_serves_the_demo_model(demo_dir):
     port = free_port()
-    proc = subprocess.Popen([*RAYLM, "serve", "--port", str(port)],
+    proc = subprocess.Popen([*RAYLM, "serve", "demo-random", "--port", str(port)],
                             env={**os.environ, "RAYLM_DEMO_MODEL_DIR": demo_dir},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

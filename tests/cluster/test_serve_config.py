@@ -29,7 +29,7 @@ def _error_locs(exc: ValidationError) -> set[str]:
 
 def test_defaults():
     cfg = LLMConfig.model_validate(MINIMAL)
-    assert cfg.model_id == "m" and cfg.model_loading_config.is_demo
+    assert cfg.model_id == "m" and cfg.model_loading_config.is_default
     ek = cfg.engine_kwargs
     assert (ek.tensor_parallel_size, ek.pipeline_parallel_size, ek.data_parallel_size) == (1, 1, 1)
     assert ek.to_llm_kwargs()["max_num_seqs"] == 128 and ek.async_scheduling is None
@@ -224,4 +224,6 @@ def test_model_source_resolution():
     real = ModelLoadingConfig(model_id="m", model_source="/models/m")
     assert not real.is_demo and real.resolve_model_source() == "/models/m"
     assert ModelLoadingConfig(model_id="m", model_source="demo").is_demo
-    assert ModelLoadingConfig(model_id="m").is_demo
+    assert ModelLoadingConfig(model_id="m", model_source="demo-random").is_demo
+    default = ModelLoadingConfig(model_id="m")
+    assert default.is_default and not default.is_demo
