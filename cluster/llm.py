@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from raylm.cluster.chat_utils import apply_chat_template
 from raylm.cluster.engine_args import EngineArgs
 from raylm.cluster.llm_engine import LLMEngine
 from raylm.cluster.outputs import RequestOutput
@@ -65,21 +66,22 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Render each conversation with the model's chat template (or ``chat_template``),
+        then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conv in conversations:
-            token_ids = self.get_tokenizer().apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
-                token_ids = token_ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(token_ids)})
+            text, token_ids = apply_chat_template(
+                self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:

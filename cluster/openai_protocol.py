@@ -145,6 +145,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # a Jinja template replacing the model's (vLLM extra)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from raylm.cluster import openai_responses
+from raylm.cluster.chat_utils import apply_chat_template
 from raylm.cluster.engine_protocol import EngineClient
 from raylm.cluster.errors import (
     OpenAIError,
@@ -155,16 +156,15 @@ class OpenAIServing:
         return None, list(prompt)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-        tokenizer = self.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(
-                request.conversation(), tokenize=False,
+            return apply_chat_template(
+                self.engine.tokenizer, request.conversation(),
                 add_generation_prompt=request.add_generation_prompt,
-                **(request.chat_template_kwargs or {}))
-        except Exception as e:
-            raise bad_request(f"cannot apply the model's chat template: {e}", "messages") from e
-        # The template already placed the special tokens it wants.
-        return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+                chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs)
+        except ValueError as e:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise bad_request(str(e), param) from e
 
     def _sampling_params(self, request: Any, prompt_ids: list[int]) -> SamplingParams:
         n, max_len = len(prompt_ids), self.max_model_len

@@ -212,4 +212,10 @@ def test_chat_and_text_prompts(llama_path, hf_oracle):
     text_out = llm.generate("the quick brown fox", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     assert text_out.prompt == "the quick brown fox"
     assert text_out.outputs[0].text == tok.decode(text_out.outputs[0].token_ids, skip_special_tokens=True)
+    # A template of the caller's own, with its variables (vLLM's chat_template arguments).
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=2),
+                   chat_template="{{ prefix }}{{ messages[0]['content'] }}",
+                   chat_template_kwargs={"prefix": "say: "})[0]
+    assert out.prompt == "say: hello there"
+    assert out.prompt_token_ids == tok("say: hello there", add_special_tokens=False).input_ids
     llm.shutdown()

@@ -112,6 +112,22 @@ def test_chat_template_roles_and_stream(client, engine, tokenizer):
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
 
 
+def test_chat_template_override_and_kwargs(client, engine, tokenizer):
+    # vLLM's request extras: a template replacing the model's, variables for the template.
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ greeting }}]{{ m['content'] }}" \
+               "{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
+    messages = [{"role": "user", "content": "hi there"}]
+    client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"greeting": "hey"}})
+    expected = tokenizer("[user|hey]hi there>>", add_special_tokens=False).input_ids
+    assert engine.seen[-1][0] == expected
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                   extra_body={"add_generation_prompt": False})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert engine.seen[-1][0] == tokenizer(text, add_special_tokens=False).input_ids
+
+
 def test_chat_default_max_tokens_fills_the_context(client, engine):
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     prompt_ids, params = engine.seen[-1]
@@ -178,6 +194,11 @@ BAD_REQUESTS = [
                               "top_logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
      404, "nope"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "chat_template": "{% if %}"}, 400, "chat template"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs"),
 ]
 
 
