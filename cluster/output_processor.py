@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.cluster.detokenizer import IncrementalDetokenizer
-from raylm.cluster.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from raylm.cluster.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -29,6 +35,7 @@ class ParentRequest:
     children: list[RequestState] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # filled from the first child's outputs
 
     @property
     def finished(self) -> bool:
@@ -40,6 +47,8 @@ class ParentRequest:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[c.make_completion() for c in self.children], finished=self.finished,
             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics, error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None
+            else None,
         )
 
 
@@ -75,6 +84,8 @@ class OutputProcessor:
         if parent.request_id in self.parents:
             raise ValueError(f"request_id {parent.request_id!r} is already in use.")
         self.parents[parent.request_id] = parent
+        if parent.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]  # the first prompt token has no logprob
         for i, child_id in enumerate(child_ids):
             state = RequestState(
                 index=i, engine_request_id=child_id, parent=parent,
@@ -109,6 +120,8 @@ class OutputProcessor:
             if out.new_token_ids:
                 parent.metrics.first_token_time = parent.metrics.first_token_time or now
                 parent.metrics.last_token_time = now
+            if out.new_prompt_logprobs is not None and state.index == 0:
+                self._append_prompt_logprobs(parent, out.new_prompt_logprobs, state.detokenizer)
             if self._apply(state, out):
                 to_abort.append(out.request_id)
             changed[parent.request_id] = parent
@@ -135,6 +148,18 @@ class OutputProcessor:
             state.finish_reason = out.finish_reason.value
             state.stop_reason = out.stop_reason
         return False
+
+    @staticmethod
+    def _append_prompt_logprobs(parent: ParentRequest, lp: LogprobsLists,
+                                detok: IncrementalDetokenizer) -> None:
+        # Every child computes them; the first child's are kept (they are the same).
+        assert parent.prompt_logprobs is not None
+        for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_token_ranks,
+                                  strict=True):
+            entry = {ids[0]: Logprob(lps[0], rank, detok.decode_token(ids[0]))}
+            for r, (tid, value) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+                entry.setdefault(tid, Logprob(value, r, detok.decode_token(tid)))
+            parent.prompt_logprobs.append(entry)
 
     def _append_logprobs(
         self, state: RequestState, lp: LogprobsLists, i: int, detok: IncrementalDetokenizer

@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: {token_id: Logprob} for the sampled token and the top-k.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, the same dict for the prompt token and the top-k; the first
+# token has no logprob (None), as in vLLM.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -47,4 +50,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = field(default=None)  # set when the engine died under the request

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput
+from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobsChunk
 
 
 class AsyncCopy:
@@ -117,13 +117,15 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, req_ids: list[str], req_id_to_index: dict[str, int],
                  sample_mask: np.ndarray, num_logprobs: np.ndarray, copy: AsyncCopy,
-                 has_logprobs: bool) -> None:
+                 has_logprobs: bool,
+                 prompt_logprobs_dict: dict[str, PromptLogprobsChunk] | None = None) -> None:
         self.req_ids = req_ids
         self.req_id_to_index = req_id_to_index
         self._sample_mask = sample_mask
         self._num_logprobs = num_logprobs
         self._copy = copy
         self._has_logprobs = has_logprobs
+        self._prompt_logprobs_dict = prompt_logprobs_dict or {}  # already on the host
 
     def done(self) -> bool:
         return self._copy.done()
@@ -131,5 +133,7 @@ class AsyncModelRunnerOutput:
     def get_output(self) -> ModelRunnerOutput:
         arrays = self._copy.wait()
         logprob_arrays = arrays[1:4] if self._has_logprobs else None
-        return build_model_runner_output(self.req_ids, self.req_id_to_index, self._sample_mask,
-                                         arrays[0][:, 0], self._num_logprobs, logprob_arrays)
+        out = build_model_runner_output(self.req_ids, self.req_id_to_index, self._sample_mask,
+                                        arrays[0][:, 0], self._num_logprobs, logprob_arrays)
+        out.prompt_logprobs_dict = self._prompt_logprobs_dict
+        return out

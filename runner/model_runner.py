@@ -38,10 +38,11 @@ from raylm.runner.model_loader import get_model, resolve_dtype
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
+from raylm.runner.prompt_logprobs import compute_prompt_logprobs
 from raylm.runner.sampler import Sampler, SamplerOutput
 from raylm.runner.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.speculator import Speculator
-from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
 
 # Settled copies are drained without blocking each step; past this many unsettled steps
@@ -193,7 +194,10 @@ class ModelRunner:
                          self.sampled_req_id_to_index, placeholders)
             return hidden
         if self.speculator is not None:
-            return self.speculator.verify(batch, hidden, self.model, self.sampler)
+            prompt_logprobs = self._prompt_logprobs(batch, hidden)
+            result = self.speculator.verify(batch, hidden, self.model, self.sampler)
+            result.prompt_logprobs_dict = prompt_logprobs
+            return result
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
                                      self._settle_placeholders)
@@ -202,7 +206,15 @@ class ModelRunner:
             # Every step that ran the model is broadcast (the other stages posted its
             # receive), non-final prefill chunks' rows included: its size is the batch's.
             pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
-        return self._bookkeeping(batch, out)
+        return self._bookkeeping(batch, out, self._prompt_logprobs(batch, hidden))
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor
+                         ) -> dict[str, PromptLogprobsChunk]:
+        states = [self.input_batch.states[r] for r in batch.rows.tolist()]
+        if all(s.sampling_params.prompt_logprobs is None for s in states):
+            return {}
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, batch.req_ids, states,
+                                       batch.seq_lens - batch.num_scheduled, batch.num_scheduled)
 
     def _receive_sampled_token_ids(self, delivery: RingDelivery | None) -> None:
         """Async PP, a stage that does not sample: the ids broadcast pp_size steps ago
@@ -270,7 +282,9 @@ class ModelRunner:
                             state.num_prompt_tokens)
                 ib.receive_tokens(state.row, start, cached.new_token_ids[i])
 
-    def _bookkeeping(self, batch: StepBatch, out: SamplerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    def _bookkeeping(self, batch: StepBatch, out: SamplerOutput,
+                     prompt_logprobs: dict[str, PromptLogprobsChunk],
+                     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         ib = self.input_batch
         sampled = out.sampled_token_ids  # [B, 1]
         lp = out.logprobs_tensors
@@ -284,9 +298,11 @@ class ModelRunner:
         if not self.use_async_scheduling:
             host = [t.cpu().numpy() for t in tensors]  # the sync point of sync mode
             ib.append_sampled(rows_valid, host[0][valid, 0])
-            return build_model_runner_output(batch.req_ids, req_id_to_index, batch.sample_mask,
-                                             host[0][:, 0], num_logprobs,
-                                             host[1:] if lp is not None else None)
+            result = build_model_runner_output(batch.req_ids, req_id_to_index, batch.sample_mask,
+                                               host[0][:, 0], num_logprobs,
+                                               host[1:] if lp is not None else None)
+            result.prompt_logprobs_dict = prompt_logprobs
+            return result
         copy = self.copier.start(tensors)
         positions = ib.append_sampled(rows_valid, None)
         self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
@@ -295,7 +311,8 @@ class ModelRunner:
         self._pending.append(_PendingTokens(copy, _Placeholders(
             [ib.states[r] for r in rows_valid.tolist()], positions, valid)))
         return AsyncModelRunnerOutput(batch.req_ids, req_id_to_index, batch.sample_mask,
-                                      num_logprobs, copy, has_logprobs=lp is not None)
+                                      num_logprobs, copy, has_logprobs=lp is not None,
+                                      prompt_logprobs_dict=prompt_logprobs)
 
     def _bookkeeping_non_last(self, batch: StepBatch) -> _Placeholders | None:
         """A stage that does not sample: under async scheduling it books placeholders

@@ -89,6 +89,20 @@ class LogprobsLists:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs computed in one step: row j is the prompt token at position
+    ``start + 1 + j`` (predicted from position ``start + j``), with ``lists``' layout: the
+    actual token first, then the top-k (k = SamplingParams.prompt_logprobs)."""
+
+    start: int
+    lists: LogprobsLists
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lists.token_ids)
+
+
+@dataclass
 class ModelRunnerOutput:
     """One step's result. ``sampled_token_ids[i]`` is empty for a non-final prefill chunk.
 
@@ -103,6 +117,8 @@ class ModelRunnerOutput:
     # Speculative decoding: drafts the worker actually proposed per request (it may find
     # fewer than the scheduler booked); None = as booked.
     num_draft_tokens: list[int] | None = None
+    # Requests that asked for prompt logprobs and had prompt tokens in this step.
+    prompt_logprobs_dict: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -120,6 +136,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None  # rows match new_token_ids
+    # The next prompt tokens' logprobs (rows continue where the previous output's ended).
+    new_prompt_logprobs: LogprobsLists | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that finished the request
     num_cached_tokens: int = 0

@@ -63,6 +63,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.sampling_params.prompt_logprobs is not None:
+            # A cached position is never computed, so its prompt logprob would be missing.
+            max_blocks = min(max_blocks, request.num_prompt_logprobs_done // self.block_size)
         blocks: list[KVCacheBlock] = []
         get = self.block_pool.get_cached_block
         for h in request.block_hashes[:max_blocks]:

@@ -126,6 +126,9 @@ class Request:
         self.next_decode_eligible_step = 0
 
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        # Prompt positions whose logprobs went out (prompt_logprobs): a prefix-cache hit may
+        # cover only these, and a recomputation after preemption does not resend them.
+        self.num_prompt_logprobs_done = 0
         self.num_preemptions = 0
         # Chained hashes of the full blocks of known tokens (prefix caching).
         self.block_hashes: list[int] = []

@@ -16,7 +16,8 @@ class SamplingParams:
 
     ``stop`` and ``stop_token_ids`` accept lists and are stored as tuples.
     ``top_k`` of 0 or -1 disables top-k. ``logprobs=k`` returns the sampled token's
-    logprob plus the top-k (raw model logprobs, as vLLM's default ``raw_logprobs``).
+    logprob plus the top-k (raw model logprobs, as vLLM's default ``raw_logprobs``);
+    ``prompt_logprobs=k`` the same for every prompt token after the first.
     ``max_tokens=None`` means "up to max_model_len".
     """
 
@@ -35,6 +36,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -85,9 +87,11 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "must be greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", self.logprobs, f"must be between 0 and {MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"must be between 0 and {MAX_LOGPROBS}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", list(self.stop_token_ids), "must be non-negative integers")

@@ -18,6 +18,7 @@ from raylm.scheduler.core_outputs import (
     SchedulerOutput,
 )
 from raylm.scheduler.kv_cache_utils import update_block_hashes
+from raylm.scheduler.prompt_logprobs import take_new_prompt_logprobs
 from raylm.scheduler.stop import check_stop
 
 if TYPE_CHECKING:
@@ -80,7 +81,9 @@ class UpdateFromOutputMixin:
             new_token_ids, stopped = self._update_request_with_output(request, generated)
             # KV of tokens whose steps have all returned is settled: cache its full blocks.
             kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
-            if not new_token_ids and not stopped:
+            prompt_lp = take_new_prompt_logprobs(
+                request, model_runner_output.prompt_logprobs_dict.get(rid))
+            if not new_token_ids and not stopped and prompt_lp is None:
                 continue
             lp = all_logprobs[i] if all_logprobs is not None and i is not None else None
             if stopped:
@@ -91,6 +94,7 @@ class UpdateFromOutputMixin:
                 out = EngineCoreOutput(rid, new_token_ids,
                                        num_cached_tokens=max(request.num_cached_tokens, 0))
             out.new_logprobs = _slice_logprobs(lp, len(new_token_ids))
+            out.new_prompt_logprobs = prompt_lp
             outputs.append(out)
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished()]
