@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from raylm.cluster.outputs import Logprob, SampleLogprobs
+from raylm.cluster.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from raylm.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -66,7 +66,8 @@ class _SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the bad field."""
         kwargs: dict[str, Any] = dict(
             n=self.n, presence_penalty=self.presence_penalty,
@@ -74,6 +75,7 @@ class _SamplingRequest(OpenAIBaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -104,9 +106,19 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported with stream (prompt logprobs "
+                             "are returned in non-streaming responses)")
+        if self.max_tokens == 0 and self.echo and self.stream:
+            raise ValueError("max_tokens=0 (scoring the echoed prompt) is not supported with "
+                             "stream")
         return self
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """echo with max_tokens=0: score the prompt only (lm-evaluation-harness's
+        log-likelihood requests). The engine still samples one token, which is dropped."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (each text or token ids)."""
@@ -119,7 +131,10 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        if self.echo_without_generation:
+            max_tokens = 1
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(OpenAIBaseModel):
@@ -270,11 +285,21 @@ def _top(entries: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
     return sorted(ranked, key=lambda item: item[1].rank)
 
 
-def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs, top_n: int,
-                        offset: int, decode: Callable[[int], str]) -> CompletionLogProbs:
-    """Legacy completions format; ``offset`` is where the first token's text starts."""
-    out = CompletionLogProbs()
+def completion_logprobs(token_ids: list[int], logprobs: PromptLogprobs, top_n: int,
+                        offset: int, decode: Callable[[int], str],
+                        out: CompletionLogProbs | None = None) -> CompletionLogProbs:
+    """Legacy completions format; ``offset`` is where the first token's text starts. A
+    None entry (an echoed prompt's first token) has no logprob. Appends to ``out``."""
+    out = out if out is not None else CompletionLogProbs()
     for token_id, entries in zip(token_ids, logprobs, strict=False):
+        if entries is None:
+            text = decode(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         sampled = entries.get(token_id)
         text = _token_text(token_id, sampled, decode)
         out.tokens.append(text)

@@ -61,13 +61,27 @@ class _Format:
         r = self.p.engine_requests[prompt_index]
         return r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
 
-    def logprobs(self, c: CompletionOutput, start: int, offset: int):
+    @property
+    def scoring(self) -> bool:
+        """echo + max_tokens=0: the response holds the prompt only."""
+        return not self.chat and self.req.echo_without_generation
+
+    def logprobs(self, c: CompletionOutput, start: int, offset: int,
+                 prompt: RequestOutput | None = None):
+        """The logprobs of ``c``'s tokens from ``start``; with ``prompt`` (echo), those of
+        the prompt's tokens first."""
         if not self.wants_logprobs or c.logprobs is None:
             return None
         ids, lps = c.token_ids[start:], c.logprobs[start:]
         if self.chat:
             return chat_logprobs(ids, lps, self.top_n, self.decode)
-        return completion_logprobs(ids, lps, self.top_n, offset, self.decode)
+        out = None
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            out = completion_logprobs(prompt.prompt_token_ids, prompt.prompt_logprobs,
+                                      self.top_n, 0, self.decode)
+            if self.scoring:
+                return out
+        return completion_logprobs(ids, lps, self.top_n, offset, self.decode, out)
 
     def usage(self, finals_tokens: int) -> UsageInfo:
         prompt = sum(len(r.prompt_token_ids) for r in self.p.engine_requests)
@@ -90,8 +104,11 @@ def full_response(prepared: PreparedRequest, finals: list[RequestOutput],
     for i, final in enumerate(finals):
         echo = fmt.echo_text(i)
         for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = fmt.logprobs(c, 0, len(echo), final if echo else None)
+            if fmt.scoring:  # the one token the engine sampled is not part of the answer
+                c = CompletionOutput(index=c.index, text="", token_ids=[],
+                                     finish_reason="length")
             generated += len(c.token_ids)
-            logprobs = fmt.logprobs(c, 0, len(echo))
             if fmt.chat:
                 choices.append(ChatCompletionResponseChoice(
                     index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,

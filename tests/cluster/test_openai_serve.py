@@ -109,6 +109,29 @@ def test_n_logprobs_and_stop(client):
     assert len(chat.choices[0].logprobs.content) == 3
 
 
+def test_scoring_request_echo_logprobs_max_tokens_0(client, base_url, llama_path, hf_oracle):
+    # lm-evaluation-harness's local-completions log-likelihood request: echo the prompt with
+    # its per-token logprobs, generate nothing.
+    prompt = [5, 17, 99, 260, 3, 44, 101]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    c = r.choices[0]
+    ref = hf_oracle(llama_path).logprobs(prompt)
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert len(c.logprobs.token_logprobs) == len(prompt) and r.usage.completion_tokens == 0
+    for pos in range(1, len(prompt)):
+        assert abs(c.logprobs.token_logprobs[pos] - ref[pos - 1, prompt[pos]].item()) < 1e-4
+    assert c.text == client.completions.create(model=MODEL, prompt=prompt, max_tokens=0,
+                                               echo=True).choices[0].text
+    # With generation: the prompt's logprobs, then the generated tokens'.
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True,
+                                  logprobs=0, temperature=0, extra_body={"ignore_eos": True})
+    assert len(r.choices[0].logprobs.token_logprobs) == len(prompt) + 3
+    r = httpx.post(f"{base_url}/v1/completions", json={
+        "model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True})
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+
+
 def test_bad_input_is_400_in_the_envelope(base_url):
     long_prompt = [5 + i % 400 for i in range(1025)]
     r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": long_prompt})
