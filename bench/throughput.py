@@ -12,7 +12,7 @@ unless named -bf16):
              max_num_seqs=256, max_model_len=1024: mixed-length traffic (raylm and vLLM)
 - mixed200-bf16: the same with both engines in bfloat16
 - smollm2 (asked for by name): the default model (SmolLM2-135M-Instruct, float32),
-  32 chat-templated requests of 30-100 prompt tokens, outputs 16-128 tokens
+  32 chat-templated requests of 35-73 prompt tokens, outputs 16-126 tokens
 Both engines use KV blocks of 32 tokens (vLLM-CPU needs a multiple of 32).
 HF runs static batches (left-padded, every batch runs to its longest output). Every
 engine runs in a fresh process of its own (a process's first torch thread runs CPU ops
