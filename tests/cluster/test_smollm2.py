@@ -132,7 +132,8 @@ def _check_scored(oracle, prompts, scored, cached) -> None:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
