@@ -78,7 +78,10 @@ class DPEngineCoreActor:
         """Build the rank's executor and EngineCore (model load, KV cache)."""
         executor = self._make_executor()
         try:
-            self.engine_core = EngineCore(self.rank_config, executor)
+            from raylm.runner.xgrammar_backend import make_structured_output_manager
+
+            self.engine_core = EngineCore(self.rank_config, executor,
+                                          make_structured_output_manager(self.rank_config))
         except BaseException:
             executor.shutdown()
             raise

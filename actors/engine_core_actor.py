@@ -66,7 +66,10 @@ class EngineCoreActor:
         executor = RayExecutor(self.config, placement_group=self.placement_group,
                                bundle_offset=self.bundle_offset, **self.executor_kwargs)
         try:
-            self.engine_core = EngineCore(self.config, executor)
+            from raylm.runner.xgrammar_backend import make_structured_output_manager
+
+            self.engine_core = EngineCore(self.config, executor,
+                                          make_structured_output_manager(self.config))
         except BaseException:
             executor.shutdown()
             raise

@@ -2,6 +2,7 @@
 
 from raylm.cluster.llm import LLM
 from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.structured_output_params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -34,11 +34,13 @@ def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
 
         return make_ray_engine_core_client(config)
     from raylm.runner.uniproc_executor import UniProcExecutor
+    from raylm.runner.xgrammar_backend import make_structured_output_manager
     from raylm.scheduler.engine_core import EngineCore
     from raylm.scheduler.engine_core_loop import InprocEngineCoreClient
 
     executor = UniProcExecutor(config, num_threads=ray_actor_threads())
-    return InprocEngineCoreClient(EngineCore(config, executor))
+    return InprocEngineCoreClient(
+        EngineCore(config, executor, make_structured_output_manager(config)))
 
 
 def ray_actor_threads() -> int | None:

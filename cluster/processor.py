@@ -46,6 +46,10 @@ class InputProcessor:
     ) -> tuple[ParentRequest, list[Request]]:
         """One ParentRequest and its n engine Requests (ids ``"{i}_{request_id}"`` when n > 1)."""
         self.validate(prompt_token_ids)
+        if params.structured_outputs is not None:
+            from raylm.runner.xgrammar_backend import validate
+
+            validate(params.structured_outputs)  # a bad schema fails here, not in the engine
         parent = ParentRequest(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
             params=params, metrics=RequestMetrics(arrival_time=time.monotonic()),

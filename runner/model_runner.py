@@ -33,6 +33,7 @@ from raylm.runner.async_output import (
     build_model_runner_output,
 )
 from raylm.runner.attention import allocate_kv_cache
+from raylm.runner.grammar_bitmask import DeferredSampling, apply_grammar_bitmask
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.model_loader import get_model, resolve_dtype
 from raylm.runner.models.llama import IntermediateTensors
@@ -44,6 +45,7 @@ from raylm.runner.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.speculator import Speculator
 from raylm.scheduler.core_outputs import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.structured_output import GrammarOutput
 
 # Settled copies are drained without blocking each step; past this many unsettled steps
 # the oldest is waited for, so the backlog (and the tensors it keeps alive) stays bounded.
@@ -115,6 +117,8 @@ class ModelRunner:
         self.sampler: Sampler | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
+        # Structured outputs: a step whose sampling waits for sample_tokens (last stage).
+        self.deferred_sampling: DeferredSampling | None = None
 
     # ---------------------------------------------------------------- setup
     def load_model(self, model: nn.Module | None = None) -> None:
@@ -156,7 +160,7 @@ class ModelRunner:
                       pp_transport: SampledTokenTransport | None = None,
                       recv_intermediate: Callable[[SchedulerOutput], IntermediateTensors]
                       | None = None,
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors:
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors | None:
         """Run one step. The last PP stage returns the step's output (an
         AsyncModelRunnerOutput under async scheduling); other stages return the
         IntermediateTensors to send to the next stage. ``pp_transport`` (async PP) carries
@@ -165,6 +169,9 @@ class ModelRunner:
         ``recv_intermediate`` (speculative decoding, not the first stage) receives the
         hidden states once the drafts have fixed the step's size."""
         so = scheduler_output
+        assert self.deferred_sampling is None, (
+            f"step {so.step_id} arrived before step {self.deferred_sampling.step_id} was "
+            "sampled (sample_tokens must follow a step with structured outputs)")
         if so.scheduled_spec_decode_tokens and self.speculator is None:
             raise ValueError("scheduled_spec_decode_tokens is not empty but this runner has "
                              "no speculative_config.")
@@ -199,6 +206,29 @@ class ModelRunner:
             result.prompt_logprobs_dict = prompt_logprobs
             return result
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if so.structured_output_request_ids:
+            # The grammar bitmask is not known yet: keep the logits for sample_tokens.
+            self.deferred_sampling = DeferredSampling(so.step_id, batch, logits, pp_transport,
+                                                      prompt_logprobs)
+            return None
+        return self._sample(batch, logits, pp_transport, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the deferred step under its grammar bitmask (last PP stage only)."""
+        state, self.deferred_sampling = self.deferred_sampling, None
+        if state is None:
+            raise RuntimeError("sample_tokens without a step waiting for its sampling")
+        apply_grammar_bitmask(state.logits, state.batch.req_ids, grammar_output)
+        return self._sample(state.batch, state.logits, state.pp_transport,
+                            state.prompt_logprobs)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor,
+                pp_transport: SampledTokenTransport | None,
+                prompt_logprobs: dict[str, PromptLogprobsChunk],
+                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
                                      self._settle_placeholders)
         out = self.sampler(logits, md)
@@ -206,7 +236,7 @@ class ModelRunner:
             # Every step that ran the model is broadcast (the other stages posted its
             # receive), non-final prefill chunks' rows included: its size is the batch's.
             pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
-        return self._bookkeeping(batch, out, self._prompt_logprobs(batch, hidden))
+        return self._bookkeeping(batch, out, prompt_logprobs)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor
                          ) -> dict[str, PromptLogprobsChunk]:

@@ -19,6 +19,7 @@ from raylm.runner.worker import Worker
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.structured_output import GrammarOutput
 
 _STOP = object()
 
@@ -90,6 +91,11 @@ class UniProcExecutor:
         self._steps.put((scheduler_output, future))
         return future if non_block else future.result()
 
+    def sample_tokens(self, grammar_output: GrammarOutput, non_block: bool = False
+                      ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        """Queued behind the step it samples, like any step: order is kept."""
+        return self.execute_model(grammar_output, non_block)  # type: ignore[arg-type]
+
     def check_health(self) -> None:
         if self._dead is not None:
             raise self._dead
@@ -128,7 +134,10 @@ class UniProcExecutor:
                 self._outputs.put((_Failed(self._dead), future))
                 continue
             try:
-                out = self.worker.execute_model(scheduler_output)
+                if isinstance(scheduler_output, GrammarOutput):
+                    out = self.worker.sample_tokens(scheduler_output)
+                else:
+                    out = self.worker.execute_model(scheduler_output)
             except BaseException as e:  # noqa: BLE001 - any failure kills the engine
                 out = _Failed(self._mark_dead(e))
             self._outputs.put((out, future))

@@ -25,6 +25,7 @@ from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.structured_output import GrammarOutput
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -146,6 +147,22 @@ class Worker:
             self._transport().send_intermediate(out)
             return None
         return out if self.ctx.is_driver else None
+
+    def sample_tokens(self, grammar_output: GrammarOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """Sample the step deferred for its grammar bitmask. Only the last stage samples
+        (every TP rank of it, with the same mask); the driver returns the output."""
+        if not self.ctx.is_last_pp_rank:
+            return None
+        out = self.model_runner.sample_tokens(grammar_output)
+        return out if self.ctx.is_driver else None
+
+    def run(self, message: SchedulerOutput | GrammarOutput
+            ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """One message of the step stream: a step, or the sampling of a deferred step."""
+        if isinstance(message, GrammarOutput):
+            return self.sample_tokens(message)
+        return self.execute_model(message)
 
     def _transport(self) -> PPTransport:
         if self.pp_transport is None:

@@ -66,7 +66,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Drafts per request (speculative decoding; placeholders are -1 under async).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # A grammar-constrained request in this batch has unsettled placeholders.
+    # Grammar-constrained requests that sample in this step: the workers defer their
+    # sampling to ``sample_tokens(GrammarOutput)`` (empty: sample at once, as always).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    # One of them has unsettled placeholders: its bitmask needs the previous step's token,
+    # so the EngineCore sends ``sample_tokens`` only once that step's result is applied.
     pending_structured_output_tokens: bool = False
 
     @property
@@ -129,6 +133,7 @@ class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass

@@ -10,7 +10,11 @@ applies results one step late). Hazards of the overlap, where they are handled:
   scheduler then skips the aborted request's in-flight results (§3 rule 5);
 - blocks of a finished request still written by an in-flight step: freed behind the
   step fence (KVCacheManager);
-- a failed step: every request is finished with ABORT and EngineDeadError is raised.
+- a failed step: every request is finished with ABORT and EngineDeadError is raised;
+- a grammar-constrained request scheduled while its previous token is in flight (rule 7):
+  its step's forward is launched at once, but its sampling (``sample_tokens`` with the
+  grammar bitmask) is sent only after the previous step's result has advanced the
+  grammar; no step is scheduled meanwhile (``_deferred``).
 
 Threading: ``add_request`` and the step functions run on one thread (the engine loop);
 ``abort_requests`` and ``get_metrics`` may be called from any thread.
@@ -35,6 +39,7 @@ from raylm.scheduler.executor_base import EngineDeadError, Executor
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.scheduler import Scheduler
 from raylm.scheduler.scheduler_stats import metrics_dict
+from raylm.scheduler.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,8 @@ _MAX_IDLE_EMPTY_STEPS = 3
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         if config.async_scheduling and not executor.supports_async_scheduling:
             logger.warning("async_scheduling is on but the executor blocks in execute_model: "
                            "results stay correct, steps will not overlap.")
@@ -53,8 +59,12 @@ class EngineCore:
         self.num_kv_blocks = self._init_kv_cache()
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(config, self.num_kv_blocks)
+        self.scheduler.structured_output_manager = structured_output_manager
         self.batch_queue_size = config.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        # A deferred step's future is None until its sampling is sent.
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput] | None, SchedulerOutput]] = (
+            deque())
+        self._deferred: SchedulerOutput | None = None
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         # Empty steps still advance the PP ring on the workers, so they are sent there.
         self._send_empty_steps = config.parallel_config.pipeline_parallel_size > 1
@@ -96,10 +106,14 @@ class EngineCore:
         self._process_aborts()
         if not self.scheduler.has_requests():
             return self._take_pending(), False
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if not self._should_execute(scheduler_output):
             return self._take_pending(), False
         future = self._execute(scheduler_output)
+        assert not scheduler_output.pending_structured_output_tokens, (
+            f"step {scheduler_output.step_id}: no token can be in flight in the synchronous loop")
+        if scheduler_output.structured_output_request_ids:
+            future = self._sample_tokens(scheduler_output)
         outputs = self._process_result(future, scheduler_output)
         return outputs, not scheduler_output.is_empty
 
@@ -110,19 +124,55 @@ class EngineCore:
         self._process_aborts()
         executed = False
         queue = self.batch_queue
-        if self.scheduler.has_requests() and len(queue) < self.batch_queue_size:
-            scheduler_output = self.scheduler.schedule()
+        if (self._deferred is None and self.scheduler.has_requests()
+                and len(queue) < self.batch_queue_size):
+            scheduler_output = self._schedule()
             if self._should_execute(scheduler_output):
-                queue.append((self._execute(scheduler_output), scheduler_output))
+                future: Future[ModelRunnerOutput] | None = self._execute(scheduler_output)
+                if scheduler_output.pending_structured_output_tokens:
+                    # Rule 7: the forward runs now; the sampling waits for the grammar to
+                    # see the token still in flight.
+                    self._deferred, future = scheduler_output, None
+                elif scheduler_output.structured_output_request_ids:
+                    future = self._sample_tokens(scheduler_output)
+                queue.append((future, scheduler_output))
                 executed = not scheduler_output.is_empty
-                if len(queue) < self.batch_queue_size and (
+                if self._deferred is None and len(queue) < self.batch_queue_size and (
                         executed or self.scheduler.has_requests()):
                     # Room for another step and more to plan: don't wait on the device.
                     return self._take_pending_or_none(), executed
         if not queue:
             return self._take_pending_or_none(), executed
         future, scheduler_output = queue.popleft()
-        return self._process_result(future, scheduler_output), executed
+        assert future is not None, (
+            f"deferred step {scheduler_output.step_id} reached the head of the batch queue "
+            "before the steps its grammar waits for")
+        outputs = self._process_result(future, scheduler_output)
+        deferred = self._deferred
+        if deferred is not None and self.scheduler.structured_output_ready(deferred):
+            assert queue and queue[-1][1] is deferred, "the deferred step is the newest"
+            queue[-1] = (self._sample_tokens(deferred), deferred)
+            self._deferred = None
+        return outputs, executed
+
+    def _schedule(self) -> SchedulerOutput:
+        self._pending_outputs.extend(self.scheduler.admit_structured_output_requests())
+        scheduler_output = self.scheduler.schedule()
+        self.scheduler.mark_structured_output(scheduler_output)
+        return scheduler_output
+
+    def _sample_tokens(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Send the grammar bitmask of a step whose forward was sent; its future."""
+        try:
+            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+            result = self.executor.sample_tokens(grammar_output, non_block=True)
+        except Exception as e:
+            raise self._fail(e) from e
+        if isinstance(result, ModelRunnerOutput):
+            done: Future[ModelRunnerOutput] = Future()
+            done.set_result(result)
+            return done
+        return result
 
     def _should_execute(self, scheduler_output: SchedulerOutput) -> bool:
         if (not scheduler_output.is_empty or scheduler_output.finished_req_ids
@@ -130,6 +180,10 @@ class EngineCore:
             self._num_idle_empty_steps = 0
             return True
         # Nothing to run: with steps in flight, their results will change that.
+        if self.scheduler.waiting_for_fsm and not self.batch_queue:
+            # Grammars compiling and nothing else to do: wait a little, don't spin.
+            self.scheduler.wait_for_grammars(timeout=0.01)
+            return False
         if not self.batch_queue and self.scheduler.has_unfinished_requests():
             self._num_idle_empty_steps += 1
             if self._num_idle_empty_steps > _MAX_IDLE_EMPTY_STEPS:
@@ -181,6 +235,7 @@ class EngineCore:
         """
         self._dead = cause
         self.batch_queue.clear()
+        self._deferred = None
         self._process_aborts()
         outputs = self._pending_outputs + self.scheduler.finish_requests(
             list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
@@ -224,3 +279,5 @@ class EngineCore:
     def shutdown(self) -> None:
         self.batch_queue.clear()
         self.executor.shutdown()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.structured_output import GrammarOutput
 
 
 class EngineDeadError(RuntimeError):
@@ -34,7 +35,18 @@ class Executor(Protocol):
     ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
         """Enqueue one step. Steps execute in submission order; empty steps included
         (they carry frees). With ``non_block`` it returns a Future at once; the result is
-        the output of TP rank 0 of the last PP stage. Raises EngineDeadError."""
+        the output of TP rank 0 of the last PP stage. Raises EngineDeadError.
+
+        A step with ``structured_output_request_ids`` runs only its forward here (its
+        result is None); its sampling waits for the ``sample_tokens`` that follows it."""
+        ...
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        """Sample the latest step whose sampling was deferred, under the grammar bitmask
+        (rows for ``structured_output_request_ids``; the last PP stage uses it). Steps and
+        samplings execute in submission order; the result is that step's output."""
         ...
 
     def check_health(self) -> None:

@@ -14,6 +14,7 @@ from enum import IntEnum
 
 from raylm.scheduler.core_outputs import FinishReason
 from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.structured_output import StructuredOutputRequest
 
 
 class InvalidRequestError(ValueError):
@@ -64,11 +65,13 @@ class RequestStatus(IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_FSM = 1  # its grammar is still compiling (structured outputs)
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # e.g. a token its grammar rejects
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -83,6 +86,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -132,6 +136,9 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of the full blocks of known tokens (prefix caching).
         self.block_hashes: list[int] = []
+        self.structured_output_request = (
+            None if sampling_params.structured_outputs is None
+            else StructuredOutputRequest(sampling_params.structured_outputs))
 
     # Token views. Read-only by convention: mutate through append_output_token_ids only.
     @property
@@ -162,6 +169,10 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED

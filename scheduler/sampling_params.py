@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from raylm.scheduler.structured_output_params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # The most top logprobs a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -41,6 +43,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -98,6 +101,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", list(self.stop), "must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs,
+                      "must be a StructuredOutputsParams")
         if self.stop and not self.detokenize:
             raise bad("stop", list(self.stop), "needs detokenize=True (stop strings match text)")
 

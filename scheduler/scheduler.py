@@ -31,6 +31,7 @@ from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters, num_useful_drafts
+from raylm.scheduler.structured_output_scheduling import StructuredOutputSchedulingMixin
 
 
 @dataclass
@@ -45,7 +46,7 @@ class _StepPlan:
     blocked_on_kv: bool = False
 
 
-class Scheduler(UpdateFromOutputMixin):
+class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
     #: Whether decodes book output placeholders (async scheduling).
     books_output_placeholders = False
 
@@ -75,6 +76,7 @@ class Scheduler(UpdateFromOutputMixin):
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
         self._stats_snapshot = (0, 0, 0)
+        self._init_structured_output()
 
     # ---- requests in and out -------------------------------------------------------
     def validate_request(self, request: Request) -> None:
@@ -92,13 +94,15 @@ class Scheduler(UpdateFromOutputMixin):
                 f"request {request.request_id!r} needs {needed} KV blocks (prompt "
                 f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens) but the "
                 f"pool holds only {self.kv_cache_manager.num_blocks}.")
+        self._validate_structured_output(request)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if not self._add_structured_output_request(request):
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> list[EngineCoreOutput]:
@@ -119,6 +123,8 @@ class Scheduler(UpdateFromOutputMixin):
                 continue
             if request.status == RequestStatus.RUNNING:
                 removed_running.add(rid)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = finished_status

@@ -18,9 +18,10 @@ def check_scheduler_integrity(scheduler: Scheduler, no_steps_in_flight: bool = F
     """
     kv = scheduler.kv_cache_manager
     kv.check_integrity()
-    assert len(scheduler.requests) == len(scheduler.waiting) + len(scheduler.running), (
+    num_queued = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.waiting_for_fsm)
+    assert len(scheduler.requests) == num_queued, (
         f"{len(scheduler.requests)} requests but {len(scheduler.waiting)} waiting + "
-        f"{len(scheduler.running)} running")
+        f"{len(scheduler.running)} running + {len(scheduler.waiting_for_fsm)} waiting for FSM")
     for r in scheduler.running:
         assert r.status == RequestStatus.RUNNING and r.request_id in kv.req_to_blocks, r
     for r in scheduler.waiting:
