@@ -35,6 +35,7 @@ from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.structured_output import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -206,17 +207,27 @@ class RayExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
                       ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        return self._submit(scheduler_output, non_block)
+
+    def sample_tokens(self, grammar_output: GrammarOutput, non_block: bool = False
+                      ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
+        """Travels the step stream like a step (every rank gets it; the last stage
+        samples), so it stays ordered behind the step it samples."""
+        return self._submit(grammar_output, non_block)
+
+    def _submit(self, message: SchedulerOutput | GrammarOutput, non_block: bool
+                ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
         if self._dead_error is not None:
             raise self._dead_error
         if self._channel is not None:
             if not self._serving:
                 self._start_serving()
-            future = self._channel.submit(scheduler_output)
+            future = self._channel.submit(message)
         else:
             future = Future()
             seq, self._seq = self._seq, self._seq + 1
             for rank, worker in enumerate(self.workers):
-                ref = worker.execute_model.remote(seq, scheduler_output)
+                ref = worker.execute_model.remote(seq, message)
                 ref.future().add_done_callback(
                     functools.partial(self._on_ray_step_done, rank, future))
         return future if non_block else future.result()

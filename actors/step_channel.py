@@ -6,8 +6,9 @@ per worker per step costs several times a pickled frame on a socket (``bench/dis
 measures both, and Ray Compiled Graphs; figures in the README).
 
 Frames are ``kind`` (1 byte) + ``length`` (8 bytes) + pickle. The executor sends each
-SchedulerOutput to every worker; TCP keeps them in order, so workers run steps strictly in
-submission order. Only the output rank answers each step (RESULT); any rank answers ERROR
+SchedulerOutput to every worker, and the GrammarOutput (token bitmask) of a step whose
+sampling waits for it (structured outputs; the last stage samples with it); TCP keeps them
+in order, so workers run steps strictly in submission order. Only the output rank answers each step (RESULT); any rank answers ERROR
 when a step raises. A closed stream means the worker died. The first frame on a stream is a
 random token handed over through Ray, so only the executor can drive a worker.
 """

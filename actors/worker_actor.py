@@ -27,6 +27,7 @@ import ray
 
 from raylm.actors.step_channel import StepServer
 from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.structured_output import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,12 @@ class WorkerActor:
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def _run_step(self, scheduler_output: Any) -> Any:
-        out = self.worker.execute_model(scheduler_output)
+    def _run_step(self, message: Any) -> Any:
+        """A step (SchedulerOutput) or the sampling of a deferred one (GrammarOutput)."""
+        if isinstance(message, GrammarOutput):
+            out = self.worker.sample_tokens(message)
+        else:
+            out = self.worker.execute_model(message)
         return out if self.is_output_rank else None
 
     def execute_model(self, seq: int, scheduler_output: Any) -> Any:

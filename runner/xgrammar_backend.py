@@ -66,14 +66,49 @@ def validate(params: StructuredOutputsParams) -> None:
         raise ValueError(f"structured_outputs.{kind} does not compile: {message}") from None
 
 
-class XgrammarGrammar:
-    """One request's matcher."""
+# Bytes that JSON text never holds raw (RFC 8259: control characters inside strings must
+# be escaped; tab is legal only as whitespace, which spaces and newlines cover).
+_JSON_FORBIDDEN_BYTES = frozenset(range(0x20)) - {0x0A, 0x0D}
+# Bytes that valid UTF-8 never holds, and, after a lead byte, the first continuation bytes
+# that would make an overlong form, a surrogate or a code point past U+10FFFF. xgrammar
+# matches code points leniently (it accepted encoded surrogates from a random-weight
+# model), and such bytes make text no JSON parser or regex engine accepts.
+_NEVER_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
+_BAD_AFTER_LEAD = {0xE0: range(0x80, 0xA0), 0xED: range(0xA0, 0xC0),
+                   0xF0: range(0x80, 0x90), 0xF4: range(0x90, 0xC0)}
 
-    def __init__(self, matcher: Any) -> None:
+
+def _pack(allowed: np.ndarray, num_words: int) -> np.ndarray:
+    """[V] bool -> [num_words] int32, bit t % 32 of word t // 32 (xgrammar's layout)."""
+    bits = np.zeros(num_words * 32, dtype=bool)
+    bits[:allowed.size] = allowed
+    return (bits.reshape(num_words, 32).astype(np.int64) << np.arange(32)).sum(1).astype(
+        np.uint32).view(np.int32)
+
+
+class XgrammarGrammar:
+    """One request's matcher. ``is_json``: its bitmask rows also drop raw control
+    characters (xgrammar 0.2's rule for length-bounded strings lets them through)."""
+
+    def __init__(self, matcher: Any, is_json: bool, decoded_vocab: list[bytes]) -> None:
         self.matcher = matcher
+        self.is_json = is_json
+        self._decoded_vocab = decoded_vocab
+        self._last_byte = 0  # of the accepted text: a UTF-8 lead byte constrains the next
+
+    def _accept(self, token: int) -> bool:
+        if not self.matcher.accept_token(token):
+            return False
+        if token < len(self._decoded_vocab) and self._decoded_vocab[token]:
+            self._last_byte = self._decoded_vocab[token][-1]
+        return True
+
+    @property
+    def pending_lead_byte(self) -> int:
+        return self._last_byte
 
     def accept_tokens(self, tokens: list[int]) -> bool:
-        return all(self.matcher.accept_token(t) for t in tokens)
+        return all(self._accept(t) for t in tokens)
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         accepted = 0
@@ -101,33 +136,57 @@ class XgrammarBackend:
         # The manager caches compiled grammars by spec; one thread per compile here.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1,
                                             cache_enabled=False)
+        self.decoded_vocab = list(self.tokenizer_info.decoded_vocab[:vocab_size])
+        self._valid_utf8 = self._mask(lambda b: not any(x in _NEVER_UTF8 for x in b))
+        self._json_allowed = self._mask(lambda b: not any(x in _JSON_FORBIDDEN_BYTES for x in b))
+        self._after_lead = {lead: self._mask(lambda b, bad=bad: not b or b[0] not in bad)
+                            for lead, bad in _BAD_AFTER_LEAD.items()}
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
+    def _mask(self, ok: Any) -> np.ndarray:
+        """Packed row allowing the tokens whose bytes satisfy ``ok`` (stop tokens always)."""
+        allowed = np.array([ok(b) for b in self.decoded_vocab]
+                           + [True] * (self.vocab_size - len(self.decoded_vocab)), dtype=bool)
+        allowed[list(self.tokenizer_info.stop_token_ids)] = True
+        return _pack(allowed, (self.vocab_size + 31) // 32)
+
+    def compile(self, params: StructuredOutputsParams) -> tuple[Any, bool]:
+        """(compiled grammar, whether its output is JSON)."""
         c = self.compiler
         kind = params.kind
         try:
             if kind == "json":
-                return c.compile_json_schema(_schema_text(params),
-                                             any_whitespace=not params.disable_any_whitespace)
+                return c.compile_json_schema(
+                    _schema_text(params), any_whitespace=not params.disable_any_whitespace), True
             if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+                return c.compile_builtin_json_grammar(), True
             if kind == "regex":
-                return c.compile_regex(params.regex)
+                return c.compile_regex(params.regex), False
             if kind == "choice":
-                return c.compile_grammar(choice_grammar(params.choice or ()))
-            return c.compile_grammar(params.grammar)
+                return c.compile_grammar(choice_grammar(params.choice or ())), False
+            return c.compile_grammar(params.grammar), False
         except Exception as e:
             raise ValueError(f"structured_outputs.{kind} does not compile: {e}") from None
 
-    def new_grammar(self, compiled: Any) -> XgrammarGrammar:
-        return XgrammarGrammar(_xgr().GrammarMatcher(compiled))
+    def new_grammar(self, compiled: tuple[Any, bool]) -> XgrammarGrammar:
+        grammar, is_json = compiled
+        return XgrammarGrammar(_xgr().GrammarMatcher(grammar), is_json, self.decoded_vocab)
 
     def build_bitmask(self, grammars: list[XgrammarGrammar | None]) -> np.ndarray:
         bitmask = _xgr().allocate_token_bitmask(len(grammars), self.vocab_size)  # all allowed
         for i, grammar in enumerate(grammars):
             if grammar is not None:
                 grammar.matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask.numpy()
+        rows = bitmask.numpy()
+        for i, grammar in enumerate(grammars):
+            if grammar is None:
+                continue
+            rows[i] &= self._valid_utf8
+            if grammar.is_json:
+                rows[i] &= self._json_allowed
+            after = self._after_lead.get(grammar.pending_lead_byte)
+            if after is not None:
+                rows[i] &= after
+        return rows
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
