@@ -14,6 +14,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raylm.cluster.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from raylm.cluster.structured_outputs import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    to_structured_outputs_params,
+)
 from raylm.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -55,6 +60,9 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs extra.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -79,6 +87,8 @@ class _SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=to_structured_outputs_params(self.response_format,
+                                                            self.structured_outputs),
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
