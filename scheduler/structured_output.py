@@ -127,10 +127,10 @@ class StructuredOutputManager:
     def _new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         key = params.cache_key
         with self._lock:
-            compiled = self._compiled.get(key)
-            owner = compiled is None
+            cached = self._compiled.get(key)
+            owner = cached is None
+            compiled: Future[Any] = Future() if cached is None else cached
             if owner:
-                compiled = Future()
                 self._compiled[key] = compiled
                 while len(self._compiled) > self._cache_size:
                     self._compiled.popitem(last=False)
