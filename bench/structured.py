@@ -86,8 +86,10 @@ def main() -> None:
         try:
             for batch in (1, 32):
                 for kind in ("free", "json", "regex"):
-                    rows[(async_scheduling, batch, kind)] = measure(llm, vocab, batch, kind,
-                                                                    args.repeats)
+                    rate = measure(llm, vocab, batch, kind, args.repeats)
+                    rows[(async_scheduling, batch, kind)] = rate
+                    print(f"async={'on' if async_scheduling else 'off'} batch={batch} "
+                          f"{kind}: {rate:.1f} tok/s", flush=True)
         finally:
             llm.shutdown()
     print(f"model {args.size}, greedy; output tok/s (median of {args.repeats}); ratio vs free")
