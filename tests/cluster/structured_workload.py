@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 
@@ -69,3 +70,15 @@ def check(text: str, constraint: dict) -> None:
         assert re.fullmatch(constraint["regex"], text), (text, constraint["regex"])
     else:
         assert text in constraint["choice"], (text, constraint["choice"])
+
+
+def wait_for_free_kv(llm, timeout: float = 30.0) -> None:
+    """Requests stopped by EOS leave a step in flight after their final output (async
+    scheduling); its blocks are freed when it returns. Wait for that, then check."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = llm.get_metrics()
+        if m["raylm:kv_cache_usage_perc"] == 0.0 and m["raylm:num_requests_running"] == 0:
+            return
+        assert time.monotonic() < deadline, f"KV blocks still in use after {timeout}s: {m}"
+        time.sleep(0.05)

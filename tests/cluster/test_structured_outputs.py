@@ -7,7 +7,7 @@ before the engine; a token the grammar rejects ends only its request."""
 from __future__ import annotations
 
 import pytest
-from structured_workload import check, workload
+from structured_workload import check, wait_for_free_kv, workload
 
 from raylm import LLM, SamplingParams, StructuredOutputsParams
 
@@ -37,8 +37,7 @@ def results(llama_path):
         try:
             mixed = _run(llm, items, free)
             alone = _run(llm, [], free) if async_scheduling else None
-            m = llm.get_metrics()
-            assert m["raylm:num_requests_running"] == 0 and m["raylm:kv_cache_usage_perc"] == 0
+            wait_for_free_kv(llm)
         finally:
             llm.shutdown()
         out[async_scheduling] = (mixed, alone)
@@ -133,7 +132,6 @@ def test_rejected_token_finishes_with_error(llama_path, monkeypatch):
         assert outs[1].outputs[0].finish_reason == "stop"
         assert outs[1].outputs[0].text in ("one", "two")
         assert len(outs[2].outputs[0].token_ids) == 24
-        m = llm.get_metrics()
-        assert m["raylm:num_requests_running"] == 0 and m["raylm:kv_cache_usage_perc"] == 0
+        wait_for_free_kv(llm)
     finally:
         llm.shutdown()
