@@ -18,7 +18,7 @@ from concurrent.futures import wait
 from typing import TYPE_CHECKING
 
 from raylm.scheduler.core_outputs import EngineCoreOutput, SchedulerOutput
-from raylm.scheduler.request import Request, RequestStatus
+from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.structured_output import GrammarOutput, StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -39,6 +39,12 @@ class StructuredOutputSchedulingMixin:
         if request.use_structured_output and self.structured_output_manager is None:
             raise ValueError(f"request {request.request_id!r} asks for structured outputs "
                              "but this engine has no structured-output backend.")
+        if request.use_structured_output and self.num_spec_tokens:
+            # Drafts are not yet checked against the grammar, nor the grammar rolled back
+            # with rejected drafts: refuse instead of emitting tokens the grammar forbids.
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: structured_outputs is not supported together "
+                "with speculative_config on this engine.")
 
     def _add_structured_output_request(self: Scheduler, request: Request) -> bool:
         """Park a constrained request until its grammar is compiled. True if parked."""
