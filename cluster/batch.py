@@ -1,10 +1,10 @@
-"""``raylm batch``: run an OpenAI Batch file through the engine, all rows concurrently.
+"""OpenAI Batch rows through one engine: what each ``raylm batch`` replica runs.
 
 Input lines: ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
 "body": {...}}``. Output lines: ``{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}``, in input order. Rows go through the same ``OpenAIServing``
-as the HTTP server, so validation and responses are identical. A bad row is recorded (status
-400 and its error) and the run goes on; a dead engine fails the run (exit code 1).
+"request_id", "body"}, "error"}``. Rows go through the same ``OpenAIServing`` as the HTTP
+server, so validation and responses are identical. A bad row is recorded (status 400 and its
+error) and the run goes on. The run itself (Ray Data over replicas) is ``batch_job``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from raylm.cluster.errors import OpenAIError, from_exception
 from raylm.cluster.openai_protocol import random_id
@@ -23,21 +22,9 @@ from raylm.cluster.openai_serving import CHAT_COMPLETIONS, COMPLETIONS, OpenAISe
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENCY = 256
-EXIT_ENGINE_DEAD = 1
 
 
-@dataclass
-class BatchResult:
-    num_rows: int
-    num_errors: int
-    engine_error: str | None = None
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_ENGINE_DEAD if self.engine_error else 0
-
-
-def parse_row(line: str, line_no: int) -> tuple[str | None, str, dict[str, Any]]:
+def parse_row(line: str, line_no: int) -> tuple[str, str, dict[str, Any]]:
     """(custom_id, url, body) of one input line; raises OpenAIError(400) naming the line."""
     try:
         row = json.loads(line)
@@ -46,6 +33,9 @@ def parse_row(line: str, line_no: int) -> tuple[str | None, str, dict[str, Any]]
     if not isinstance(row, dict):
         raise OpenAIError(f"line {line_no} must be a JSON object, got {type(row).__name__}.", 400)
     custom_id = row.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise OpenAIError(f"line {line_no}: custom_id must be a non-empty string (the key of the "
+                          f"row in the output), got {custom_id!r}.", 400, "custom_id")
     if row.get("method", "POST") != "POST":
         raise OpenAIError(f"line {line_no}: method must be POST, got {row.get('method')!r}.", 400,
                           "method")
@@ -73,6 +63,19 @@ def output_line(custom_id: Any, status: int, body: dict[str, Any], request_id: s
     }) + "\n"
 
 
+@dataclass(frozen=True)
+class RowResult:
+    """One row's output line, its HTTP status and how many tokens it generated."""
+
+    text: str
+    status: int
+    completion_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
 class BatchRunner:
     """Runs rows through ``serving``; ``model_aliases`` are names rows may use for the model."""
 
@@ -84,50 +87,40 @@ class BatchRunner:
         self.model_aliases = {serving.model_name, *model_aliases}
         self._limit = asyncio.Semaphore(max_concurrency)
 
-    async def run_row(self, line: str, line_no: int) -> tuple[bool, str]:
-        """(ok, output line) for one input line."""
+    async def run_row(self, line: str, line_no: int) -> RowResult:
         request_id = random_id("batch")
         custom_id = None
         try:
-            custom_id = _custom_id(line)
+            custom_id = input_custom_id(line)
             custom_id, url, body = parse_row(line, line_no)
             if body.get("model") is None or body.get("model") in self.model_aliases:
                 body["model"] = self.serving.model_name
             async with self._limit:
                 result = await self.serving.handle(url, body)
             assert isinstance(result, dict), "non-streaming calls return a response dict"
-            return True, output_line(custom_id, 200, result, request_id)
+            tokens = int((result.get("usage") or {}).get("completion_tokens", 0))
+            return RowResult(output_line(custom_id, 200, result, request_id), 200, tokens)
         except Exception as e:
             err = from_exception(e)
-            return False, output_line(custom_id, err.status_code, err.to_dict(), request_id)
+            return RowResult(output_line(custom_id, err.status_code, err.to_dict(), request_id),
+                             err.status_code)
 
-    async def run(self, lines: list[str], out: TextIO, progress: bool = True) -> BatchResult:
-        rows = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
-        bar = _progress(len(rows)) if progress else None
-        tasks = [asyncio.ensure_future(self.run_row(ln, no)) for no, ln in rows]
-        errors = 0
-        try:
-            for task in tasks:  # write in input order; later rows keep running meanwhile
-                ok, text = await task
-                errors += not ok
-                out.write(text)
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            for task in tasks:
-                task.cancel()
-            if bar is not None:
-                bar.close()
-        out.flush()
-        engine_error = None
+    async def run_rows(self, rows: list[tuple[int, str]]) -> list[RowResult]:
+        """All ``(line_no, line)`` rows at once (at most ``max_concurrency`` in the engine),
+        results in the order of ``rows``."""
+        return list(await asyncio.gather(*(self.run_row(line, no) for no, line in rows)))
+
+    async def engine_error(self) -> str | None:
+        """Why the engine is dead, or None while it is healthy."""
         try:
             await self.serving.check_health()
         except Exception as e:
-            engine_error = str(e) or type(e).__name__
-        return BatchResult(len(rows), errors, engine_error)
+            return str(e) or type(e).__name__
+        return None
 
 
-def _custom_id(line: str) -> Any:
+def input_custom_id(line: str) -> Any:
+    """The custom_id of an input line, None when the line is no JSON object."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError:
@@ -135,21 +128,11 @@ def _custom_id(line: str) -> Any:
     return row.get("custom_id") if isinstance(row, dict) else None
 
 
-def _progress(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="Batch", unit="req", file=sys.stderr, dynamic_ncols=True)
-
-
-async def run_batch_file(engine: Any, input_path: str, output_path: str,
-                         served_model_name: str | None = None,
-                         model_aliases: tuple[str, ...] = (),
-                         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-                         progress: bool = True) -> BatchResult:
-    with open(input_path) as f:
-        lines = f.read().splitlines()
-    runner = BatchRunner(OpenAIServing(engine, served_model_name), model_aliases, max_concurrency)
-    with open(output_path, "w") as out:
-        result = await runner.run(lines, out, progress)
-    logger.info("batch: %d rows, %d errors -> %s", result.num_rows, result.num_errors, output_path)
-    return result
+def reject_row(line: str, line_no: int) -> RowResult:
+    """The 400 result of a row that names no usable custom_id (no engine needed)."""
+    try:
+        parse_row(line, line_no)
+    except OpenAIError as err:
+        return RowResult(output_line(input_custom_id(line), err.status_code, err.to_dict(),
+                                     random_id("batch")), err.status_code)
+    raise AssertionError(f"line {line_no} has a valid custom_id; it is no row to reject")

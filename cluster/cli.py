@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -72,39 +71,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from raylm.cluster.batch import run_batch_file
-    from raylm.cluster.engine_client import AsyncLLM
+    from raylm.cluster.batch_job import BatchJobConfig, parse_replicas, run_batch_job
+    from raylm.cluster.serve_config import LLMConfig
 
-    if not os.path.isfile(args.input):
-        raise SystemExit(f"raylm batch: input file {args.input!r} does not exist.")
-    path, name = resolve_model(args)
-    engine = AsyncLLM.from_engine_args(path, **{**cli_engine_kwargs(args), "served_model_name": name})
+    min_replicas, max_replicas = parse_replicas(args.num_replicas)
+    source, name = model_loading(args)
+    llm_config = LLMConfig.from_engine_kwargs(cli_engine_kwargs(args), model_id=name,
+                                              model_source=source)
+    config = BatchJobConfig(
+        input=args.input, output=args.output, llm_config=llm_config,
+        model_aliases=tuple(a for a in (source, args.model) if a),
+        min_replicas=min_replicas, max_replicas=max_replicas, batch_size=args.batch_size,
+        max_concurrency=args.max_concurrency, progress=not args.no_progress)
     try:
-        result = asyncio.run(run_batch_file(
-            engine, args.input, args.output, name, model_aliases=(path, args.model or path),
-            max_concurrency=args.max_concurrency, progress=not args.no_progress))
-    finally:
-        engine.shutdown()
-    print(f"raylm batch: {result.num_rows} rows, {result.num_errors} errors -> {args.output}",
-          file=sys.stderr)
-    if result.engine_error:
-        print(f"raylm batch: the engine died: {result.engine_error}", file=sys.stderr)
-    return result.exit_code
+        result = run_batch_job(config)
+    except ValueError:
+        raise
+    except Exception as e:  # Ray Data gave up (a batch failed past its retries), Ctrl-C...
+        print(f"raylm batch: the run stopped: {e!r}. The rows finished so far are stored; "
+              "run the same command again to finish the others.", file=sys.stderr)
+        return 1
+    print(f"raylm batch: {result.num_rows} rows ({result.num_run} run now, "
+          f"{result.num_resumed} from an earlier run), {result.num_errors} errors -> "
+          f"{result.output_uri}", file=sys.stderr)
+    return 0
+
+
+def model_loading(args: argparse.Namespace) -> tuple[str | None, str]:
+    """(model source, served model name) for a Serve app or batch replicas. Joining a
+    cluster with the default or the demo model, each replica's node fetches (or writes) it
+    itself: the source is None (the default model) or "demo"; otherwise the model is
+    resolved here, locally (fetched now, with the progress line)."""
+    from raylm.cluster.demo import DEMO_MODEL_ID, DEMO_MODEL_NAMES
+    from raylm.runner.default_model import DEFAULT_MODEL_ID
+
+    if envs.ray_address() is not None and (args.model is None or args.model in DEMO_MODEL_NAMES):
+        demo = args.model is not None
+        name = args.served_model_name or (DEMO_MODEL_ID if demo else DEFAULT_MODEL_ID)
+        return ("demo" if demo else None), name
+    return resolve_model(args)
 
 
 def build_llm_config(args: argparse.Namespace) -> Any:
-    from raylm.cluster.demo import DEMO_MODEL_ID, DEMO_MODEL_NAMES
     from raylm.cluster.serve_config import LLMConfig
-    from raylm.runner.default_model import DEFAULT_MODEL_ID
 
-    source: str | None
-    if envs.ray_address() is not None and (args.model is None or args.model in DEMO_MODEL_NAMES):
-        # Joining a cluster: each replica's node fetches (or writes) the model itself.
-        demo = args.model is not None
-        source = "demo" if demo else None
-        name = args.served_model_name or (DEMO_MODEL_ID if demo else DEFAULT_MODEL_ID)
-    else:
-        source, name = resolve_model(args)  # locally: fetch it now, with the progress line
+    source, name = model_loading(args)
     deployment: dict[str, Any] = {}
     if args.max_ongoing_requests is not None:
         deployment["max_ongoing_requests"] = args.max_ongoing_requests
@@ -194,11 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("batch", help="run an OpenAI Batch jsonl file offline")
-    p.add_argument("--input", "-i", required=True)
-    p.add_argument("--output", "-o", required=True)
+    p = sub.add_parser("batch", help="run an OpenAI Batch jsonl file on Ray Data replicas")
+    p.add_argument("--input", "-i", required=True,
+                   help="jsonl path or URI (file://, s3://, gs://, any pyarrow/fsspec scheme)")
+    p.add_argument("--output", "-o", required=True,
+                   help="jsonl path or URI, or a folder (ending in /) for sharded output; "
+                        "rows already in it are not run again")
     p.add_argument("--model", help=_MODEL_HELP)
-    p.add_argument("--max-concurrency", type=int, default=256)
+    p.add_argument("--num-replicas", default="1",
+                   help="engine replicas: N, or MIN..MAX to autoscale (default 1)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="rows per Ray Data batch, the unit of retry (default 16)")
+    p.add_argument("--max-concurrency", type=int, default=256,
+                   help="rows one replica keeps in its engine at once (default 256)")
     p.add_argument("--no-progress", action="store_true")
     add_cli_args(p)
     p.set_defaults(func=cmd_batch)

@@ -24,6 +24,11 @@ def ray_address() -> str | None:
     return os.environ.get("RAY_ADDRESS") or None
 
 
+def ray_job_config_json() -> str | None:
+    """The job config (runtime_env, metadata) Ray's job supervisor hands a job's driver."""
+    return os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or None
+
+
 def gloo_socket_ifname() -> str | None:
     return os.environ.get("GLOO_SOCKET_IFNAME") or None
 

@@ -1,15 +1,15 @@
-"""Batch runs (OpenAI Batch format) through the serving code path, on the fake engine."""
+"""Batch rows (OpenAI Batch format) through the serving code path, on the fake engine: what
+one ``raylm batch`` replica runs."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 
 import pytest
 from test_openai_fakes import FakeEngine
 
-from raylm.cluster.batch import BatchRunner, run_batch_file
+from raylm.cluster.batch import BatchRunner, reject_row
 from raylm.cluster.openai_serving import OpenAIServing
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -29,9 +29,9 @@ def row(custom_id, url="/v1/completions", **body):
 
 def run(engine, lines, **kw):
     runner = BatchRunner(OpenAIServing(engine, MODEL), model_aliases=("/models/llama",), **kw)
-    out = io.StringIO()
-    result = asyncio.run(runner.run(lines, out, progress=False))
-    return result, [json.loads(ln) for ln in out.getvalue().splitlines()]
+    rows = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
+    results = asyncio.run(runner.run_rows(rows))
+    return results, [json.loads(r.text) for r in results]
 
 
 def test_rows_in_order_with_row_level_errors(tokenizer):
@@ -49,12 +49,14 @@ def test_rows_in_order_with_row_level_errors(tokenizer):
         row("g", model="/models/llama", prompt="alias", max_tokens=2),
         row("h", prompt="no model field", max_tokens=2, n=2),
     ]
-    result, out = run(engine, lines)
-    assert result.num_rows == 9 and result.num_errors == 5 and result.exit_code == 0
+    results, out = run(engine, lines)
+    assert len(results) == 9 and sum(not r.ok for r in results) == 5
     assert [o["custom_id"] for o in out] == ["a", "b", None, "c", "d", "e", "f", "g", "h"]
     status = {o["custom_id"]: o["response"]["status_code"] for o in out}
     assert status == {"a": 200, "b": 200, None: 400, "c": 400, "d": 400, "e": 404, "f": 400,
                       "g": 200, "h": 200}
+    assert [r.status for r in results] == [o["response"]["status_code"] for o in out]
+    assert results[0].completion_tokens == 5 and results[2].completion_tokens == 0
     a = out[0]["response"]["body"]
     ids = tokenizer("hello world").input_ids
     assert a["choices"][0]["text"] == engine.expected_text(ids, SamplingParams(max_tokens=5))
@@ -86,19 +88,32 @@ def test_concurrency_is_bounded_and_all_rows_finish(tokenizer):
 
     engine.generate = spy
     lines = [row(str(i), model=MODEL, prompt=f"row {i}", max_tokens=4) for i in range(40)]
-    result, out = run(engine, lines, max_concurrency=8)
-    assert result.num_errors == 0 and [o["custom_id"] for o in out] == [str(i) for i in range(40)]
+    results, out = run(engine, lines, max_concurrency=8)
+    assert all(r.ok for r in results) and [o["custom_id"] for o in out] == [str(i) for i in range(40)]
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 4 for o in out)
     assert 1 < peak <= 8
 
 
-def test_engine_death_fails_the_run(tokenizer, tmp_path):
+def test_engine_death_is_reported(tokenizer):
     engine = FakeEngine(tokenizer)
+    runner = BatchRunner(OpenAIServing(engine, MODEL))
+    assert asyncio.run(runner.engine_error()) is None
     engine.die("EngineCore actor died: OOM")
-    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(row(str(i), model=MODEL, prompt="x") for i in range(3)) + "\n")
-    result = asyncio.run(run_batch_file(engine, str(src), str(dst), MODEL, progress=False))
-    assert result.exit_code == 1 and "OOM" in result.engine_error
-    out = [json.loads(ln) for ln in dst.read_text().splitlines()]
-    assert [o["response"]["status_code"] for o in out] == [500, 500, 500]
-    assert all("OOM" in o["error"]["message"] for o in out)
+    results = asyncio.run(runner.run_rows([(i + 1, row(str(i), model=MODEL, prompt="x"))
+                                           for i in range(3)]))
+    assert [r.status for r in results] == [500, 500, 500]
+    assert all("OOM" in json.loads(r.text)["error"]["message"] for r in results)
+    assert "OOM" in asyncio.run(runner.engine_error())
+
+
+@pytest.mark.parametrize("line, why", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), "custom_id"),
+    (json.dumps({"custom_id": 7, "url": "/v1/completions", "body": {}}), "custom_id"),
+    (json.dumps(["a list"]), "JSON object"),
+])
+def test_rows_without_a_usable_custom_id_are_rejected_without_an_engine(line, why):
+    result = reject_row(line, 3)
+    out = json.loads(result.text)
+    assert result.status == 400 and out["response"]["status_code"] == 400
+    assert "line 3" in out["error"]["message"] and why in out["error"]["message"]
