@@ -118,16 +118,19 @@ class _Progress:
     def __init__(self, total: int, interval_s: float, enabled: bool) -> None:
         self.total, self.interval_s, self.enabled = total, interval_s, enabled
         self.start = self.last = time.monotonic()
+        self.logged = -1
 
     def maybe_log(self, result: BatchResult, force: bool = False) -> None:
         now = time.monotonic()
         if not self.enabled or (not force and now - self.last < self.interval_s):
             return
-        self.last = now
+        if force and self.logged == result.num_run:
+            return  # the last line said it already
+        self.last, self.logged = now, result.num_run
         done = result.num_run
         rate = result.completion_tokens / max(now - self.start, 1e-9)
         print(f"raylm batch: {done}/{self.total} rows, {result.num_errors} errors, "
-              f"{rate:.0f} generated tok/s, {len(result.replicas)} replicas, "
+              f"{rate:.0f} generated tok/s since the start, {len(result.replicas)} replicas, "
               f"{now - self.start:.0f}s", file=sys.stderr, flush=True)
 
 

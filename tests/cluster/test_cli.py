@@ -117,12 +117,14 @@ def _check_batch_output(path: str) -> dict:
     return out
 
 
+@pytest.mark.ray
 def test_batch_subprocess(llama_path, tmp_path, greedy_hello):
     (tmp_path / "in.jsonl").write_text(_batch_rows("tiny"))
     r = run_cli("batch", "--input", "in.jsonl", "--output", "out.jsonl", "--model", llama_path,
                 "--served-model-name", "tiny", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert "3/3" in r.stderr  # the progress bar
+    assert "3/3 rows" in r.stderr  # the progress line
+    assert r.stderr.rstrip().endswith(f"-> {tmp_path / 'out.jsonl'}")  # the path written
     out = _check_batch_output(str(tmp_path / "out.jsonl"))
     assert out["c1"]["response"]["body"]["choices"][0]["text"] == greedy_hello
 
@@ -146,10 +148,13 @@ def test_batch_as_a_ray_job(llama_path, tmp_path):
         if p not in ports.values():
             ports[flags[len(ports)]] = p
     dash = ports["dashboard-port"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # loopback only
+    # This interpreter runs the head (so its workers import the raylm under test), and its
+    # bin folder comes first on PATH (so the job's `raylm` is that raylm too).
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled",  # loopback only
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     # --block: this process owns the head; terminating it stops exactly this cluster.
     head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--num-cpus=4", "--dashboard-host=127.0.0.1",
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--num-cpus=4", "--dashboard-host=127.0.0.1",
          f"--temp-dir={temp_dir}", "--disable-usage-stats",
          *(f"--{flag}={p}" for flag, p in ports.items())],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -176,6 +181,13 @@ def test_batch_as_a_ray_job(llama_path, tmp_path):
         assert job.returncode == 0, job.stdout + job.stderr
         assert "succeeded" in job.stdout + job.stderr
         _check_batch_output(str(out))
+        # A relative output would land in Ray's temporary copy of the working dir: refused.
+        job = subprocess.run(
+            ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}",
+             "--working-dir", str(work), "--", "raylm", "batch", "--input", "in.jsonl",
+             "--output", "out.jsonl", "--model", llama_path],
+            env=env, capture_output=True, text=True, timeout=300)
+        assert job.returncode != 0 and "working directory" in job.stdout + job.stderr
     finally:
         head.send_signal(signal.SIGTERM)
         head.wait(timeout=60)

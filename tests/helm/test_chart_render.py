@@ -140,7 +140,8 @@ def test_override_rayjob(helm_template, crd_errors):
     assert crd_errors(job) == []
     spec = job["spec"]
     assert spec["entrypoint"] == ("raylm batch --input /data/in.jsonl --output "
-                                  "'/data/out put.jsonl' --model /models/llama-70b")
+                                  "'/data/out put.jsonl' --num-replicas 1 "
+                                  "--model /models/llama-70b")
     assert spec["shutdownAfterJobFinishes"] is True
     assert spec["ttlSecondsAfterFinished"] == 600
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"HF_HUB_OFFLINE": "1"}}
@@ -153,7 +154,7 @@ def test_override_rayjob(helm_template, crd_errors):
 
 
 def test_rayjob_on_existing_cluster(helm_template, crd_errors):
-    job = helm_template({"batch": {"enabled": True, "input": "a.jsonl", "output": "b.jsonl",
+    job = helm_template({"batch": {"enabled": True, "input": "a.jsonl", "output": "/data/b.jsonl",
                                    "clusterName": "shared-ray"}}).one("RayJob")
     assert crd_errors(job) == []
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": "shared-ray"}
@@ -180,7 +181,7 @@ def test_serve_config_is_valid_for_ray_serve(helm_template):
 
 def test_names_fit_kuberay_limits(helm_template):
     release = "a-very-long-release-name-that-goes-on-and-on-forever"
-    out = helm_template({"batch": {"enabled": True, "input": "i", "output": "o"}},
+    out = helm_template({"batch": {"enabled": True, "input": "i", "output": "s3://b/o"}},
                         release=release)
     for doc in out.docs:
         name = doc["metadata"]["name"]

@@ -60,6 +60,9 @@ Checks values.schema.json cannot express. Each failure names the value and what 
 {{- if or (not $v.batch.input) (not $v.batch.output) }}
 {{- fail "raylm: batch.enabled needs batch.input and batch.output (JSONL paths the Ray head can reach)." }}
 {{- end }}
+{{- if not (or (hasPrefix "/" $v.batch.output) (contains "://" $v.batch.output)) }}
+{{- fail (printf "raylm: batch.output %q is relative: it would be written in the job's temporary working directory and lost. Use an object-store URI (s3://bucket/out.jsonl) or an absolute path on a volume mounted on the head (extraVolumes, e.g. /data/out.jsonl)." $v.batch.output) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
