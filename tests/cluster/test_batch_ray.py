@@ -109,7 +109,14 @@ def test_two_replicas_one_per_node_and_a_killed_replica_loses_nothing(two_nodes,
         os.kill(int(replica.rsplit(":", 1)[1]), signal.SIGKILL)  # as the OOM killer would
         killed["replica"] = replica
 
+    from ray.util import placement_group_table
+
+    groups_before = set(placement_group_table())
     result = run_batch_job(config, on_results=kill_first_replica)
+    groups = {k: v for k, v in placement_group_table().items() if k not in groups_before}
+    # One group per replica (the restarted actor reuses its group), all removed at the end.
+    assert sorted((v["name"][:12], v["state"]) for v in groups.values()) == [
+        ("raylm-batch-", "REMOVED")] * 2, groups
 
     nodes = {r.rsplit(":", 1)[0] for r in result.replicas}
     assert nodes == two_nodes, (nodes, two_nodes)
