@@ -97,7 +97,7 @@ def test_two_replicas_one_per_node_and_a_killed_replica_loses_nothing(two_nodes,
     (tmp_path / "in.jsonl").write_text(input_text(N))
     config = BatchJobConfig(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
                             llm_config(llama_path), min_replicas=2, max_replicas=2,
-                            batch_size=2, max_concurrency=2, progress=False)
+                            batch_size=2, max_concurrency=4, progress=False)
     killed: dict[str, str] = {}
     after_kill: list[tuple[int, str]] = []
 
@@ -114,13 +114,15 @@ def test_two_replicas_one_per_node_and_a_killed_replica_loses_nothing(two_nodes,
     groups_before = set(placement_group_table())
     result = run_batch_job(config, on_results=kill_first_replica)
     groups = {k: v for k, v in placement_group_table().items() if k not in groups_before}
-    # One group per replica (the restarted actor reuses its group), all removed at the end.
-    assert sorted((v["name"][:12], v["state"]) for v in groups.values()) == [
-        ("raylm-batch-", "REMOVED")] * 2, groups
+    # A group per replica actor Ray Data started (a restarted actor keeps its own), all
+    # removed at the end.
+    assert len(groups) >= 2 and all(v["name"].startswith("raylm-batch-") and
+                                    v["state"] == "REMOVED" for v in groups.values()), groups
 
     nodes = {r.rsplit(":", 1)[0] for r in result.replicas}
     assert nodes == two_nodes, (nodes, two_nodes)
-    # The batch the killed replica held ran again on its restarted actor (same node, new pid).
+    # The killed replica held batches (two in flight per replica): they ran again on its
+    # restarted actor, a new process on the same node (its placement group is there).
     node, pid = killed["replica"].rsplit(":", 1)
     assert any(r.startswith(node) and not r.endswith(f":{pid}") for _, r in after_kill), after_kill
     check_output((tmp_path / "out.jsonl").read_text().splitlines(), expected)
