@@ -168,8 +168,9 @@ def _run_rows(config: BatchJobConfig, todo: list[tuple[int, str]], output: Batch
 
     from raylm.actors.placement import ensure_ray_initialized
 
-    bundles, strategy = replica_bundles(config.llm_config)
-    ensure_ray_initialized(sum(b.get("CPU", 0.0) for b in bundles) * config.min_replicas)
+    ensure_ray_initialized(_replica_cpus(config.llm_config) * config.min_replicas)
+    llm_config = _on_gpus_if_any(config.llm_config)
+    bundles, strategy = replica_bundles(llm_config)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # one progress line of our own instead
     # Ray Data's high-memory detector calls ray_remote_args_fn to read the workers' memory
@@ -187,7 +188,7 @@ def _run_rows(config: BatchJobConfig, todo: list[tuple[int, str]], output: Batch
         # 2.64) without a replacement for a placement group per actor; Ray Data LLM's
         # engine stage reserves its groups the same way.
         warnings.filterwarnings("ignore", message=".*deprecated and will be removed in Ray 2.64")
-        ds = _map_replicas(ds, config, placement)
+        ds = _map_replicas(ds, config, llm_config, placement)
 
     progress = _Progress(result.num_run + len(todo), config.progress_interval_s, config.progress)
     seen: set[int] = set()
@@ -224,13 +225,29 @@ def _run_rows(config: BatchJobConfig, todo: list[tuple[int, str]], output: Batch
     assert missing == 0, f"{missing} of {len(todo)} rows never came back from the replicas"
 
 
-def _map_replicas(ds: Any, config: BatchJobConfig, placement: ReplicaPlacement) -> Any:
+def _replica_cpus(llm_config: LLMConfig) -> float:
+    return sum(b.get("CPU", 0.0) for b in replica_bundles(llm_config)[0])
+
+
+def _on_gpus_if_any(llm_config: LLMConfig) -> LLMConfig:
+    """Workers take one GPU each when the cluster has GPUs and the config names no GPU
+    use of its own (as an engine's own placement does), else they would run on CPUs."""
+    import ray
+
+    if (llm_config.num_gpus_per_worker is None and llm_config.accelerator_type is None
+            and ray.cluster_resources().get("GPU", 0) > 0):
+        return llm_config.model_copy(update={"num_gpus_per_worker": 1.0})
+    return llm_config
+
+
+def _map_replicas(ds: Any, config: BatchJobConfig, llm_config: LLMConfig,
+                  placement: ReplicaPlacement) -> Any:
     import ray.data
 
     per_actor = max(1, math.ceil(config.max_concurrency / config.batch_size))
     return ds.map_batches(
         BatchReplica, batch_size=config.batch_size, batch_format="numpy",
-        fn_constructor_kwargs={"llm_config": config.llm_config.model_dump(),
+        fn_constructor_kwargs={"llm_config": llm_config.model_dump(),
                                "model_aliases": config.model_aliases,
                                "max_concurrency": config.max_concurrency},
         compute=ray.data.ActorPoolStrategy(

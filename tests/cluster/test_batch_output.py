@@ -118,3 +118,20 @@ def test_a_complete_output_needs_no_engine(tmp_path):
     assert (result.num_rows, result.num_resumed, result.num_run) == (3, 3, 0)
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert [json.loads(ln)["custom_id"] for ln in lines] == ["a", None, "b"]
+
+
+def test_replica_placement_groups():
+    """One bundle when the engine runs in the replica; else the Serve replica's layout."""
+    from raylm.cluster.batch_replica import ReplicaPlacement, replica_bundles
+
+    def cfg(**engine_kwargs):
+        return LLMConfig.model_validate({"model_loading_config": {"model_id": "m"},
+                                         "engine_kwargs": engine_kwargs})
+
+    assert replica_bundles(cfg()) == ([{"CPU": 1.0}], "PACK")
+    gpu = cfg().model_copy(update={"num_gpus_per_worker": 1.0})
+    assert replica_bundles(gpu) == ([{"GPU": 1.0}], "PACK")
+    assert replica_bundles(cfg(tensor_parallel_size=2))[0] == [{"CPU": 1.0}] * 3
+    assert len(replica_bundles(cfg(data_parallel_size=2))[0]) == 3  # replica + 2 rank actors
+    placement = ReplicaPlacement(*replica_bundles(gpu))
+    assert placement.actor_resources == {"num_cpus": 0.0, "num_gpus": 1.0}
