@@ -176,9 +176,10 @@ def _run_rows(config: BatchJobConfig, todo: list[tuple[int, str]], output: Batch
     # Ray Data's high-memory detector calls ray_remote_args_fn to read the workers' memory
     # request, at the start and then periodically: each call would reserve one more
     # replica's placement group that no actor ever uses.
-    detectors = ctx.issue_detectors_config.detectors
-    ctx.issue_detectors_config.detectors = [
-        d for d in detectors if d.__name__ != "HighMemoryIssueDetector"]
+    issue_detectors = getattr(ctx, "issue_detectors_config", None)
+    if issue_detectors is not None:
+        issue_detectors.detectors = [d for d in issue_detectors.detectors
+                                     if d.__name__ != "HighMemoryIssueDetector"]
 
     placement = ReplicaPlacement(bundles, strategy)
     ds = ray.data.from_items([{"line_no": no, "line": line} for no, line in todo],
