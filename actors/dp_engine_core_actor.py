@@ -92,9 +92,12 @@ class DPEngineCoreActor:
 
     def _make_executor(self) -> Any:
         if self.rank_config.parallel_config.world_size == 1:
+            from raylm.actors.gpu_assignment import current_device_assignment
             from raylm.runner.uniproc_executor import UniProcExecutor
 
-            return UniProcExecutor(self.rank_config, num_threads=self.num_threads)
+            device = current_device_assignment(f"DP rank {self.dp_rank}")
+            return UniProcExecutor(self.rank_config, num_threads=self.num_threads,
+                                   expect_cuda=device.expect_cuda, local_rank=device.local_rank)
         from raylm.actors.ray_executor import RayExecutor
 
         return RayExecutor(self.rank_config, placement_group=self.placement_group,

@@ -86,9 +86,13 @@ class WorkerActor:
                     local_rank: int = 0, worker_cls: type | None = None,
                     dist_timeout_s: float = 300.0) -> None:
         """Join torch.distributed (world size > 1), build the Worker, bind its device."""
+        from raylm.actors.gpu_assignment import current_device_assignment
+
         pc = engine_config.parallel_config
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.is_output_rank = self.rank == output_rank(tp, pp)
+        device = current_device_assignment(f"worker rank {self.rank}")
+        local_rank = device.local_rank if device.gpu_ids else local_rank
         ctx = None
         if pc.world_size > 1:
             from raylm.parallel.distributed import init_distributed_environment
@@ -97,13 +101,14 @@ class WorkerActor:
                 world_size=pc.world_size, rank=self.rank,
                 distributed_init_method=distributed_init_method,
                 tensor_parallel_size=tp, pipeline_parallel_size=pp, local_rank=local_rank,
-                timeout_s=dist_timeout_s)
+                timeout_s=dist_timeout_s, expect_cuda=device.expect_cuda)
         if worker_cls is None:
             from raylm.runner.worker import Worker as worker_cls
         self.worker = worker_cls(engine_config, rank=self.rank, local_rank=local_rank,
                                  distributed_init_method=distributed_init_method)
         # The Worker sets torch's thread count itself; hand it this rank's CPU share.
-        self.worker.init_device(ctx, num_threads=self.num_threads)
+        self.worker.init_device(ctx, num_threads=self.num_threads,
+                                expect_cuda=device.expect_cuda)
         if pp > 1:
             self._init_pp_transport(engine_config, ctx, dist_timeout_s)
 

@@ -38,7 +38,14 @@ def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
     from raylm.scheduler.engine_core import EngineCore
     from raylm.scheduler.engine_core_loop import InprocEngineCoreClient
 
-    executor = UniProcExecutor(config, num_threads=ray_actor_threads())
+    expect_cuda, local_rank = False, 0
+    if "ray" in sys.modules:  # a Serve replica holding the model's GPU, perhaps
+        from raylm.actors.gpu_assignment import current_device_assignment
+
+        device = current_device_assignment("the engine's process")
+        expect_cuda, local_rank = device.expect_cuda, device.local_rank
+    executor = UniProcExecutor(config, num_threads=ray_actor_threads(),
+                               expect_cuda=expect_cuda, local_rank=local_rank)
     return InprocEngineCoreClient(
         EngineCore(config, executor, make_structured_output_manager(config)))
 

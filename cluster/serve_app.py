@@ -152,16 +152,43 @@ def deployment_name(model_id: str) -> str:
     return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
 
 
+def runs_model_in_replica(llm_config: LLMConfig) -> bool:
+    """TP = PP = DP = 1 without the Ray backend: the replica runs the model itself."""
+    ek = llm_config.engine_kwargs
+    return (ek.world_size == 1 and ek.data_parallel_size == 1
+            and ek.distributed_executor_backend != "ray")
+
+
+def replica_bundles(llm_config: LLMConfig) -> list[dict[str, float]]:
+    """The placement group bundles of one replica. When the replica runs the model itself,
+    its bundle must hold the model's device: the replica and rank-0 bundles merge into one
+    (a GPU reserved in a bundle the replica does not sit in would stay idle while Ray hides
+    every GPU from the replica, and the model would run on its one CPU)."""
+    bundles = [dict(b) for b in llm_config.get_placement_group().bundles]
+    if runs_model_in_replica(llm_config) and len(bundles) > 1:
+        merged = dict(bundles[0])
+        for res, amount in bundles[1].items():
+            if res != "CPU":  # the replica's CPU is the rank's CPU
+                merged[res] = merged.get(res, 0.0) + amount
+        bundles = [merged] + bundles[2:]
+    return bundles
+
+
 def llm_server_options(llm_config: LLMConfig) -> dict[str, Any]:
     """Serve deployment options: replicas/autoscaling, and the TP x PP placement group."""
     opts = llm_config.deployment_config.to_serve_options()
     pg = llm_config.get_placement_group()
-    replica = pg.bundles[0]
+    bundles = replica_bundles(llm_config)
+    replica = bundles[0]
     actor: dict[str, Any] = {"num_cpus": replica.get("CPU", 0), "num_gpus": replica.get("GPU", 0)}
+    # Custom resources of the replica's bundle (accelerator_type:..., node labels).
+    custom = {k: v for k, v in replica.items() if k not in ("CPU", "GPU")}
+    if custom:
+        actor["resources"] = custom
     if llm_config.runtime_env:
         actor["runtime_env"] = llm_config.runtime_env
     opts.update(name=deployment_name(llm_config.model_id), ray_actor_options=actor,
-                placement_group_bundles=[dict(b) for b in pg.bundles],
+                placement_group_bundles=bundles,
                 placement_group_strategy=pg.strategy)
     return opts
 

@@ -267,6 +267,11 @@ class LLMConfig(BaseModel):
             raise ValueError(
                 f"accelerator_type={self.accelerator_type!r} requests GPUs but "
                 "num_gpus_per_worker=0; drop one of them.")
+        gpus = self.num_gpus_per_worker
+        if gpus is not None and gpus != int(gpus):
+            # Ray would pack two ranks onto one device, each sizing its KV cache for all of it.
+            raise ValueError(f"num_gpus_per_worker must be a whole number (each rank owns its "
+                             f"GPU), got {gpus:g}.")
         pg = self.placement_group_config
         need = len(self.default_placement_group().bundles)
         if pg is not None and len(pg.bundles) < need:

@@ -53,12 +53,56 @@ def _validate(world_size: int, rank: int, tp: int, pp: int, init_method: str,
         raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
 
 
-def _pick_device(local_rank: int) -> tuple[torch.device, str]:
+def cuda_missing_reason() -> str:
+    """Why this process's torch cannot use a GPU it was given."""
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a build without CUDA; install a CUDA build of "
+                "torch on the GPU nodes (or run the image the Helm chart names)")
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check the "
+            "driver and the device plugin")
+
+
+def pick_device(local_rank: int, expect_cuda: bool = False) -> tuple[torch.device, str]:
+    """(device, backend) of this rank: CUDA and nccl when present, else CPU and gloo.
+
+    ``expect_cuda``: the process was given a GPU (by Ray); then running on CPU would leave
+    the GPU idle and the model ~100x slower, so a missing CUDA is an error, not a fallback.
+    """
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return device, "nccl"
+    if expect_cuda:
+        raise RuntimeError(f"this rank was given a GPU but cannot use it: {cuda_missing_reason()}.")
     return torch.device("cpu"), "gloo"
+
+
+def process_group_kwargs(backend: str, device: torch.device) -> dict:
+    """Extra ``init_process_group`` arguments: NCCL binds the default group to the rank's
+    device so its communicator (and those split from it for the subgroups) is created now,
+    while every rank is in the rendezvous, not lazily at the first collective of a step."""
+    return {"device_id": device} if backend == "nccl" else {}
+
+
+def warm_up_groups(ctx: ParallelContext, rank: int) -> None:
+    """One collective on every group this rank belongs to, and one hidden-state-sized p2p
+    hop along its PP group, in the same order on every rank: TP, then PP, then the PP
+    chain. NCCL creates communicators (p2p pairs included) at their first use and blocks
+    until every member joins; a step that posts the sampled-id broadcast before the hidden
+    states would otherwise wait on a communicator its peer only creates later."""
+    one = torch.ones(1, device=ctx.device)
+    for group in (ctx.tp_group, ctx.pp_group):
+        if group is not None:
+            dist.all_reduce(one, group=group)
+    if ctx.pp_group is None:
+        return
+    tp = ctx.tp_size
+    buf = torch.zeros(1, device=ctx.device)
+    if not ctx.is_first_pp_rank:
+        dist.recv(buf, src=rank - tp, group=ctx.pp_group)
+    if not ctx.is_last_pp_rank:
+        dist.send(buf, dst=rank + tp, group=ctx.pp_group)
 
 
 def _set_gloo_ifname(init_method: str) -> None:
@@ -83,12 +127,13 @@ def init_distributed_environment(
     local_rank: int = 0,
     dp_rank: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    expect_cuda: bool = False,
 ) -> ParallelContext:
     """Join the world at ``distributed_init_method`` and return this rank's context.
 
     Every rank of the world must call this with the same sizes, concurrently: the group
     constructors are collective. ``timeout_s`` bounds the rendezvous and every later
-    collective on these groups.
+    collective on these groups. ``expect_cuda``: the rank holds a GPU (see ``pick_device``).
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     _validate(world_size, rank, tp, pp, distributed_init_method, timeout_s)
@@ -96,7 +141,7 @@ def init_distributed_environment(
         raise RuntimeError(
             f"torch.distributed is already initialized in this process "
             f"(rank {dist.get_rank()} of {dist.get_world_size()}); one rank per process.")
-    device, backend = _pick_device(local_rank)
+    device, backend = pick_device(local_rank, expect_cuda)
     if backend == "gloo":
         _set_gloo_ifname(distributed_init_method)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -104,9 +149,18 @@ def init_distributed_environment(
              f"{distributed_init_method} with backend {backend}")
     try:
         dist.init_process_group(backend=backend, init_method=distributed_init_method,
-                                world_size=world_size, rank=rank, timeout=timeout)
+                                world_size=world_size, rank=rank, timeout=timeout,
+                                **process_group_kwargs(backend, device))
         tp_group = _new_groups(tp_group_ranks(tp, pp), rank, backend, timeout)
         pp_group = _new_groups(pp_group_ranks(tp, pp), rank, backend, timeout)
+        ctx = ParallelContext(
+            tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp, dp_rank=dp_rank,
+            device=device,
+            # Size-1 dimensions have no group (ParallelContext's convention).
+            tp_group=tp_group if tp > 1 else None,
+            pp_group=pp_group if pp > 1 else None,
+        )
+        warm_up_groups(ctx, rank)
     except (dist.DistError, RuntimeError) as e:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -116,13 +170,7 @@ def init_distributed_environment(
                 f"not every peer joined. Cause: {e}") from e
         raise RuntimeError(f"torch.distributed init failed on {where}: {e}") from e
     logger.info("Joined %s.", where)
-    return ParallelContext(
-        tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp, dp_rank=dp_rank,
-        device=device,
-        # Size-1 dimensions have no group (ParallelContext's convention).
-        tp_group=tp_group if tp > 1 else None,
-        pp_group=pp_group if pp > 1 else None,
-    )
+    return ctx
 
 
 def _new_groups(all_ranks: list[list[int]], rank: int, backend: str,
@@ -152,8 +200,11 @@ def new_pp_broadcast_group(ctx: ParallelContext, timeout_s: float = DEFAULT_TIME
         raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
     if ctx.pp_size == 1:
         return None
-    return _new_groups(pp_group_ranks(ctx.tp_size, ctx.pp_size), dist.get_rank(),
-                       dist.get_backend(), datetime.timedelta(seconds=timeout_s))
+    group = _new_groups(pp_group_ranks(ctx.tp_size, ctx.pp_size), dist.get_rank(),
+                        dist.get_backend(), datetime.timedelta(seconds=timeout_s))
+    # Created now (see warm_up_groups), not by the first step's broadcast.
+    dist.all_reduce(torch.ones(1, device=ctx.device), group=group)
+    return group
 
 
 def destroy_distributed_environment() -> None:

@@ -133,16 +133,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul; query and KV heads are both split over TP
-    (each rank holds num_heads/tp query heads and num_kv_heads/tp KV heads)."""
+    """q, k and v projections in one matmul. Query heads are split over TP (num_heads/tp
+    per rank). KV heads are split too while there are at least as many as ranks; with
+    fewer (tp > num_kv_heads, e.g. 2 KV heads at TP=8) each is replicated over
+    tp/num_kv_heads ranks, and a rank holds the one KV head its query heads attend with
+    (vLLM's rule): rank r's query heads are r*H/tp.., whose KV head is r // (tp/KV)."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool, *, ctx: ParallelContext,
                  params_dtype: torch.dtype) -> None:
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, ctx.tp_size, "num_attention_heads")
-        self.num_kv_heads = divide(total_num_kv_heads, ctx.tp_size, "num_key_value_heads")
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        if ctx.tp_size >= total_num_kv_heads:
+            if ctx.tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size={ctx.tp_size} must be a multiple of "
+                    f"num_key_value_heads={total_num_kv_heads} to replicate KV heads "
+                    "across ranks.")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = ctx.tp_size // total_num_kv_heads
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, ctx.tp_size, "num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        # Each rank's output columns: its query heads plus its (possibly replicated) KV.
+        output_size = (total_num_heads + 2 * self.num_kv_heads * ctx.tp_size) * head_size
         super().__init__(hidden_size, output_size, bias, ctx=ctx, params_dtype=params_dtype)
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
@@ -154,7 +168,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in offsets:
             raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
         offset, size = offsets[shard_id]
-        shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
+        shard_index = self.ctx.tp_rank
+        if shard_id != "q":
+            shard_index //= self.num_kv_head_replicas
+        shard = loaded_weight.narrow(0, shard_index * size, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(target, shard, f"qkv shard {shard_id}")
         target.copy_(shard)

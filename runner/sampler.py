@@ -37,6 +37,9 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # top-n width; None = no row wants logprobs
+    # The widest top-k of the step, computed on the host: reading it from the device tensor
+    # would synchronize the stream every sampled step.
+    max_top_k: int | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -86,7 +89,7 @@ class Sampler:
             threshold = probs.amax(dim=-1, keepdim=True) * md.min_p[:, None]
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         noise = rng.gumbel_noise(rng.row_keys(md.seeds, md.positions), self._vocab_keys)
         random = (logits + noise).argmax(dim=-1)
         if greedy is None:
@@ -116,14 +119,16 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata, vocab_size: int)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+                      top_p: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
     """Mask to -inf everything outside each row's top-k, then outside the smallest set
-    whose probability reaches top-p (the most likely token always survives)."""
+    whose probability reaches top-p (the most likely token always survives).
+    ``max_top_k``: the largest effective k (0 counts as the vocabulary), known on the host;
+    without it the device tensor is read, a stream synchronization."""
     vocab = logits.shape[-1]
     if top_p is None:
         # Only top-k: a partial topk is cheaper than a full sort.
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        max_k = int(k.max())
+        max_k = min(max_top_k, vocab) if max_top_k is not None else int(k.max())
         values = logits.topk(max_k, dim=-1).values
         threshold = values.gather(1, (k - 1).clamp(max=max_k - 1)[:, None])
         threshold = threshold.masked_fill((top_k <= 0)[:, None], float("-inf"))

@@ -39,7 +39,9 @@ def build_sampling_metadata(ib: InputBatch, batch: StepBatch, vocab_size: int,
     )
     if not all_greedy:
         top_k, top_p, min_p = ib.top_k[rows], ib.top_p[rows], ib.min_p[rows]
-        md.top_k = to(top_k) if (top_k > 0).any() else None
+        if (top_k > 0).any():
+            md.top_k = to(top_k)
+            md.max_top_k = int(np.where(top_k > 0, top_k, vocab_size).max())
         md.top_p = to(top_p) if (top_p < 1.0).any() else None
         md.min_p = to(min_p) if (min_p > 0.0).any() else None
     num_prompt = ib.num_prompt_tokens[rows]

@@ -39,7 +39,10 @@ class UniProcExecutor:
     supports_async_scheduling = True
 
     def __init__(self, engine_config: EngineConfig, worker: Worker | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, expect_cuda: bool = False,
+                 local_rank: int = 0) -> None:
+        """``expect_cuda``: the process holds a GPU (a Ray actor given one); see
+        ``Worker.init_device``."""
         self.engine_config = engine_config
         self._dead: EngineDeadError | None = None
         self._lock = threading.Lock()
@@ -53,16 +56,18 @@ class UniProcExecutor:
         self._output_thread.start()
         if worker is None:
             try:
-                worker = self._on_step_thread(self._load_worker, engine_config, num_threads)
+                worker = self._on_step_thread(self._load_worker, engine_config, num_threads,
+                                              expect_cuda, local_rank)
             except BaseException:
                 self._steps.put(_STOP)
                 raise
         self.worker = worker
 
     @staticmethod
-    def _load_worker(engine_config: EngineConfig, num_threads: int | None) -> Worker:
-        worker = Worker(engine_config)
-        worker.init_device(num_threads=num_threads)
+    def _load_worker(engine_config: EngineConfig, num_threads: int | None,
+                     expect_cuda: bool, local_rank: int) -> Worker:
+        worker = Worker(engine_config, local_rank=local_rank)
+        worker.init_device(num_threads=num_threads, expect_cuda=expect_cuda)
         worker.load_model()
         return worker
 

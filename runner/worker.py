@@ -15,10 +15,12 @@ from typing import Protocol
 import torch
 
 from raylm.parallel.context import ParallelContext
+from raylm.parallel.distributed import cuda_missing_reason, pick_device
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.cpu_budget import usable_cpus
 from raylm.runner.host_memory import keep_freed_host_memory
 from raylm.runner.model_runner import ModelRunner
+from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.scheduler import envs
@@ -71,6 +73,35 @@ def set_intra_op_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
+# NCCL's buffers per communicator (channels x peers x NCCL_BUFFSIZE, plus its proxy):
+# a few hundred MiB on 8-GPU nodes, not visible to torch's allocator.
+NCCL_COMMUNICATOR_RESERVE_BYTES = 256 << 20
+_FIXED_RESERVE_BYTES = 256 << 20  # CUDA context slack, allocator fragmentation
+
+
+def device_reserve_bytes(config: EngineConfig, ctx: ParallelContext, elem: int) -> int:
+    """Device memory a rank needs besides weights and the KV cache, sized for the worst
+    step: activations of a full token budget, the sampler's float32 logits, the decode
+    attention workspace, and the communicators' buffers."""
+    hf = config.model_config.hf_config
+    sched = config.scheduler_config
+    dc = DecoderConfig.from_hf(hf)
+    width = dc.hidden_size * 4 + 3 * dc.intermediate_size
+    activations = 2 * sched.max_num_batched_tokens * width * elem
+    logits = sched.max_num_seqs * dc.vocab_size * 4 * 6  # float32 sampler temporaries
+    # Decode attention gathers every running request's K and V (this rank's KV heads, up
+    # to max_model_len positions) into one contiguous batch, plus float32 scores per
+    # query head: ~4 GiB for an 8B model at 128 requests x 8k tokens.
+    kv_heads = max(1, dc.num_key_value_heads // ctx.tp_size)
+    q_heads = max(1, dc.num_attention_heads // ctx.tp_size)
+    rows = sched.max_num_seqs * sched.max_model_len
+    decode = rows * (2 * kv_heads * dc.head_dim * elem + q_heads * 4)
+    groups = sum(g is not None for g in (ctx.tp_group, ctx.pp_group))
+    groups += 2 if ctx.pp_group is not None else 0  # the sampled-id broadcast, the p2p pair
+    return (activations + logits + decode + groups * NCCL_COMMUNICATOR_RESERVE_BYTES
+            + _FIXED_RESERVE_BYTES)
+
+
 class Worker:
     def __init__(self, engine_config: EngineConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
@@ -83,11 +114,16 @@ class Worker:
         self.pp_transport: PPTransport | None = None
         self._dead: BaseException | None = None
 
-    def init_device(self, ctx: ParallelContext | None = None, num_threads: int | None = None) -> None:
+    def init_device(self, ctx: ParallelContext | None = None, num_threads: int | None = None,
+                    expect_cuda: bool = False) -> None:
+        """``expect_cuda``: this process was given a GPU; a torch without CUDA is then an
+        error naming the cause, never a silent CPU run beside an idle GPU."""
         if ctx is None:
-            device = (torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available()
-                      else torch.device("cpu"))
+            device, _ = pick_device(self.local_rank, expect_cuda)
             ctx = ParallelContext.single(device)
+        elif expect_cuda and ctx.device.type != "cuda":
+            raise RuntimeError(f"worker rank {self.rank} was given a GPU but its context "
+                               f"runs on {ctx.device}: {cuda_missing_reason()}.")
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
         elif envs.cpu_keep_freed_memory():
@@ -121,12 +157,8 @@ class Worker:
         return int(num_blocks)
 
     def _activation_reserve_bytes(self) -> int:
-        hf = self.engine_config.model_config.hf_config
-        sched = self.engine_config.scheduler_config
-        width = int(hf["hidden_size"]) * 4 + 3 * int(hf["intermediate_size"])
         elem = torch.empty((), dtype=self.model_runner.dtype).element_size()
-        logits = sched.max_num_seqs * int(hf["vocab_size"]) * 4 * 6  # float32 sampler temps
-        return 2 * sched.max_num_batched_tokens * width * elem + logits + (256 << 20)
+        return device_reserve_bytes(self.engine_config, self.ctx, elem)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

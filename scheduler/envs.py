@@ -55,3 +55,33 @@ def cpu_keep_freed_memory() -> bool:
 def cpu_auto_bfloat16() -> bool:
     """dtype="auto" runs a float32 checkpoint in bfloat16 on a CPU with native bf16."""
     return os.environ.get("RAYLM_CPU_AUTO_BFLOAT16", "1") not in ("0", "false", "False")
+
+
+def allow_cpu_fallback() -> bool:
+    """Run on CPU even in a process Ray gave a GPU whose torch has no CUDA. Off: such a
+    rank fails at start. On: for testing GPU placement with fake GPUs on CPU machines."""
+    return os.environ.get("RAYLM_ALLOW_CPU_FALLBACK", "0") not in ("0", "", "false", "False")
+
+
+def ray_noset_cuda_visible_devices() -> bool:
+    """Ray leaves CUDA_VISIBLE_DEVICES alone (Ray's own variable): every GPU of the node is
+    visible, and a rank must pick its assigned one by id."""
+    return os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "0") not in ("0", "")
+
+
+def cuda_visible_devices() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def local_ray_num_cpus() -> int | None:
+    """Logical CPUs of a local Ray instance raylm starts itself (RAYLM_LOCAL_RAY_CPUS)."""
+    value = os.environ.get("RAYLM_LOCAL_RAY_CPUS")
+    if not value:
+        return None
+    try:
+        cpus = int(value)
+    except ValueError:
+        cpus = 0
+    if cpus < 1:
+        raise ValueError(f"RAYLM_LOCAL_RAY_CPUS must be a positive integer, got {value!r}.")
+    return cpus

@@ -182,3 +182,15 @@ def test_row_keys_are_deterministic_across_calls(seed):
     k2 = rng.row_keys(s.clone(), torch.tensor([4, 5]))
     assert torch.equal(k1, k2) and k1[0] != k1[1]
     assert int(k1.min()) >= 0 and int(k1.max()) < 2**32
+
+
+def test_top_k_width_comes_from_the_host_not_the_device():
+    """The step's widest top-k is known on the host: on a device tensor ``int(k.max())``
+    would synchronize the stream every step. Meta tensors hold no data, so any read of
+    one fails: the masking must run on shapes alone."""
+    logits = torch.empty(3, 50, device="meta")
+    top_k = torch.empty(3, dtype=torch.int64, device="meta")
+    out = apply_top_k_top_p(logits, top_k, None, max_top_k=7)
+    assert out.shape == (3, 50) and out.device.type == "meta"
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        apply_top_k_top_p(logits, top_k, None)  # falls back to reading the device
