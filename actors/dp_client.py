@@ -240,9 +240,15 @@ class DPEngineCoreClient(RemoteEngineCalls):
         self._call([r.check_health.remote() for r in self.ranks], "check_health")
 
     def shutdown(self) -> None:
+        """Idempotent; after Ray itself has shut down (interpreter exit) there is nothing
+        left to release."""
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         for t in self._pollers:
             t.join(timeout=self.poll_timeout_s + 10)
+        if not ray.is_initialized():
+            return
         if self._dead is None and self.ranks:
             # Concurrently: a running rank leaves at its wave's next collective, which
             # needs every peer to reach it.
@@ -281,7 +287,10 @@ class DPEngineCoreClient(RemoteEngineCalls):
                 logger.debug("ray.kill(DP actor): %s", e)
         if self._owns_placement_groups:
             for pg in self.placement_groups:
-                remove_placement_group(pg)
+                try:
+                    remove_placement_group(pg)
+                except Exception as e:  # already removed
+                    logger.debug("remove_placement_group: %s", e)
 
 
 def make_dp_engine_core_client(config: EngineConfig, **kwargs: Any) -> DPEngineCoreClient:

@@ -20,18 +20,32 @@ from raylm.scheduler import envs
 logger = logging.getLogger(__name__)
 
 DEFAULT_PLACEMENT_TIMEOUT_S = 30.0
+# Logical CPUs of a local Ray instance raylm starts, at the least: enough for the engines
+# one process may build one after another (TP=2 x PP=2 x DP=2 with its EngineCores needs
+# 10). Bundles reserve one logical CPU per rank; the ranks then share the real cores, and
+# each sizes its torch threads from its own bundle, not from this number.
+LOCAL_RAY_MIN_CPUS = 16
 
 
 class PlacementGroupError(RuntimeError):
     """The cluster cannot (or not in time) hold the bundles an engine asked for."""
 
 
+def local_ray_num_cpus(min_cpus: float = 0.0) -> int:
+    """Logical CPUs of a local instance: RAYLM_LOCAL_RAY_CPUS, else enough for any engine
+    this machine can run (not just the first one: a local Ray cannot grow later)."""
+    override = envs.local_ray_num_cpus()
+    if override is not None:
+        return max(override, math.ceil(min_cpus))
+    return max(os.cpu_count() or 1, LOCAL_RAY_MIN_CPUS, math.ceil(min_cpus))
+
+
 def ensure_ray_initialized(min_cpus: float = 0.0) -> None:
     """Library code joins the configured cluster, or starts a local one, only if needed.
 
-    A local instance declares at least ``min_cpus`` logical CPUs: an engine's placement
-    group (EngineCore + one CPU per worker) must fit even on a 2-core machine, where the
-    ranks then share the cores.
+    A local instance declares ``local_ray_num_cpus(min_cpus)`` logical CPUs: every engine's
+    placement group (EngineCore + one CPU per worker) must fit, later and larger ones too,
+    even on a 2-core machine where the ranks then share the cores.
     """
     if ray.is_initialized():
         return
@@ -39,10 +53,10 @@ def ensure_ray_initialized(min_cpus: float = 0.0) -> None:
     if address is not None:
         ray.init(address=address, include_dashboard=False)
         return
-    num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
+    num_cpus = local_ray_num_cpus(min_cpus)
     if num_cpus > (os.cpu_count() or 1):
-        logger.info("Starting a local Ray instance with %d logical CPUs on %d cores.",
-                    num_cpus, os.cpu_count())
+        logger.info("Starting a local Ray instance with %d logical CPUs on %d cores "
+                    "(RAYLM_LOCAL_RAY_CPUS sets it).", num_cpus, os.cpu_count())
     # address="local": never join a cluster some earlier `ray start` left running.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
@@ -124,5 +138,11 @@ def describe_missing_resources(bundles: list[dict], strategy: str) -> str:
         problems.append(f"STRICT_SPREAD needs {len(bundles)} nodes, the cluster has {len(nodes)}")
     if not problems:
         problems.append(f"the cluster has enough in total ({dict(available)} free); other "
-                        "placement groups or actors may hold it, or nodes are still starting")
+                        "placement groups or actors may hold it (an engine not shut down: "
+                        "call llm.shutdown() or del it), or nodes are still starting")
+    elif len(nodes) == 1 and envs.ray_address() is None:
+        problems.append("on a single-node Ray started in this process, start it larger "
+                        "before the first engine (ray.init(num_cpus=N), or set "
+                        "RAYLM_LOCAL_RAY_CPUS=N when raylm starts it), or join a cluster "
+                        "with RAY_ADDRESS")
     return "; ".join(problems) + "."

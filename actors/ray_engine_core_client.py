@@ -108,9 +108,16 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self._call(self.actor.check_health.remote(), "check_health")
 
     def shutdown(self) -> None:
+        """Idempotent; after Ray itself has shut down (interpreter exit) there is nothing
+        left to release."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
         if getattr(self, "_stopped", None) is not None:
             self._stopped.set()
             self._poller.join(timeout=self.poll_timeout_s + 10)
+        if not ray.is_initialized():
+            return
         if self._dead is None:
             try:
                 ray.get(self.actor.shutdown.remote(), timeout=self.call_timeout_s)
@@ -139,7 +146,10 @@ class RayEngineCoreClient(RemoteEngineCalls):
         except Exception as e:  # already gone
             logger.debug("ray.kill(EngineCore actor): %s", e)
         if self._owns_placement_group:
-            remove_placement_group(self.placement_group)
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception as e:  # already removed
+                logger.debug("remove_placement_group: %s", e)
 
 
 def make_ray_engine_core_client(config: EngineConfig, **kwargs: Any) -> RayEngineCoreClient:

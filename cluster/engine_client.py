@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from raylm.cluster.engine_args import EngineArgs
@@ -24,8 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.engine = LLMEngine(engine_args)
+    def __init__(self, engine_args: EngineArgs,
+                 model_resolver: Callable[[], str] | None = None) -> None:
+        """``model_resolver``: see ``ModelConfig.model_resolver``."""
+        self.engine = LLMEngine(engine_args, model_resolver)
         self.model_config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -42,7 +44,8 @@ class AsyncLLM:
     @classmethod
     def from_llm_config(cls, llm_config: Any) -> AsyncLLM:
         """Build from a serving ``LLMConfig`` (raylm.cluster.serve_config)."""
-        return cls(llm_config.engine_args())
+        return cls(llm_config.engine_args(),
+                   model_resolver=llm_config.model_loading_config.node_resolver())
 
     # -- the output thread -------------------------------------------------------------
     def _output_loop(self) -> None:

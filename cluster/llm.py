@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import logging
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from raylm.cluster.chat_utils import apply_chat_template
@@ -13,8 +15,20 @@ from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.processor import PromptType
 from raylm.scheduler.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 # A progress bar for runs long enough to want one.
 _PROGRESS_MIN_PROMPTS = 16
+
+
+def _release(engine: LLMEngine) -> None:
+    """What ``del llm``, garbage collection and interpreter exit run: the engine's worker
+    actors, placement group and threads go, as with ``shutdown()``. Never raises (it runs
+    from the garbage collector and atexit)."""
+    try:
+        engine.shutdown()
+    except Exception as e:  # noqa: BLE001 - nobody to raise to
+        logger.warning("Releasing the engine failed: %r", e)
 
 
 class LLM:
@@ -24,9 +38,17 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_kwargs))
+    def __init__(self, model: str, *, model_resolver: Callable[[], str] | None = None,
+                 **engine_kwargs: Any) -> None:
+        """``model_resolver``: called on each node that loads the weights, returns that
+        node's checkpoint folder (``model`` is this process's; see
+        ``ModelConfig.model_resolver``). A Python-API argument, not an engine flag."""
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_kwargs),
+                                    model_resolver)
         self._ids = itertools.count()
+        # Holds the engine, not self: the LLM stays collectable, and the engine is released
+        # once, whichever comes first of shutdown(), collection and interpreter exit.
+        self._finalizer = weakref.finalize(self, _release, self.llm_engine)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -112,7 +134,7 @@ class LLM:
         return self.llm_engine.get_metrics()
 
     def shutdown(self) -> None:
-        self.llm_engine.shutdown()
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

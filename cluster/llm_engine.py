@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from raylm.cluster.engine_args import EngineArgs
@@ -81,9 +83,15 @@ def load_tokenizer(name: str) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs,
+                 model_resolver: Callable[[], str] | None = None) -> None:
+        """``model_resolver``: finds the checkpoint on each node that loads it (see
+        ``ModelConfig.model_resolver``); ``engine_args.model`` is this process's copy."""
         self.engine_args = engine_args
         self.engine_config = engine_args.create_engine_config()
+        if model_resolver is not None:
+            self.engine_config = replace(self.engine_config, model_config=replace(
+                self.engine_config.model_config, model_resolver=model_resolver))
         self.model_config = self.engine_config.model_config
         self.tokenizer = load_tokenizer(self.model_config.tokenizer or self.model_config.model)
         self.input_processor = InputProcessor(self.model_config, self.tokenizer)

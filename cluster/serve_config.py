@@ -19,7 +19,7 @@ and turns it into an :class:`OpenAIAppConfig` with :func:`load_app_config`. An i
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
@@ -79,6 +79,15 @@ class ModelLoadingConfig(BaseModel):
     @property
     def is_default(self) -> bool:
         return self.model_source is None
+
+    def node_resolver(self) -> Callable[[], str] | None:
+        """What each node that loads the model calls to find its own copy: the demo model
+        is written by every node for itself; a folder must be present on every node."""
+        if not self.is_demo:
+            return None
+        from raylm.cluster.demo import ensure_demo_model
+
+        return ensure_demo_model
 
     def resolve_model_source(self) -> str:
         """The checkpoint to load on this node; fetches the default model or writes the demo

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -105,6 +106,10 @@ def device_reserve_bytes(config: EngineConfig, ctx: ParallelContext, elem: int) 
 class Worker:
     def __init__(self, engine_config: EngineConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
+        # The driver's checkpoint path may not exist here (another node, another cache).
+        model_config = engine_config.model_config.on_this_node()
+        if model_config is not engine_config.model_config:
+            engine_config = replace(engine_config, model_config=model_config)
         self.engine_config = engine_config
         self.rank = rank
         self.local_rank = local_rank

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
@@ -53,6 +54,11 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Called on every node that loads the weights (each rank, in its own process) and
+    # returns that node's checkpoint folder: a node-local cache or download. None: ``model``
+    # is a folder every node can read at the same path. Must pickle (a module-level
+    # function, or functools.partial of one); ``model`` is the driver's own resolution.
+    model_resolver: Callable[[], str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # The checks that need no checkpoint come first: the Serve config runs them early.
@@ -78,6 +84,16 @@ class ModelConfig:
                        f"must not exceed the model's max_position_embeddings={limit}")
         if self.tokenizer is None:
             object.__setattr__(self, "tokenizer", self.model)
+
+    def on_this_node(self) -> ModelConfig:
+        """This config with ``model`` pointing at this node's copy of the checkpoint."""
+        if self.model_resolver is None:
+            return self
+        path = self.model_resolver()
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model_resolver {self.model_resolver!r} returned {path!r}, "
+                             "which is not a folder with a config.json on this node.")
+        return replace(self, model=path)
 
     @property
     def architecture(self) -> str:
