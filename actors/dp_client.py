@@ -33,6 +33,7 @@ from raylm.actors.placement import (
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
+from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
 from raylm.scheduler.engine_config import EngineConfig, dp_rank_bundles
 from raylm.scheduler.executor_base import EngineDeadError
@@ -139,8 +140,9 @@ class DPEngineCoreClient(RemoteEngineCalls):
             bundle = pg.bundle_specs[base]
             cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
             threads = threads_for_cpus(cpus or cpus_per_rank)
+            env = envs.forwarded_to_actors()
             self.ranks.append(DPEngineCoreActor.options(
-                num_cpus=cpus, num_gpus=gpus,
+                num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=base),
             ).remote(self.config, rank, self.coordinator, pg, threads, executor_kwargs,

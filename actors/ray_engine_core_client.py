@@ -27,6 +27,7 @@ from raylm.actors.placement import (
     worker_bundles,
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
+from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import EngineCoreOutputs
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError
@@ -62,8 +63,10 @@ class RayEngineCoreClient(RemoteEngineCalls):
             self.placement_group = create_placement_group(
                 bundles, pc.placement_group_strategy, placement_timeout_s)
             self._owns_placement_group = True
+        env = envs.forwarded_to_actors()
         self.actor = EngineCoreActor.options(
             num_cpus=engine_core_cpus,
+            runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=0),
         ).remote(config, self.placement_group, 1, executor_kwargs)

@@ -105,8 +105,7 @@ class RayExecutor:
     def _init_workers(self, worker_cls, init_timeout_s, dist_timeout_s) -> None:
         ifname = envs.gloo_socket_ifname()
         env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
-        if envs.allow_cpu_fallback():
-            env["RAYLM_ALLOW_CPU_FALLBACK"] = "1"
+        env.update(envs.forwarded_to_actors())
         for rank in range(self.world_size):
             bundle_index = self.bundle_offset + rank
             bundle = self.placement_group.bundle_specs[bundle_index]

@@ -72,7 +72,8 @@ class WorkerActor:
         ctx = ray.get_runtime_context()
         return {"node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "assigned_resources": dict(ctx.get_assigned_resources())}
 
     def get_distributed_init_method(self) -> str:
         """Rank 0 publishes the rendezvous: a free port on its node's IP."""

@@ -63,6 +63,12 @@ def allow_cpu_fallback() -> bool:
     return os.environ.get("RAYLM_ALLOW_CPU_FALLBACK", "0") not in ("0", "", "false", "False")
 
 
+def forwarded_to_actors() -> dict[str, str]:
+    """raylm variables of this process that its engine's actors must see too (an actor
+    inherits its node's environment, not the driver's; its own child actors inherit it)."""
+    return {"RAYLM_ALLOW_CPU_FALLBACK": "1"} if allow_cpu_fallback() else {}
+
+
 def ray_noset_cuda_visible_devices() -> bool:
     """Ray leaves CUDA_VISIBLE_DEVICES alone (Ray's own variable): every GPU of the node is
     visible, and a rank must pick its assigned one by id."""
