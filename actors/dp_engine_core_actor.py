@@ -86,6 +86,7 @@ class DPEngineCoreActor:
             executor.shutdown()
             raise
         return {"dp_rank": self.dp_rank, "node_ip": self.node_ip,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "num_kv_blocks": self.engine_core.num_kv_blocks,
                 "async_scheduling": self.engine_core.config.async_scheduling,
                 "executor": type(executor).__name__}

@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 import threading
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -89,6 +90,11 @@ class WorkerActor:
         """Join torch.distributed (world size > 1), build the Worker, bind its device."""
         from raylm.actors.gpu_assignment import current_device_assignment
 
+        # Find this node's checkpoint before joining torch.distributed: a resolver that
+        # writes files (the demo model) must not run as a non-zero distributed rank,
+        # which transformers' save_pretrained treats as "not the main process".
+        engine_config = replace(engine_config,
+                                model_config=engine_config.model_config.on_this_node())
         pc = engine_config.parallel_config
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.is_output_rank = self.rank == output_rank(tp, pp)

@@ -83,8 +83,15 @@ async def _rest(first: str, stream: Any) -> AsyncIterator[str]:
     finished = False
     try:
         yield first
-        async for line in stream:
-            yield line
+        try:
+            async for line in stream:
+                yield line
+        except Exception as e:  # noqa: BLE001 - the replica (or its node) died mid-stream
+            # The status line is long sent: end the stream with an error event the client
+            # can parse, not a connection cut in the middle of a chunk.
+            err = from_exception(e)
+            logger.warning("stream failed after it started: %s", err.message)
+            yield f"data: {json.dumps(err.to_dict())}\n\n"
         finished = True
     finally:
         if not finished:  # the client went away: stop the generation behind it

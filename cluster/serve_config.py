@@ -166,6 +166,8 @@ class AutoscalingConfig(BaseModel):
     initial_replicas: NonNegativeInt | None = None
     upscale_delay_s: NonNegativeFloat | None = None
     downscale_delay_s: NonNegativeFloat | None = None
+    # The window Serve averages ongoing requests over (Serve: 30 s).
+    look_back_period_s: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _check_range(self) -> AutoscalingConfig:

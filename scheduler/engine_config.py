@@ -91,9 +91,11 @@ class ModelConfig:
             return self
         path = self.model_resolver()
         if not os.path.isfile(os.path.join(path, "config.json")):
+            found = os.listdir(path) if os.path.isdir(path) else "no such folder"
             raise ValueError(f"model_resolver {self.model_resolver!r} returned {path!r}, "
-                             "which is not a folder with a config.json on this node.")
-        return replace(self, model=path)
+                             f"which is not a folder with a config.json on this node "
+                             f"(it holds: {found}).")
+        return replace(self, model=path, model_resolver=None)
 
     @property
     def architecture(self) -> str:

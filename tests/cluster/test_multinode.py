@@ -1,0 +1,353 @@
+"""raylm on a multi-node Ray cluster on one machine (tests/cluster/multinode.py): a head
+and two worker nodes, each its own ``ray start`` with its own HOME and cache.
+
+Engines: TP=2 with one rank per node on the default (demo) model that each node writes
+for itself, PP=2 across nodes, DP=2 with one rank per node, all greedy-equal to the
+single-process engine. Serving: replicas on both nodes; autoscaling 1 -> 2 -> 1 under a
+bounded loopback load with every request answered; a killed replica process, a killed
+node (raylet) and a killed EngineCore actor each give the open streams a clean error
+within 30 s, and the app recovers. One cluster for the module: its start is the slow part.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from multinode import LocalCluster, NodeSpec, free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPTS = [[5, 9, 33, 70, 2], [11, 400, 7]]
+# Fast Serve autoscaling signals and node-death detection (the defaults are 10-30 s).
+FAST_SIGNALS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                "RAY_health_check_initial_delay_ms": "1000"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    workers = [NodeSpec(n, 1, resources={n: 1, "replica_slot": 1}, env=FAST_SIGNALS)
+               for n in ("node_a", "node_b")]
+    c = LocalCluster(NodeSpec("head", 1, resources={"head": 1}, env=FAST_SIGNALS), workers)
+    c.start()
+    yield c
+    c.shutdown()
+
+
+def _greedy(llm, max_tokens: int = 6) -> list[list[int]]:
+    from raylm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+
+
+def _reference(path: str) -> list[list[int]]:
+    from raylm import LLM
+
+    with LLM(path, num_kv_blocks=32, max_num_seqs=4) as llm:  # in this process
+        return _greedy(llm)
+
+
+def _worker_nodes(llm) -> list[str]:
+    return [info["node_id"] for info in llm.llm_engine.core.info["worker_infos"]]
+
+
+def test_tp2_one_rank_per_node_resolves_the_default_model_on_each_node(cluster, tmp_path,
+                                                                       monkeypatch):
+    """The driver's copy of the demo model has no weights: each rank must load the copy
+    its own node writes (model_resolver), under that node's HOME."""
+    from raylm import LLM
+    from raylm.cluster.demo import ensure_demo_model
+
+    driver_copy = ensure_demo_model(str(tmp_path / "driver-demo"))
+    for f in glob.glob(os.path.join(driver_copy, "*.safetensors")):
+        os.remove(f)  # the driver reads config and tokenizer only
+    with LLM(driver_copy, tensor_parallel_size=2, placement_group_strategy="STRICT_SPREAD",
+             model_resolver=ensure_demo_model, num_kv_blocks=32, max_num_seqs=4) as llm:
+        nodes = _worker_nodes(llm)
+        got = _greedy(llm)
+    assert len(set(nodes)) == 2, nodes
+    for node_id in nodes:
+        home = os.path.join(cluster.node_dir(cluster.node_name(node_id)), "home")
+        assert os.path.isfile(os.path.join(home, ".cache", "raylm", "demo-model",
+                                           "model.safetensors")), os.listdir(home)
+    node_copy = os.path.join(cluster.node_dir(cluster.node_name(nodes[0])), "home", ".cache",
+                             "raylm", "demo-model")
+    assert got == _reference(node_copy)
+
+
+def test_pp2_across_nodes_equals_single_process(cluster, llama_path):
+    from raylm import LLM
+
+    with LLM(llama_path, pipeline_parallel_size=2, placement_group_strategy="STRICT_SPREAD",
+             num_kv_blocks=32, max_num_seqs=4) as llm:
+        nodes = _worker_nodes(llm)
+        got = _greedy(llm)
+    assert len(set(nodes)) == 2, nodes
+    assert got == _reference(llama_path)
+
+
+def test_dp2_one_rank_per_node_equals_single_process(cluster, llama_path):
+    from raylm import LLM
+
+    # Each node has one CPU: the two rank actors cannot share a node.
+    with LLM(llama_path, data_parallel_size=2, num_kv_blocks=32, max_num_seqs=4) as llm:
+        nodes = [info["node_id"] for info in llm.llm_engine.core.rank_infos]
+        got = _greedy(llm)
+    assert len(set(nodes)) == 2, nodes
+    assert got == _reference(llama_path)
+
+
+# ---- serving ----------------------------------------------------------------------------
+
+def _llm_config(model_id: str, llama_path: str, **extra) -> dict:
+    # One replica per worker node: its bundle asks for the node's one "replica_slot".
+    return {"model_loading_config": {"model_id": model_id, "model_source": llama_path},
+            "engine_kwargs": {"max_num_seqs": 8, "num_kv_blocks": 64, **extra.pop("engine", {})},
+            "placement_group_config": {"bundles": [{"CPU": 1, "replica_slot": 1}, {"CPU": 1}]},
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def serve_port(cluster):
+    from ray import serve
+
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+def _run_app(name: str, config: dict) -> None:
+    from ray import serve
+
+    from raylm.cluster import build_openai_app
+
+    serve.run(build_openai_app({"llm_configs": [config]}), name=name, route_prefix=f"/{name}")
+
+
+def _replicas(name: str) -> dict[str, int]:
+    """Replica states of the app's LLMServer deployment."""
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    if app is None:
+        return {}
+    dep = next(d for n, d in app.deployments.items() if n.startswith("LLMServer"))
+    return {str(getattr(k, "value", k)): v for k, v in dep.replica_states.items()}
+
+
+def _running(name: str) -> int:
+    return _replicas(name).get("RUNNING", 0)
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g}s")
+        time.sleep(0.25)
+
+
+def _complete(url: str, model: str, max_tokens: int = 8, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=timeout, json={
+        "model": model, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+
+
+def _processes(cluster: LocalCluster, node: str, title: str) -> list[int]:
+    """Processes of ``node`` whose title (Ray sets ``ray::<actor>``) contains ``title``."""
+    from multinode import _cmdline
+
+    return [p for p in cluster._pids(cluster.node_dir(node) + os.sep) if title in _cmdline(p)]
+
+
+def _nodes_running(cluster: LocalCluster, title: str) -> list[str]:
+    return [n for n in cluster.specs for _ in _processes(cluster, n, title)]
+
+
+def test_serve_replicas_land_on_both_nodes(cluster, serve_port, llama_path):
+    from ray import serve
+
+    _run_app("both", _llm_config("m-both", llama_path,
+                                 deployment_config={"num_replicas": 2}))
+    try:
+        url = f"http://127.0.0.1:{serve_port}/both"
+        for _ in range(4):
+            r = _complete(url, "m-both")
+            assert r.status_code == 200, r.text
+        nodes = _nodes_running(cluster, "ServeReplica:both:LLMServer")
+        assert sorted(nodes) == ["node_a", "node_b"], nodes
+    finally:
+        serve.delete("both")
+
+
+def test_autoscaling_one_to_two_to_one_replicas_without_losing_a_request(serve_port,
+                                                                         llama_path):
+    from ray import serve
+
+    _run_app("auto", _llm_config("m-auto", llama_path, deployment_config={
+        "max_ongoing_requests": 4,
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                               "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+                               "downscale_delay_s": 2, "look_back_period_s": 2}}))
+    url = f"http://127.0.0.1:{serve_port}/auto"
+    counts: list[tuple[float, int]] = []
+    results: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:  # closed loop: one request at a time, until told to stop
+        while not stop.is_set():
+            results.append(_complete(url, "m-auto", max_tokens=48, timeout=120).status_code)
+
+    try:
+        _wait(lambda: _running("auto") == 1, 60, "one replica at start")
+        t0 = time.monotonic()
+        clients = [threading.Thread(target=client) for _ in range(3)]
+        for t in clients:
+            t.start()
+        try:
+            def sample() -> int:
+                n = _running("auto")
+                counts.append((round(time.monotonic() - t0, 1), n))
+                return n
+
+            _wait(lambda: sample() == 2, 90, f"scale up to 2 under load (seen {counts[-5:]})")
+        finally:
+            stop.set()
+            for t in clients:
+                t.join(timeout=150)
+        _wait(lambda: (counts.append((round(time.monotonic() - t0, 1), _running("auto")))
+                       or counts[-1][1] == 1 and len(_replicas("auto")) == 1),
+              90, f"scale back to 1 after the load (seen {counts[-5:]})")
+    finally:
+        serve.delete("auto")
+    seen = [n for _, n in counts]
+    assert seen[0] == 1 and 2 in seen and seen[-1] == 1, counts  # 1 -> 2 -> 1
+    assert results and all(code == 200 for code in results), results
+
+
+def _stream(url: str, model: str, events: list, max_tokens: int = 900) -> None:
+    """Record ("token", t) per SSE chunk, then ("done"|"error"|"http", detail, t)."""
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as r:
+            if r.status_code != 200:
+                r.read()
+                events.append(("http", r.status_code, r.text, time.monotonic()))
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    events.append(("done", None, None, time.monotonic()))
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    events.append(("error", chunk["error"], None, time.monotonic()))
+                    return
+                events.append(("token", None, None, time.monotonic()))
+        events.append(("cut", None, None, time.monotonic()))
+    except httpx.HTTPError as e:
+        events.append(("cut", repr(e), None, time.monotonic()))
+
+
+def _clean_failure(events: list, killed_at: float) -> None:
+    """The stream ended with an SSE error event or a 5xx OpenAI error JSON, within 30 s."""
+    kind, detail, text, at = events[-1]
+    assert kind in ("error", "http"), events[-3:]
+    if kind == "http":
+        assert detail >= 500 and "error" in json.loads(text), (detail, text)
+    else:
+        assert detail["code"] >= 500 and detail["message"], detail
+    assert at - killed_at < 30, at - killed_at
+
+
+def _kill_mid_stream(url: str, model: str, kill, n_streams: int = 1) -> tuple[list, float]:
+    streams = [[] for _ in range(n_streams)]
+    threads = [threading.Thread(target=_stream, args=(url, model, ev)) for ev in streams]
+    for t in threads:
+        t.start()
+    _wait(lambda: all(sum(e[0] == "token" for e in ev) >= 3 for ev in streams), 60,
+          "streams started")
+    killed_at = time.monotonic()
+    kill()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream hung after the failure"
+    return streams, killed_at
+
+
+def test_killed_replica_process_gives_a_clean_error_and_serve_recovers(cluster, serve_port,
+                                                                       llama_path):
+    from ray import serve
+
+    _run_app("rk", _llm_config("m-rk", llama_path, deployment_config={"num_replicas": 1}))
+    url = f"http://127.0.0.1:{serve_port}/rk"
+    try:
+        (node,) = _nodes_running(cluster, "ServeReplica:rk:LLMServer")
+        pids = _processes(cluster, node, "ServeReplica:rk:LLMServer")
+        assert len(pids) == 1, pids
+        (events,), killed_at = _kill_mid_stream(url, "m-rk", lambda: os.kill(pids[0], 9))
+        _clean_failure(events, killed_at)
+        _wait(lambda: _running("rk") == 1 and _complete(url, "m-rk").status_code == 200, 90,
+              "the replica restarted and answers")
+    finally:
+        serve.delete("rk")
+
+
+def test_killed_engine_core_actor_gives_a_clean_error_and_serve_recovers(cluster, serve_port,
+                                                                         llama_path):
+    from ray import serve
+
+    cfg = _llm_config("m-ec", llama_path, deployment_config={"num_replicas": 1},
+                      engine={"distributed_executor_backend": "ray"})
+    _run_app("ec", cfg)
+    url = f"http://127.0.0.1:{serve_port}/ec"
+    try:
+        pids = [p for n in cluster.specs for p in _processes(cluster, n, "ray::EngineCoreActor")]
+        assert len(pids) == 1, pids
+        (events,), killed_at = _kill_mid_stream(url, "m-ec", lambda: os.kill(pids[0], 9))
+        _clean_failure(events, killed_at)
+        _wait(lambda: _complete(url, "m-ec").status_code == 200, 120,
+              "a replacement replica with a new engine answers")
+    finally:
+        serve.delete("ec")
+
+
+def test_killed_node_gives_a_clean_error_and_serve_recovers(cluster, serve_port, llama_path):
+    """Two replicas, one per worker node; one node's raylet is killed mid-stream. Its streams
+    end with an error within 30 s, the other's finish; once the node is back (a new node, as
+    KubeRay would start), Serve runs two replicas again and requests succeed."""
+    from ray import serve
+
+    _run_app("nk", _llm_config("m-nk", llama_path, deployment_config={"num_replicas": 2}))
+    url = f"http://127.0.0.1:{serve_port}/nk"
+    try:
+        # A worker node without the ingress replica (Serve may place it on any node).
+        ingress = _nodes_running(cluster, "ServeReplica:nk:OpenAIIngress")
+        victim = "node_b" if "node_b" not in ingress else "node_a"
+        streams, killed_at = _kill_mid_stream(url, "m-nk", lambda: cluster.kill_raylet(victim),
+                                              n_streams=4)
+        ends = [ev[-1][0] for ev in streams]
+        assert set(ends) <= {"done", "error", "http"}, [ev[-2:] for ev in streams]
+        failed = [ev for ev in streams if ev[-1][0] != "done"]
+        assert failed, "every stream finished: none was served on the killed node"
+        for ev in failed:
+            _clean_failure(ev, killed_at)
+        cluster.start_node(victim)
+        cluster.wait_for_nodes(3)
+        _wait(lambda: _running("nk") == 2, 120, "two replicas again")
+        for _ in range(3):
+            assert _complete(url, "m-nk").status_code == 200
+    finally:
+        serve.delete("nk")
