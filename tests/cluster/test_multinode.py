@@ -59,8 +59,7 @@ def _worker_nodes(llm) -> list[str]:
     return [info["node_id"] for info in llm.llm_engine.core.info["worker_infos"]]
 
 
-def test_tp2_one_rank_per_node_resolves_the_default_model_on_each_node(cluster, tmp_path,
-                                                                       monkeypatch):
+def test_tp2_one_rank_per_node_resolves_the_default_model_on_each_node(cluster, tmp_path):
     """The driver's copy of the demo model has no weights: each rank must load the copy
     its own node writes (model_resolver), under that node's HOME."""
     from raylm import LLM
@@ -173,22 +172,6 @@ def _nodes_running(cluster: LocalCluster, title: str) -> list[str]:
     return [n for n in cluster.specs for _ in _processes(cluster, n, title)]
 
 
-def test_serve_replicas_land_on_both_nodes(cluster, serve_port, llama_path):
-    from ray import serve
-
-    _run_app("both", _llm_config("m-both", llama_path,
-                                 deployment_config={"num_replicas": 2}))
-    try:
-        url = f"http://127.0.0.1:{serve_port}/both"
-        for _ in range(4):
-            r = _complete(url, "m-both")
-            assert r.status_code == 200, r.text
-        nodes = _nodes_running(cluster, "ServeReplica:both:LLMServer")
-        assert sorted(nodes) == ["node_a", "node_b"], nodes
-    finally:
-        serve.delete("both")
-
-
 def test_autoscaling_one_to_two_to_one_replicas_without_losing_a_request(serve_port,
                                                                          llama_path):
     from ray import serve
@@ -287,22 +270,13 @@ def _kill_mid_stream(url: str, model: str, kill, n_streams: int = 1) -> tuple[li
     return streams, killed_at
 
 
-def test_killed_replica_process_gives_a_clean_error_and_serve_recovers(cluster, serve_port,
-                                                                       llama_path):
-    from ray import serve
-
-    _run_app("rk", _llm_config("m-rk", llama_path, deployment_config={"num_replicas": 1}))
-    url = f"http://127.0.0.1:{serve_port}/rk"
-    try:
-        (node,) = _nodes_running(cluster, "ServeReplica:rk:LLMServer")
-        pids = _processes(cluster, node, "ServeReplica:rk:LLMServer")
-        assert len(pids) == 1, pids
-        (events,), killed_at = _kill_mid_stream(url, "m-rk", lambda: os.kill(pids[0], 9))
-        _clean_failure(events, killed_at)
-        _wait(lambda: _running("rk") == 1 and _complete(url, "m-rk").status_code == 200, 90,
-              "the replica restarted and answers")
-    finally:
-        serve.delete("rk")
+def _check_failed_streams(streams: list, killed_at: float) -> None:
+    ends = [ev[-1][0] for ev in streams]
+    assert set(ends) <= {"done", "error", "http"}, [ev[-2:] for ev in streams]
+    failed = [ev for ev in streams if ev[-1][0] != "done"]
+    assert failed, "every stream finished: none was served by what was killed"
+    for ev in failed:
+        _clean_failure(ev, killed_at)
 
 
 def test_killed_engine_core_actor_gives_a_clean_error_and_serve_recovers(cluster, serve_port,
@@ -324,30 +298,51 @@ def test_killed_engine_core_actor_gives_a_clean_error_and_serve_recovers(cluster
         serve.delete("ec")
 
 
-def test_killed_node_gives_a_clean_error_and_serve_recovers(cluster, serve_port, llama_path):
-    """Two replicas, one per worker node; one node's raylet is killed mid-stream. Its streams
-    end with an error within 30 s, the other's finish; once the node is back (a new node, as
-    KubeRay would start), Serve runs two replicas again and requests succeed."""
+@pytest.fixture(scope="module")
+def two_replicas(cluster, serve_port, llama_path):
+    """An app with two replicas, one per worker node (shared by the tests below, in order:
+    placement, a killed replica process, a killed node)."""
     from ray import serve
 
-    _run_app("nk", _llm_config("m-nk", llama_path, deployment_config={"num_replicas": 2}))
-    url = f"http://127.0.0.1:{serve_port}/nk"
-    try:
-        # A worker node without the ingress replica (Serve may place it on any node).
-        ingress = _nodes_running(cluster, "ServeReplica:nk:OpenAIIngress")
-        victim = "node_b" if "node_b" not in ingress else "node_a"
-        streams, killed_at = _kill_mid_stream(url, "m-nk", lambda: cluster.kill_raylet(victim),
-                                              n_streams=4)
-        ends = [ev[-1][0] for ev in streams]
-        assert set(ends) <= {"done", "error", "http"}, [ev[-2:] for ev in streams]
-        failed = [ev for ev in streams if ev[-1][0] != "done"]
-        assert failed, "every stream finished: none was served on the killed node"
-        for ev in failed:
-            _clean_failure(ev, killed_at)
-        cluster.start_node(victim)
-        cluster.wait_for_nodes(3)
-        _wait(lambda: _running("nk") == 2, 120, "two replicas again")
-        for _ in range(3):
-            assert _complete(url, "m-nk").status_code == 200
-    finally:
-        serve.delete("nk")
+    _run_app("two", _llm_config("m-two", llama_path, deployment_config={"num_replicas": 2}))
+    yield f"http://127.0.0.1:{serve_port}/two"
+    serve.delete("two")
+
+
+def test_serve_replicas_land_on_both_nodes(cluster, two_replicas):
+    for _ in range(4):
+        r = _complete(two_replicas, "m-two")
+        assert r.status_code == 200, r.text
+    nodes = _nodes_running(cluster, "ServeReplica:two:LLMServer")
+    assert sorted(nodes) == ["node_a", "node_b"], nodes
+
+
+def test_killed_replica_process_gives_a_clean_error_and_serve_recovers(cluster, two_replicas):
+    """Four streams over two replicas; node_a's replica process is SIGKILLed mid-stream.
+    Its streams end with a clean error within 30 s, the others finish; Serve restarts the
+    replica and requests succeed."""
+    pids = _processes(cluster, "node_a", "ServeReplica:two:LLMServer")
+    assert len(pids) == 1, pids
+    streams, killed_at = _kill_mid_stream(two_replicas, "m-two", lambda: os.kill(pids[0], 9),
+                                          n_streams=4)
+    _check_failed_streams(streams, killed_at)
+    _wait(lambda: _running("two") == 2, 120, "two replicas again")
+    for _ in range(3):
+        assert _complete(two_replicas, "m-two").status_code == 200
+
+
+def test_killed_node_gives_a_clean_error_and_serve_recovers(cluster, two_replicas):
+    """One worker node's raylet is killed mid-stream (its workers die with it). Its streams
+    end with a clean error within 30 s, the other node's finish; once the node is back (a
+    new node, as KubeRay would start), Serve runs two replicas again and requests succeed."""
+    # A worker node without the ingress replica (Serve may place it on any node).
+    ingress = _nodes_running(cluster, "ServeReplica:two:OpenAIIngress")
+    victim = "node_b" if "node_b" not in ingress else "node_a"
+    streams, killed_at = _kill_mid_stream(two_replicas, "m-two",
+                                          lambda: cluster.kill_raylet(victim), n_streams=4)
+    _check_failed_streams(streams, killed_at)
+    cluster.start_node(victim)
+    cluster.wait_for_nodes(3)
+    _wait(lambda: _running("two") == 2, 120, "two replicas again")
+    for _ in range(3):
+        assert _complete(two_replicas, "m-two").status_code == 200

@@ -122,7 +122,8 @@ def test_override_render_matches_values(helm_template, crd_errors):
     a, b = groups
     assert (a["minReplicas"], a["replicas"], a["maxReplicas"]) == (1, 1, 4)
     assert (b["minReplicas"], b["replicas"], b["maxReplicas"]) == (0, 0, 2)
-    assert a["rayStartParams"] == {"num-cpus": "16"}  # stringified for the CRD
+    assert a["rayStartParams"] == {  # stringified for the CRD; accelerator for the autoscaler
+        "num-cpus": "16", "resources": "\"{\\\"accelerator_type:H100\\\":1}\""}
     assert _container(a["template"])["resources"]["limits"] == {
         "cpu": "16", "memory": "64Gi", "nvidia.com/gpu": 4}
     assert _container(b["template"])["resources"]["requests"] == {"nvidia.com/gpu": 8}

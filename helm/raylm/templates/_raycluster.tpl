@@ -39,7 +39,12 @@ workerGroupSpecs:
     idleTimeoutSeconds: {{ int . }}
     {{- end }}
     rayStartParams:
-      {{- $params := default (dict) (get $g "rayStartParams") }}
+      {{- $params := deepCopy (default (dict) (get $g "rayStartParams")) }}
+      {{- $custom := include "raylm.groupCustomResources" (dict "root" $.root "group" $g) | fromJson }}
+      {{- if and $custom (not (hasKey $params "resources")) }}
+      {{- /* KubeRay's form: a JSON object in double quotes, for the autoscaler to read. */}}
+      {{- $_ := set $params "resources" (printf "%q" (toJson $custom)) }}
+      {{- end }}
       {{- if $params }}
       {{- include "raylm.rayStartParams" (dict "params" $params) | trim | nindent 6 }}
       {{- else }} {}
@@ -134,12 +139,40 @@ spec:
           exec:
             # Let open streams finish, then leave the Ray cluster cleanly.
             command: ["/bin/sh", "-c", "sleep {{ int $v.drain.preStopSleepSeconds }}; ray stop"]
-      {{- with $v.extraVolumeMounts }}
+      {{- $shm := and (eq .kind "worker") $v.shm.enabled }}
+      {{- $mounts := default (list) $v.extraVolumeMounts }}
+      {{- if $shm }}
+      {{- $mounts = append $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
+      {{- end }}
+      {{- with $mounts }}
       volumeMounts:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-  {{- with $v.extraVolumes }}
+  {{- $volumes := default (list) $v.extraVolumes }}
+  {{- if $shm }}
+  {{- /* Memory-backed: Ray's object store and NCCL's intra-pod transport live here. */}}
+  {{- $dir := dict "medium" "Memory" }}
+  {{- with $v.shm.sizeLimit }}{{ $_ := set $dir "sizeLimit" . }}{{ end }}
+  {{- $volumes = append $volumes (dict "name" "dshm" "emptyDir" $dir) }}
+  {{- end }}
+  {{- with $volumes }}
   volumes:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
+
+{{/*
+Custom Ray resources a worker group declares (JSON object) so that the KubeRay autoscaler
+knows which group can hold the placement group bundles that ask for them: with
+llmConfig.accelerator_type set, every GPU group offers "accelerator_type:<T>" (Ray also
+detects it on a running GPU node, but the autoscaler scales from zero pods on the declared
+value alone). Args: root, group.
+*/}}
+{{- define "raylm.groupCustomResources" -}}
+{{- $res := dict }}
+{{- $t := .root.Values.llmConfig.accelerator_type }}
+{{- if and $t (gt (float64 (default 0 (get .group "gpus"))) 0.0) }}
+{{- $_ := set $res (printf "accelerator_type:%s" $t) 1 }}
+{{- end }}
+{{- toJson $res }}
 {{- end }}
