@@ -86,6 +86,14 @@ class LocalCluster:
         return env
 
     def start_node(self, name: str) -> None:
+        self._wait_started(name, self._start_node(name))
+
+    def _wait_started(self, name: str, proc: subprocess.Popen) -> None:
+        out, err = proc.communicate(timeout=180)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start of node {name} failed:\n{out}\n{err}")
+
+    def _start_node(self, name: str) -> subprocess.Popen:
         spec = self.specs[name]
         n = self._starts[name] = self._starts.get(name, 0) + 1
         temp = os.path.join(self.node_dir(name), f"t{n}")
@@ -105,15 +113,16 @@ class LocalCluster:
                     f"--ray-client-server-port={free_port()}"]
         else:
             cmd += [f"--address={self.address}"]
-        proc = subprocess.run(cmd, env=self.node_env(spec), capture_output=True, text=True,
-                              timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ray start of node {name} failed:\n{proc.stdout}\n{proc.stderr}")
+        return subprocess.Popen(cmd, env=self.node_env(spec), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def start(self, timeout_s: float = 120.0) -> None:
         try:
-            for name in self.specs:
-                self.start_node(name)
+            self.start_node(self.head.name)
+            # The worker nodes join concurrently: each `ray start` spends seconds importing.
+            procs = {n: self._start_node(n) for n in self.specs if n != self.head.name}
+            for name, proc in procs.items():
+                self._wait_started(name, proc)
             self.wait_for_nodes(len(self.specs), timeout_s)
         except BaseException:
             self.shutdown()

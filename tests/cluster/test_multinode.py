@@ -11,6 +11,7 @@ within 30 s, and the app recovers. One cluster for the module: its start is the 
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -65,11 +66,13 @@ def test_tp2_one_rank_per_node_resolves_the_default_model_on_each_node(cluster, 
     from raylm import LLM
     from raylm.cluster.demo import ensure_demo_model
 
-    driver_copy = ensure_demo_model(str(tmp_path / "driver-demo"))
+    # The demo writer at its smallest size: what is tested is who writes it, and where.
+    resolver = functools.partial(ensure_demo_model, None, "tiny")
+    driver_copy = ensure_demo_model(str(tmp_path / "driver-demo"), "tiny")
     for f in glob.glob(os.path.join(driver_copy, "*.safetensors")):
         os.remove(f)  # the driver reads config and tokenizer only
     with LLM(driver_copy, tensor_parallel_size=2, placement_group_strategy="STRICT_SPREAD",
-             model_resolver=ensure_demo_model, num_kv_blocks=32, max_num_seqs=4) as llm:
+             model_resolver=resolver, num_kv_blocks=32, max_num_seqs=4) as llm:
         nodes = _worker_nodes(llm)
         got = _greedy(llm)
     assert len(set(nodes)) == 2, nodes
