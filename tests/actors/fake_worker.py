@@ -37,7 +37,7 @@ class FakeWorker:
     def set_step_delay(self, seconds):
         self.step_delay = seconds
 
-    def init_device(self, ctx=None, num_threads=None):
+    def init_device(self, ctx=None, num_threads=None, expect_cuda=False):
         self._ran("init_device")
         self.ctx = ctx or ParallelContext.single("cpu")
         torch.set_num_threads(num_threads or 1)
