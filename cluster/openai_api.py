@@ -90,7 +90,6 @@ async def _rest(first: str, stream: Any) -> AsyncIterator[str]:
             # The status line is long sent: end the stream with an error event the client
             # can parse, not a connection cut in the middle of a chunk.
             err = from_exception(e)
-            logger.warning("stream failed after it started: %s", err.message)
             yield f"data: {json.dumps(err.to_dict())}\n\n"
         finished = True
     finally:
