@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,8 +23,24 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-# Ray's token authentication keeps its token under HOME, which differs per node here.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def auth_env() -> dict[str, str]:
+    """Ray's token authentication, as this (driver) process has it or will: Ray fixes the
+    mode once per process, and a driver with token auth on rejects the calls of nodes
+    without it (the cluster then loses track of the driver's actors). The nodes get the
+    driver's token itself, since each node's HOME (where Ray keeps it) differs here."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return {"RAY_AUTH_MODE": "disabled"}
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    path = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    if not token and os.path.isfile(path):
+        with open(path) as f:
+            token = f.read().strip()
+    if not token:
+        token = secrets.token_hex(32)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
 
 
 def free_port() -> int:
@@ -72,6 +89,7 @@ class LocalCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._starts: dict[str, int] = {}
+        self._auth = auth_env()
 
     # ---- nodes ------------------------------------------------------------------------
     def node_dir(self, name: str) -> str:
@@ -81,7 +99,7 @@ class LocalCluster:
         home = os.path.join(self.node_dir(spec.name), "home")
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("RAYLM_") and k not in ("RAY_ADDRESS", "HOME")}
-        env.update(RAY_ENV, HOME=home, RAYLM_CACHE_DIR=os.path.join(home, ".cache", "raylm"),
+        env.update(RAY_ENV, **self._auth, HOME=home, RAYLM_CACHE_DIR=os.path.join(home, ".cache", "raylm"),
                    **spec.env)
         return env
 
@@ -138,8 +156,9 @@ class LocalCluster:
         import ray
 
         if not ray.is_initialized():
-            for k, v in RAY_ENV.items():
-                os.environ.setdefault(k, v)
+            # For this driver's ray.init (a no-op if Ray fixed the mode in this process).
+            self._saved_env = {k: os.environ.get(k) for k in self._auth}
+            os.environ.update(self._auth)
             ray.init(address=self.address, log_to_driver=False)
         deadline = time.monotonic() + timeout_s
         while len(self.alive_nodes()) != count:
@@ -205,5 +224,10 @@ class LocalCluster:
 
         if ray.is_initialized():
             ray.shutdown()
+        for k, v in getattr(self, "_saved_env", {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         self._kill(self._pids(self.root + os.sep))
         shutil.rmtree(self.root, ignore_errors=True)

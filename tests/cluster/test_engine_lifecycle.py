@@ -5,8 +5,10 @@ that raylm starts fits a later, larger engine, and interpreter exit releases the
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -14,12 +16,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.slow
-def test_six_engines_in_a_loop_run_to_the_end(llama_path, tmp_path):
+def test_six_engines_in_a_loop_run_to_the_end(llama_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
-    env["RAY_TMPDIR"] = str(tmp_path)  # its own session folder, removed with the test's
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_loop_main.py"),
-                           llama_path, "6"], env=env, capture_output=True, text=True,
-                          timeout=420)
+    # Its own Ray session folder; short, as Ray's unix socket paths must be.
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rll", dir="/tmp")
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_loop_main.py"),
+                               llama_path, "6"], env=env, capture_output=True, text=True,
+                              timeout=420)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("engine ")]
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert lines == [f"engine {i} ok; released" for i in range(5)] + [
