@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -27,19 +26,21 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def auth_env() -> dict[str, str]:
-    """Ray's token authentication, as this (driver) process has it or will: Ray fixes the
-    mode once per process, and a driver with token auth on rejects the calls of nodes
-    without it (the cluster then loses track of the driver's actors). The nodes get the
-    driver's token itself, since each node's HOME (where Ray keeps it) differs here."""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    """Ray's token authentication as this (driver) process has it: Ray fixes the mode once
+    per process (an earlier local ``ray.init`` turns it on; a first explicit-address one
+    leaves it off), and a driver with token auth on rejects the calls of nodes without it
+    (the cluster then loses track of the driver's actors). The nodes get the driver's token
+    itself, since each node's HOME (where Ray keeps it) differs here."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    if not is_token_auth_enabled():
         return {"RAY_AUTH_MODE": "disabled"}
     token = os.environ.get("RAY_AUTH_TOKEN")
     path = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
     if not token and os.path.isfile(path):
         with open(path) as f:
             token = f.read().strip()
-    if not token:
-        token = secrets.token_hex(32)
+    assert token, f"token authentication is on but no token in RAY_AUTH_TOKEN or {path}"
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
 
 
@@ -97,8 +98,9 @@ class LocalCluster:
 
     def node_env(self, spec: NodeSpec) -> dict[str, str]:
         home = os.path.join(self.node_dir(spec.name), "home")
+        # raylm's settings travel (the test session's numerics); its per-node paths do not.
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("RAYLM_") and k not in ("RAY_ADDRESS", "HOME")}
+               if k not in ("RAY_ADDRESS", "HOME", "RAYLM_CACHE_DIR", "RAYLM_DEMO_MODEL_DIR")}
         env.update(RAY_ENV, **self._auth, HOME=home, RAYLM_CACHE_DIR=os.path.join(home, ".cache", "raylm"),
                    **spec.env)
         return env
