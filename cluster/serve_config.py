@@ -81,8 +81,13 @@ class ModelLoadingConfig(BaseModel):
         return self.model_source is None
 
     def node_resolver(self) -> Callable[[], str] | None:
-        """What each node that loads the model calls to find its own copy: the demo model
-        is written by every node for itself; a folder must be present on every node."""
+        """What each node that loads the model calls to find its own copy (in its own
+        cache): the default model is fetched, the demo model written, by every node for
+        itself; a folder must be present on every node."""
+        if self.is_default:
+            from raylm.runner.default_model import resolve_default_model
+
+            return resolve_default_model
         if not self.is_demo:
             return None
         from raylm.cluster.demo import ensure_demo_model
