@@ -338,9 +338,12 @@ def test_killed_node_gives_a_clean_error_and_serve_recovers(cluster, two_replica
     """One worker node's raylet is killed mid-stream (its workers die with it). Its streams
     end with a clean error within 30 s, the other node's finish; once the node is back (a
     new node, as KubeRay would start), Serve runs two replicas again and requests succeed."""
-    # A worker node without the ingress replica (Serve may place it on any node).
+    # A worker node that runs a model replica, one without the ingress if there is one.
+    # Where Serve restarted the previous test's killed replica is its choice: both model
+    # replicas may now share a node, and killing the other node would hit nothing.
     ingress = _nodes_running(cluster, "ServeReplica:two:OpenAIIngress")
-    victim = "node_b" if "node_b" not in ingress else "node_a"
+    serving = _nodes_running(cluster, "ServeReplica:two:LLMServer")
+    victim = ([n for n in serving if n not in ingress] or serving)[0]
     streams, killed_at = _kill_mid_stream(two_replicas, "m-two",
                                           lambda: cluster.kill_raylet(victim), n_streams=4)
     _check_failed_streams(streams, killed_at)
