@@ -33,18 +33,23 @@ def gloo_socket_ifname() -> str | None:
     return os.environ.get("GLOO_SOCKET_IFNAME") or None
 
 
-def num_threads_override() -> int | None:
-    """Torch intra-op threads per rank, whatever the rank reserved."""
-    value = os.environ.get("RAYLM_NUM_THREADS")
+def _positive_int(name: str) -> int | None:
+    """The variable as a positive int, None when unset; anything else is a ValueError."""
+    value = os.environ.get(name)
     if not value:
         return None
     try:
-        threads = int(value)
+        number = int(value)
     except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ValueError(f"RAYLM_NUM_THREADS must be a positive integer, got {value!r}.")
-    return threads
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return number
+
+
+def num_threads_override() -> int | None:
+    """Torch intra-op threads per rank, whatever the rank reserved."""
+    return _positive_int("RAYLM_NUM_THREADS")
 
 
 def cpu_keep_freed_memory() -> bool:
@@ -81,13 +86,4 @@ def cuda_visible_devices() -> str | None:
 
 def local_ray_num_cpus() -> int | None:
     """Logical CPUs of a local Ray instance raylm starts itself (RAYLM_LOCAL_RAY_CPUS)."""
-    value = os.environ.get("RAYLM_LOCAL_RAY_CPUS")
-    if not value:
-        return None
-    try:
-        cpus = int(value)
-    except ValueError:
-        cpus = 0
-    if cpus < 1:
-        raise ValueError(f"RAYLM_LOCAL_RAY_CPUS must be a positive integer, got {value!r}.")
-    return cpus
+    return _positive_int("RAYLM_LOCAL_RAY_CPUS")
