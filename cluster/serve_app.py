@@ -1,10 +1,15 @@
-"""The Ray Serve OpenAI app: one HTTP ingress, one ``LLMServer`` deployment per model.
+"""The Ray Serve OpenAI app: one ``LLMServer`` deployment per model, behind an HTTP ingress.
 
 ``build_openai_app({"llm_configs": [...]})`` is the builder named by
 ``import_path: raylm.cluster:build_openai_app``. Each LLMServer replica owns an engine client
 (``AsyncLLM`` unless a factory is injected) and reserves its placement group: bundle 0 for the
-replica (co-located with rank 0), then one bundle per TP x PP worker. Tokens stream from the
-replica to the ingress through a DeploymentHandle with ``stream=True``.
+replica (co-located with rank 0), then one bundle per TP x PP worker.
+
+With several models an ``OpenAIIngress`` deployment routes by ``model`` and tokens stream from
+the replica to it through a DeploymentHandle with ``stream=True``. With one model the
+LLMServer replica is the ingress itself (``LLMIngressServer``): every streamed chunk would
+otherwise cross one more process and be serialized twice, which on a small host costs as
+much CPU per token as the model's forward (docs/architecture.md §2).
 """
 
 from __future__ import annotations
@@ -117,6 +122,35 @@ class LLMServer:
                 logger.warning("engine shutdown failed: %r", e)
 
 
+class _ReplicaBackend:
+    """The LLMServer of this very replica as an ``openai_api.ModelBackend``."""
+
+    def __init__(self, server: LLMServer):
+        self._server = server
+
+    def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        return self._server.handle(route, body)
+
+    async def model_card(self) -> dict[str, Any]:
+        return self._server.model_card()
+
+    async def check_health(self) -> None:
+        await self._server.check_health()
+
+    async def metrics(self) -> list[Any]:
+        return self._server.metrics()
+
+
+class LLMIngressServer(LLMServer):
+    """One model's replica answering HTTP itself: the app's only deployment when it serves
+    one model (no ingress hop, no handle between the HTTP route and the engine)."""
+
+    def __serve_build_asgi_app__(self) -> Any:
+        model_id = self.llm_config.model_id
+        return build_openai_api({model_id: _ReplicaBackend(self)},
+                                {model_id: self.llm_config.api_key})
+
+
 class _HandleBackend:
     """An LLMServer deployment seen through its DeploymentHandle (see openai_api.ModelBackend)."""
 
@@ -210,6 +244,11 @@ def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     if isinstance(config, list):
         config = {"llm_configs": config}
     app_config = load_app_config(config)
+    if len(app_config.llm_configs) == 1:
+        (llm_config,) = app_config.llm_configs
+        server = serve.deployment(serve.ingress()(LLMIngressServer)).options(
+            **llm_server_options(llm_config))
+        return server.bind(llm_config.model_dump(exclude_unset=True), engine_factory)
     handles = {}
     for llm_config in app_config.llm_configs:
         server = serve.deployment(LLMServer).options(**llm_server_options(llm_config))
