@@ -28,6 +28,7 @@ from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
+    get_within,
     threads_for_cpus,
     worker_bundles,
 )
@@ -166,11 +167,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
             self._pollers.append(t)
 
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"{what} took longer than {timeout_s:g}s "
-                               f"({self.dp_size} DP ranks).") from e
+        return get_within(refs, timeout_s, what, on=f"{self.dp_size} DP rank actors")
 
     # ---- EngineCoreClient protocol -----------------------------------------------------
     def add_request(self, request: Request) -> None:

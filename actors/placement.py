@@ -61,6 +61,15 @@ def ensure_ray_initialized(min_cpus: float = 0.0) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
+def get_within(refs: list, timeout_s: float, what: str, on: str) -> list:
+    """``ray.get`` of setup calls, bounded: a TimeoutError says which step hung and on
+    which actors (``on``), rather than a bare GetTimeoutError or a wait forever."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(f"{what} took longer than {timeout_s:g}s on {on}.") from e
+
+
 def default_worker_resource() -> str:
     """``GPU`` when the cluster has GPUs, else ``CPU``."""
     return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
