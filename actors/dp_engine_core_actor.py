@@ -31,6 +31,7 @@ from raylm.scheduler.dp_loop import DPEngineCoreLoop
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.validation import check_rank
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
@@ -56,8 +57,7 @@ class DPEngineCoreActor:
         """``bundle_offset``: the first of this rank's worker bundles in ``placement_group``
         (TP x PP > 1)."""
         dp_size = config.parallel_config.data_parallel_size
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
+        check_rank("dp_rank", dp_rank, dp_size)
         self.config = config
         self.rank_config = dp_rank_config(config)
         self.dp_rank = dp_rank

@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from raylm.scheduler import envs
+from raylm.scheduler.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,7 @@ def threads_for_cpus(cpus: float) -> int:
 
 def worker_bundles(world_size: int, resource: str, cpus_per_worker: float = 1.0) -> list[dict]:
     """One bundle per TP x PP rank: ``{"GPU": 1}`` on GPU clusters, ``{"CPU": n}`` otherwise."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    check_at_least("world_size", world_size)
     if resource not in ("CPU", "GPU"):
         raise ValueError(f"resource must be 'CPU' or 'GPU', got {resource!r}.")
     if not cpus_per_worker > 0:
