@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from raylm.scheduler import envs
+from raylm.scheduler.engine_config import PLACEMENT_STRATEGIES
 from raylm.scheduler.validation import check_at_least
 
 logger = logging.getLogger(__name__)
@@ -99,9 +100,8 @@ def create_placement_group(bundles: list[dict], strategy: str = "PACK",
     """Create and wait for a placement group; raise PlacementGroupError after ``timeout_s``."""
     if not bundles:
         raise ValueError("bundles must not be empty.")
-    if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-        raise ValueError(f"strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
-                         f"got {strategy!r}.")
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
     ensure_ray_initialized(sum(b.get("CPU", 0.0) for b in bundles))
