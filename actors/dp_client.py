@@ -28,6 +28,7 @@ from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
+    get_within,
     threads_for_cpus,
     worker_bundles,
 )
@@ -36,6 +37,7 @@ from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
 from raylm.scheduler.engine_config import EngineConfig, dp_rank_bundles
+from raylm.scheduler.engine_core_loop import next_output
 from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
@@ -165,11 +167,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
             self._pollers.append(t)
 
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"{what} took longer than {timeout_s:g}s "
-                               f"({self.dp_size} DP ranks).") from e
+        return get_within(refs, timeout_s, what, on=f"{self.dp_size} DP rank actors")
 
     # ---- EngineCoreClient protocol -----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -199,25 +197,19 @@ class DPEngineCoreClient(RemoteEngineCalls):
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         """What is ready from every rank, merged (each rank's outputs in its order)."""
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
+        item = next_output(self._outputs, timeout)
+        if item is None:
             return None
         merged = EngineCoreOutputs()
         has_stats = False
-        while True:
-            if isinstance(item, EngineDeadError):
-                self._outputs.put(item)  # keep it for the next reader
-                if merged.outputs or has_stats:
-                    break  # deliver what came before the death first
-                raise item
+        while item is not None:
             _, batch = item
             merged.outputs.extend(batch.outputs)
             has_stats = has_stats or batch.scheduler_stats is not None
             try:
-                item = self._outputs.get_nowait()
-            except queue.Empty:
-                break
+                item = next_output(self._outputs, 0)
+            except EngineDeadError:
+                break  # deliver what came before the death first; it stays queued
         if has_stats:
             merged.scheduler_stats = merge_scheduler_stats(list(dict(self._latest_stats).values()))
         return merged

@@ -21,6 +21,8 @@ from typing import Any
 
 import ray
 
+from raylm.scheduler.validation import check_at_least
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,8 +30,7 @@ class DPLoadBalancer:
     """Routes requests to the least-loaded DP rank by unfinished request count. Thread-safe."""
 
     def __init__(self, dp_size: int) -> None:
-        if dp_size < 1:
-            raise ValueError(f"dp_size must be at least 1, got {dp_size}.")
+        check_at_least("dp_size", dp_size)
         self.dp_size = dp_size
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from raylm.actors.engine_core_actor import poll_outputs
+from raylm.actors.engine_core_actor import make_engine_core, poll_outputs
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPRendezvous, DPSyncGroup
 from raylm.scheduler.core_outputs import EngineCoreOutputs
 from raylm.scheduler.dp_loop import DPEngineCoreLoop
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.validation import check_rank
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
@@ -56,8 +57,7 @@ class DPEngineCoreActor:
         """``bundle_offset``: the first of this rank's worker bundles in ``placement_group``
         (TP x PP > 1)."""
         dp_size = config.parallel_config.data_parallel_size
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
+        check_rank("dp_rank", dp_rank, dp_size)
         self.config = config
         self.rank_config = dp_rank_config(config)
         self.dp_rank = dp_rank
@@ -77,14 +77,7 @@ class DPEngineCoreActor:
     def start(self) -> dict[str, Any]:
         """Build the rank's executor and EngineCore (model load, KV cache)."""
         executor = self._make_executor()
-        try:
-            from raylm.runner.xgrammar_backend import make_structured_output_manager
-
-            self.engine_core = EngineCore(self.rank_config, executor,
-                                          make_structured_output_manager(self.rank_config))
-        except BaseException:
-            executor.shutdown()
-            raise
+        self.engine_core = make_engine_core(self.rank_config, executor)
         return {"dp_rank": self.dp_rank, "node_ip": self.node_ip,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "num_kv_blocks": self.engine_core.num_kv_blocks,

@@ -50,6 +50,18 @@ def poll_outputs(loop: EngineCoreLoop, timeout: float) -> list[EngineCoreOutputs
         wait = 0.0
 
 
+def make_engine_core(config: EngineConfig, executor: Any) -> EngineCore:
+    """The EngineCore over a started executor; the executor is shut down if that fails
+    (its workers hold devices and placement bundles)."""
+    try:
+        from raylm.runner.xgrammar_backend import make_structured_output_manager
+
+        return EngineCore(config, executor, make_structured_output_manager(config))
+    except BaseException:
+        executor.shutdown()
+        raise
+
+
 @ray.remote(max_concurrency=ENGINE_CORE_ACTOR_CONCURRENCY)
 class EngineCoreActor:
     def __init__(self, config: EngineConfig, placement_group: Any = None,
@@ -65,14 +77,7 @@ class EngineCoreActor:
         """Start the workers (in the caller's placement group, if any) and the loop."""
         executor = RayExecutor(self.config, placement_group=self.placement_group,
                                bundle_offset=self.bundle_offset, **self.executor_kwargs)
-        try:
-            from raylm.runner.xgrammar_backend import make_structured_output_manager
-
-            self.engine_core = EngineCore(self.config, executor,
-                                          make_structured_output_manager(self.config))
-        except BaseException:
-            executor.shutdown()
-            raise
+        self.engine_core = make_engine_core(self.config, executor)
         self.loop = EngineCoreLoop(self.engine_core)
         return {"num_kv_blocks": self.engine_core.num_kv_blocks,
                 "async_scheduling": self.engine_core.config.async_scheduling,

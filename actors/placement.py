@@ -16,6 +16,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from raylm.scheduler import envs
+from raylm.scheduler.engine_config import PLACEMENT_STRATEGIES
+from raylm.scheduler.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,15 @@ def ensure_ray_initialized(min_cpus: float = 0.0) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
+def get_within(refs: list, timeout_s: float, what: str, on: str) -> list:
+    """``ray.get`` of setup calls, bounded: a TimeoutError says which step hung and on
+    which actors (``on``), rather than a bare GetTimeoutError or a wait forever."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(f"{what} took longer than {timeout_s:g}s on {on}.") from e
+
+
 def default_worker_resource() -> str:
     """``GPU`` when the cluster has GPUs, else ``CPU``."""
     return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
@@ -74,8 +85,7 @@ def threads_for_cpus(cpus: float) -> int:
 
 def worker_bundles(world_size: int, resource: str, cpus_per_worker: float = 1.0) -> list[dict]:
     """One bundle per TP x PP rank: ``{"GPU": 1}`` on GPU clusters, ``{"CPU": n}`` otherwise."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    check_at_least("world_size", world_size)
     if resource not in ("CPU", "GPU"):
         raise ValueError(f"resource must be 'CPU' or 'GPU', got {resource!r}.")
     if not cpus_per_worker > 0:
@@ -90,9 +100,8 @@ def create_placement_group(bundles: list[dict], strategy: str = "PACK",
     """Create and wait for a placement group; raise PlacementGroupError after ``timeout_s``."""
     if not bundles:
         raise ValueError("bundles must not be empty.")
-    if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-        raise ValueError(f"strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
-                         f"got {strategy!r}.")
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
     ensure_ray_initialized(sum(b.get("CPU", 0.0) for b in bundles))

@@ -30,6 +30,7 @@ from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
 from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import EngineCoreOutputs
 from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.engine_core_loop import next_output
 from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
@@ -94,14 +95,7 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self._call(self.actor.abort_requests.remote(list(request_ids)), "abort_requests")
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, EngineDeadError):
-            self._outputs.put(item)  # keep it for the next reader
-            raise item
-        return item
+        return next_output(self._outputs, timeout)
 
     def get_metrics(self) -> dict[str, Any]:
         return self._call(self.actor.get_metrics.remote(), "get_metrics")

@@ -26,6 +26,7 @@ from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
+    get_within,
     threads_for_cpus,
     worker_bundles,
 )
@@ -146,11 +147,7 @@ class RayExecutor:
                                "threads are serving the step stream.")
 
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"{what} took longer than {timeout_s:g}s on "
-                               f"{self.world_size} worker actors.") from e
+        return get_within(refs, timeout_s, what, on=f"{self.world_size} worker actors")
 
     def describe_worker(self, rank: int) -> str:
         info = self.worker_infos[rank] if rank < len(self.worker_infos) else {}

@@ -7,8 +7,11 @@ of ``raylm.scheduler.engine_config``). Nothing else: the three surfaces derive f
 ``--field-name``, type and choices from the annotation, help from the metadata) and the
 Serve config's ``engine_kwargs`` (``raylm.cluster.serve_config.EngineKwargs``, a pydantic
 model generated from these fields). tests/cluster/test_engine_args.py checks they agree.
-(The Helm chart's helm/raylm/values.schema.json mirrors ``engine_kwargs`` for ``helm lint``;
-tests/helm/test_values_schema.py names a key it lacks.)
+The Helm chart's schema of ``engine_kwargs`` (helm/raylm/values.schema.json) is generated
+from ``EngineKwargs`` too: rerun ``python helm/generate_schema.py`` after adding an argument
+(tests/helm/test_values_schema.py fails until then). A numeric argument states its
+``bounds`` in JSON Schema's words for that schema; the frozen configs stay the checks, and
+tests/cluster/test_engine_args.py checks that each bound is exactly where they start refusing.
 """
 
 from __future__ import annotations
@@ -36,9 +39,14 @@ from raylm.scheduler.engine_config import (
 from raylm.scheduler.speculative_config import SpeculativeConfig
 
 
-def _arg(default: Any, help: str, *aliases: str) -> Any:
-    """A field with its help text and short flags (``-tp``) as metadata."""
-    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases})
+def _arg(default: Any, help: str, *aliases: str, bounds: dict[str, float] | None = None) -> Any:
+    """A field with its help text, short flags (``-tp``) and, for a number, its bounds
+    (JSON Schema's ``minimum``, ``exclusiveMinimum``, ``maximum``) as metadata."""
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases,
+                                                        "bounds": bounds})
+
+
+_AT_LEAST_1 = {"minimum": 1}
 
 
 @dataclass(frozen=True)
@@ -50,33 +58,40 @@ class EngineArgs:
     dtype: DType = _arg("auto", "weights and activations (auto: the checkpoint's; float32 "
                                 "checkpoints run in bfloat16 on CUDA and on CPUs with "
                                 "AVX512-BF16/AMX)")
-    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the "
-                                           "model's max_position_embeddings)")
-    max_num_seqs: int = _arg(128, "most sequences in one step")
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default or 0: "
+                                           "the model's max_position_embeddings)",
+                                     bounds={"minimum": 0})
+    max_num_seqs: int = _arg(128, "most sequences in one step", bounds=_AT_LEAST_1)
     max_num_batched_tokens: int | None = _arg(None, "most tokens in one step (default: "
-                                                    "max(2048, max_num_seqs))")
-    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+                                                    "max(2048, max_num_seqs))",
+                                              bounds=_AT_LEAST_1)
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)",
+                           bounds=_AT_LEAST_1)
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
-    num_kv_blocks: int | None = _arg(None, "cap on the KV-cache blocks")
+    num_kv_blocks: int | None = _arg(None, "cap on the KV-cache blocks", bounds=_AT_LEAST_1)
     kv_cache_memory_bytes: int | None = _arg(None, "KV-cache size in bytes (default: a share "
-                                                   "of free device memory)")
-    gpu_memory_utilization: float = _arg(0.9, "share of device memory the engine may use")
-    seed: int = _arg(0, "engine seed: the seeds of unseeded requests derive from it")
+                                                   "of free device memory)",
+                                             bounds=_AT_LEAST_1)
+    gpu_memory_utilization: float = _arg(0.9, "share of device memory the engine may use",
+                                         bounds={"exclusiveMinimum": 0, "maximum": 1})
+    seed: int = _arg(0, "engine seed: the seeds of unseeded requests derive from it",
+                     bounds={"minimum": 0})
     async_scheduling: bool | None = _arg(None, "plan step t+1 while step t runs "
                                                "(default: on)")
-    tensor_parallel_size: int = _arg(1, "workers per pipeline stage", "-tp")
-    pipeline_parallel_size: int = _arg(1, "pipeline stages", "-pp")
-    data_parallel_size: int = _arg(1, "engines (DP ranks)", "-dp")
+    tensor_parallel_size: int = _arg(1, "workers per pipeline stage", "-tp", bounds=_AT_LEAST_1)
+    pipeline_parallel_size: int = _arg(1, "pipeline stages", "-pp", bounds=_AT_LEAST_1)
+    data_parallel_size: int = _arg(1, "engines (DP ranks)", "-dp", bounds=_AT_LEAST_1)
     distributed_executor_backend: ExecutorBackend | None = _arg(
         None, "uni: in process; ray: worker actors (default: ray when parallel)")
     placement_group_strategy: PlacementStrategy = _arg("PACK", "Ray placement group "
                                                                "strategy of the workers")
-    dp_sync_interval: int = _arg(16, "steps between the DP ranks' wave syncs")
+    dp_sync_interval: int = _arg(16, "steps between the DP ranks' wave syncs",
+                                 bounds=_AT_LEAST_1)
     max_queued_requests: int | None = _arg(None, "serving: refuse requests beyond this many "
-                                                 "waiting (HTTP 503)")
+                                                 "waiting (HTTP 503)", bounds=_AT_LEAST_1)
     speculative_config: dict[str, Any] | None = _arg(
-        None, "speculative decoding, vLLM's dict as JSON: {\"method\": \"ngram\" | "
-              "\"draft_model\", \"num_speculative_tokens\": k, ...}")
+        None, "speculative decoding, vLLM's dict (JSON on the command line): {\"method\": "
+              "\"ngram\" | \"draft_model\", \"num_speculative_tokens\": k, ...}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -121,7 +136,9 @@ class EngineArgs:
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         # Chunked prefill is always on, so the token budget need not cover max_model_len.
-        budget = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        budget = self.max_num_batched_tokens
+        if budget is None:  # 0 is not "unset": SchedulerConfig refuses it
+            budget = max(2048, self.max_num_seqs)
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=max_model_len, async_scheduling=self.async_scheduling,

@@ -208,21 +208,35 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class _Choice(OpenAIBaseModel):
+    """What every choice carries beside its content: which one, and why it ended (None
+    until it has)."""
+
     index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class _Response(OpenAIBaseModel):
+    """The fields of every completion response, in OpenAI's order (a subclass narrows
+    ``object`` and ``choices``; a field it redeclares keeps its place here)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[Any]
     usage: UsageInfo | None = None
+
+
+class CompletionResponseChoice(_Choice):
+    text: str
+    logprobs: CompletionLogProbs | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionResponseChoice]
 
 
 class ChatTopLogprob(OpenAIBaseModel):
@@ -244,29 +258,19 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: str | None = None
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
+class ChatCompletionResponseChoice(_Choice):
     message: ChatResponseMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamChoice(OpenAIBaseModel):
-    index: int
+class ChatCompletionStreamChoice(_Choice):
     delta: dict[str, str]  # only the keys that changed: {"role": ...} first, then {"content": ...}
     logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion", "chat.completion.chunk"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseChoice] | list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(OpenAIBaseModel):

@@ -148,11 +148,14 @@ class _EngineKwargsBase(BaseModel):
 
 def _engine_kwargs_model() -> type[_EngineKwargsBase]:
     types = engine_arg_types()
+    # The bounds go into the JSON schema only (the Helm chart's is generated from it):
+    # the values themselves are checked by the engine configs, as every other one is.
     return create_model(  # type: ignore[call-overload, no-any-return]
         "EngineKwargs", __base__=_EngineKwargsBase, __module__=__name__,
         __doc__="Engine arguments (``raylm.cluster.engine_args.EngineArgs``, whose fields "
-                "this model is generated from, with their defaults and help).",
-        **{f.name: (types[f.name], Field(default=f.default, description=f.metadata["help"]))
+                "this model is generated from, with their defaults, help and bounds).",
+        **{f.name: (types[f.name], Field(default=f.default, description=f.metadata["help"],
+                                         json_schema_extra=f.metadata.get("bounds")))
            for f in engine_arg_fields(exclude=ENGINE_ARGS_ELSEWHERE)})
 
 

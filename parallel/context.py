@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from raylm.scheduler.validation import check_at_least, check_rank
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -28,10 +30,8 @@ class ParallelContext:
     def __post_init__(self) -> None:
         for name, rank, size in (("tp_rank", self.tp_rank, self.tp_size),
                                  ("pp_rank", self.pp_rank, self.pp_size)):
-            if size < 1:
-                raise ValueError(f"{name.replace('rank', 'size')} must be at least 1, got {size}.")
-            if not 0 <= rank < size:
-                raise ValueError(f"{name} must be in [0, {size}), got {rank}.")
+            check_at_least(name.replace("rank", "size"), size)
+            check_rank(name, rank, size)
         if self.dp_rank < 0:
             raise ValueError(f"dp_rank must be non-negative, got {self.dp_rank}.")
         if self.tp_size > 1 and self.tp_group is None:

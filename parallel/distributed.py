@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from raylm.parallel.context import ParallelContext
 from raylm.scheduler import envs
+from raylm.scheduler.validation import check_at_least, check_rank
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,12 @@ def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
 
 def _validate(world_size: int, rank: int, tp: int, pp: int, init_method: str,
               timeout_s: float) -> None:
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
-    if pp < 1:
-        raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp}.")
+    check_at_least("tensor_parallel_size", tp)
+    check_at_least("pipeline_parallel_size", pp)
     if world_size != tp * pp:
         raise ValueError(f"world_size must equal tensor_parallel_size * pipeline_parallel_size "
                          f"= {tp} * {pp}, got {world_size}.")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}.")
+    check_rank("rank", rank, world_size)
     if not init_method or "://" not in init_method:
         raise ValueError(f"distributed_init_method must be a URL such as tcp://host:port, "
                          f"got {init_method!r}.")

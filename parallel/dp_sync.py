@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.scheduler import envs
+from raylm.scheduler.validation import check_at_least, check_rank
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ class DPRendezvous:
     def publish(cls, host: str, dp_size: int, timeout_s: float = DEFAULT_DP_TIMEOUT_S
                 ) -> DPRendezvous:
         """Start the store on an OS-picked port; peers reach it at (``host``, port)."""
-        if dp_size < 1:
-            raise ValueError(f"dp_size must be at least 1, got {dp_size}.")
+        check_at_least("dp_size", dp_size)
         store = dist.TCPStore(host, 0, dp_size, is_master=True, timeout=_timeout(timeout_s),
                               wait_for_workers=False)
         return cls(host=host, port=store.port, store=store)
@@ -83,8 +83,7 @@ class DPSyncGroup:
              rendezvous: DPRendezvous | None = None) -> DPSyncGroup:
         """Collective: every DP rank calls this concurrently. Rank 0 passes its
         ``rendezvous`` (it holds the store server)."""
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
+        check_rank("dp_rank", dp_rank, dp_size)
         if not 0 < port < 65536:
             raise ValueError(f"port must be in (0, 65536), got {port}.")
         timeout = _timeout(timeout_s)

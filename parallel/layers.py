@@ -13,6 +13,7 @@ from torch import nn
 
 from raylm.parallel.communication import tp_all_gather, tp_all_reduce
 from raylm.parallel.context import ParallelContext
+from raylm.scheduler.validation import check_rank
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -25,8 +26,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 def get_pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """Layers [start, end) owned by ``pp_rank``; the first ``num_layers % pp_size`` ranks
     take one extra layer."""
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}.")
+    check_rank("pp_rank", pp_rank, pp_size)
     if num_layers < pp_size:
         raise ValueError(
             f"num_hidden_layers={num_layers} is smaller than pipeline_parallel_size={pp_size}.")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.distributed import new_pp_broadcast_group
 from raylm.scheduler.core_outputs import SchedulerOutput
+from raylm.scheduler.validation import check_at_least
 
 # (hidden_states, residual) -> the runner's IntermediateTensors. Injected, because parallel
 # sits below runner in the import order (docs/architecture.md §1).
@@ -82,8 +83,7 @@ class PPCommunicator:
                              f"pp_size={ctx.pp_size}, pp_group={ctx.pp_group}.")
         if broadcast_group is None:
             raise ValueError("PPCommunicator needs a broadcast_group (new_pp_broadcast_group).")
-        if hidden_size < 1:
-            raise ValueError(f"hidden_size must be at least 1, got {hidden_size}.")
+        check_at_least("hidden_size", hidden_size)
         self.ctx = ctx
         self.make_intermediate = make_intermediate
         self.hidden_size = hidden_size

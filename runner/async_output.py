@@ -10,6 +10,7 @@ thread sleeps instead of spinning on the driver lock). CPU: one background threa
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -109,31 +110,28 @@ def build_model_runner_output(req_ids: list[str], req_id_to_index: dict[str, int
                              sampled_token_ids=sampled_token_ids, logprobs=logprobs)
 
 
+@dataclass(eq=False)  # identity, as any in-flight step's handle
 class AsyncModelRunnerOutput:
     """A step's output whose sampled ids are still being copied to the host.
 
     Returned by ``execute_model`` under async scheduling; ``get_output()`` blocks until the
     copy is done and returns the plain ModelRunnerOutput (real token ids, never -1)."""
 
-    def __init__(self, req_ids: list[str], req_id_to_index: dict[str, int],
-                 sample_mask: np.ndarray, num_logprobs: np.ndarray, copy: AsyncCopy,
-                 has_logprobs: bool,
-                 prompt_logprobs_dict: dict[str, PromptLogprobsChunk] | None = None) -> None:
-        self.req_ids = req_ids
-        self.req_id_to_index = req_id_to_index
-        self._sample_mask = sample_mask
-        self._num_logprobs = num_logprobs
-        self._copy = copy
-        self._has_logprobs = has_logprobs
-        self._prompt_logprobs_dict = prompt_logprobs_dict or {}  # already on the host
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sample_mask: np.ndarray
+    num_logprobs: np.ndarray
+    copy: AsyncCopy
+    has_logprobs: bool
+    prompt_logprobs_dict: dict[str, PromptLogprobsChunk] | None = None  # already on the host
 
     def done(self) -> bool:
-        return self._copy.done()
+        return self.copy.done()
 
     def get_output(self) -> ModelRunnerOutput:
-        arrays = self._copy.wait()
-        logprob_arrays = arrays[1:4] if self._has_logprobs else None
-        out = build_model_runner_output(self.req_ids, self.req_id_to_index, self._sample_mask,
-                                        arrays[0][:, 0], self._num_logprobs, logprob_arrays)
-        out.prompt_logprobs_dict = self._prompt_logprobs_dict
+        arrays = self.copy.wait()
+        logprob_arrays = arrays[1:4] if self.has_logprobs else None
+        out = build_model_runner_output(self.req_ids, self.req_id_to_index, self.sample_mask,
+                                        arrays[0][:, 0], self.num_logprobs, logprob_arrays)
+        out.prompt_logprobs_dict = self.prompt_logprobs_dict or {}
         return out

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from raylm.scheduler.validation import check_at_least
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash")
@@ -32,8 +34,7 @@ class KVCacheBlock:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks!r}.")
+        check_at_least("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylm.scheduler.engine_core_loop import EngineCoreLoop
 from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.validation import check_at_least, check_rank
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
@@ -108,12 +109,9 @@ class DPEngineCoreLoop(EngineCoreLoop):
         execute_dummy_batch: Callable[[], None] | None = None,
         wave_log_size: int = 1024,
     ) -> None:
-        if dp_size < 1:
-            raise ValueError(f"dp_size must be at least 1, got {dp_size}.")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
-        if sync_interval < 1:
-            raise ValueError(f"sync_interval must be at least 1, got {sync_interval}.")
+        check_at_least("dp_size", dp_size)
+        check_rank("dp_rank", dp_rank, dp_size)
+        check_at_least("sync_interval", sync_interval)
         # Set before the base constructor: it starts the loop thread.
         self.dp_rank = dp_rank
         self.dp_size = dp_size

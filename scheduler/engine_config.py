@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from raylm.scheduler.speculative_config import SpeculativeConfig
+from raylm.scheduler.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,12 @@ PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)
 
 def _bad(name: str, value: object, why: str) -> ValueError:
     return ValueError(f"{name} {why}, got {value!r}.")
+
+
+def _check_at_least_1(config: object, *names: str) -> None:
+    """Each named field of ``config`` is at least 1 (or None: optional, unset)."""
+    for name in names:
+        check_at_least(name, getattr(config, name))
 
 
 def supported_architecture(architectures: list[str], model: str = "") -> str:
@@ -128,10 +135,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise _bad("block_size", self.block_size, "must be a positive power of two")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise _bad("num_kv_blocks", self.num_kv_blocks, "must be at least 1")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise _bad("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be positive")
+        _check_at_least_1(self, "num_kv_blocks", "kv_cache_memory_bytes")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
 
@@ -145,12 +149,7 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # serving: reject beyond this many waiting
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise _bad("max_num_seqs", self.max_num_seqs, "must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, "must be at least 1")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise _bad("max_queued_requests", self.max_queued_requests, "must be at least 1")
+        _check_at_least_1(self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests")
 
 
 @dataclass(frozen=True)
@@ -163,10 +162,8 @@ class ParallelConfig:
     dp_sync_interval: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "dp_sync_interval"):
-            if getattr(self, name) < 1:
-                raise _bad(name, getattr(self, name), "must be at least 1")
+        _check_at_least_1(self, "tensor_parallel_size", "pipeline_parallel_size",
+                          "data_parallel_size", "dp_sync_interval")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise _bad("distributed_executor_backend", self.distributed_executor_backend,
                        f"must be one of {EXECUTOR_BACKENDS} or None")
@@ -194,8 +191,7 @@ def dp_rank_bundles(world_size: int, engine_bundle: dict, worker_bundle: dict) -
     """The bundles of one DP rank. With TP = PP = 1 the rank actor runs the model itself,
     so its one bundle is the worker's; otherwise bundle 0 is the rank's EngineCore actor
     and bundles 1.. its TP x PP workers."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    check_at_least("world_size", world_size)
     if world_size == 1:
         return [dict(worker_bundle)]
     return [dict(engine_bundle)] + [dict(worker_bundle) for _ in range(world_size)]

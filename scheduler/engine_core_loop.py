@@ -40,6 +40,22 @@ class EngineCoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
+def next_output(outputs: queue.Queue, timeout: float | None) -> Any:
+    """The next item of an engine's output queue; None on timeout.
+
+    Once the engine has died the last item is its EngineDeadError: it stays queued, so
+    every later reader raises it too (with a fresh traceback, so that repeated reads do
+    not grow one)."""
+    try:
+        item = outputs.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    if isinstance(item, EngineDeadError):
+        outputs.put(item)  # keep it for the next reader
+        raise item.with_traceback(None)
+    return item
+
+
 class EngineCoreLoop:
     """Steps an EngineCore whenever it has work; sleeps on a condition otherwise.
 
@@ -51,7 +67,7 @@ class EngineCoreLoop:
         self.engine_core = engine_core
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
+        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._stopped = False
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="raylm-engine-core", daemon=True)
@@ -121,22 +137,17 @@ class EngineCoreLoop:
 
     def _die(self, error: BaseException) -> None:
         """Record the death; queue the ABORT outputs of the requests the EngineCore held
-        (carried by EngineDeadError), then the error itself for every later reader."""
+        (carried by EngineDeadError), then the death for every later reader."""
         self.dead_error = error
         final = getattr(error, "outputs", None)
         if isinstance(final, EngineCoreOutputs) and final.outputs:
             self.outputs.put(final)
-        self.outputs.put(error)
+        dead = EngineDeadError(f"EngineCore died: {error!r}")
+        dead.__cause__ = error
+        self.outputs.put(dead)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        try:
-            item = self.outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            self.outputs.put(item)  # keep it for the next reader
-            raise EngineDeadError(f"EngineCore died: {item!r}") from item
-        return item
+        return next_output(self.outputs, timeout)
 
     def check_health(self) -> None:
         self._check_alive()

@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from raylm.cluster.cli import build_llm_config, build_parser
-from raylm.cluster.engine_args import EngineArgs, cli_engine_kwargs
+from raylm.cluster.engine_args import EngineArgs, cli_engine_kwargs, engine_arg_types
 from raylm.cluster.llm import LLM
 from raylm.cluster.serve_config import ENGINE_ARGS_ELSEWHERE, EngineKwargs, LLMConfig
 from raylm.scheduler.engine_config import DTYPES
@@ -154,6 +154,48 @@ def test_serve_config_values_are_checked_by_the_engine_config(key, value, messag
     with pytest.raises(ValidationError, match=message) as e:
         EngineKwargs(**{key: value})
     assert [err["loc"] for err in e.value.errors()] == [(key,)]
+
+
+def _number_type(name: str) -> type | None:
+    annotation = engine_arg_types()[name]
+    members = set(typing.get_args(annotation)) | {annotation}
+    return next((t for t in (int, float) if t in members), None)
+
+
+NUMERIC = [name for name in FIELDS if _number_type(name) is not None]
+
+
+def _accepted(name: str, value: float) -> bool:
+    try:
+        EngineArgs(model="", **{name: value}).check_without_checkpoint()
+    except ValueError as e:
+        assert name in str(e), f"{name}={value!r} refused for another reason: {e}"
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_each_stated_bound_is_where_the_engine_configs_start_refusing(name):
+    """The bounds the Helm schema states (EngineArgs metadata) are the engine's own: the
+    bound itself is accepted, one step past it refused, by the frozen configs."""
+    bounds = FIELDS[name].metadata["bounds"]
+    assert bounds, f"numeric engine argument {name} states no bounds (_arg(..., bounds=...))"
+    step = 1 if _number_type(name) is int else 0.01
+    seen = []
+    if "minimum" in bounds:
+        seen += [_accepted(name, bounds["minimum"]), not _accepted(name, bounds["minimum"] - step)]
+    if "exclusiveMinimum" in bounds:
+        low = bounds["exclusiveMinimum"]
+        seen += [not _accepted(name, low), _accepted(name, low + step)]
+    if "maximum" in bounds:
+        seen += [_accepted(name, bounds["maximum"]), not _accepted(name, bounds["maximum"] + step)]
+    assert seen and all(seen), (name, bounds, seen)
+    assert set(bounds) <= {"minimum", "exclusiveMinimum", "maximum"}, bounds
+
+
+def test_numeric_arguments_are_found_whether_optional_or_not():
+    assert {"max_model_len", "max_num_seqs", "gpu_memory_utilization", "seed"} <= set(NUMERIC)
+    assert not {"enable_prefix_caching", "async_scheduling", "dtype"} & set(NUMERIC)
 
 
 def test_an_incompatible_option_turns_auto_off_and_refuses_true(llama_path, monkeypatch, caplog):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
+from pydantic import Field, create_model
 
 from raylm.cluster.serve_config import (
     AutoscalingConfig,
@@ -26,6 +29,55 @@ def _schema() -> dict:
 
 def _values() -> dict:
     return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def _generator():
+    """helm/generate_schema.py (a script beside the chart, not a package module)."""
+    spec = importlib.util.spec_from_file_location("generate_schema",
+                                                  CHART.parent / "generate_schema.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_kwargs_schema_is_the_generated_one():
+    problem = _generator().out_of_date()
+    if problem is not None:
+        pytest.fail(problem)
+
+
+def test_a_new_engine_argument_fails_until_the_schema_is_regenerated():
+    generator = _generator()
+    grown = create_model("EngineKwargs", __base__=EngineKwargs,
+                         max_new_thing=(int, Field(default=4, description="a new argument",
+                                                   json_schema_extra={"minimum": 2})))
+    assert generator.out_of_date(grown) == (
+        "helm/raylm/values.schema.json: engine_kwargs is out of date with raylm's engine "
+        "arguments (cluster/engine_args.py): run `python helm/generate_schema.py` and "
+        "commit the result.")
+    regenerated = json.loads(generator.render(grown))
+    node = regenerated["properties"]["llmConfig"]["properties"]["engine_kwargs"]
+    assert node["properties"]["max_new_thing"] == {
+        "type": "integer", "minimum": 2, "description": "a new argument"}
+    # Everything else in the file stays as committed.
+    del node["properties"]["max_new_thing"]
+    assert regenerated == _schema()
+
+
+def test_generated_engine_kwargs_schema_forms():
+    """Optional values as type lists, choices as enums (with null when optional), the
+    engine arguments' help and bounds carried over."""
+    props = _schema()["properties"]["llmConfig"]["properties"]["engine_kwargs"]["properties"]
+    assert props["max_num_batched_tokens"] == {
+        "type": ["integer", "null"], "minimum": 1,
+        "description": "most tokens in one step (default: max(2048, max_num_seqs))"}
+    assert props["gpu_memory_utilization"]["exclusiveMinimum"] == 0
+    assert props["gpu_memory_utilization"]["maximum"] == 1
+    assert props["dtype"]["enum"] == ["auto", "float32", "bfloat16", "float16", "float64"]
+    assert "type" not in props["dtype"]
+    assert props["distributed_executor_backend"]["enum"] == ["uni", "ray", None]
+    assert props["speculative_config"]["type"] == ["object", "null"]
 
 
 def test_schema_is_draft7_and_accepts_the_defaults():
