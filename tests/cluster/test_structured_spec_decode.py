@@ -3,7 +3,7 @@ random-weight checkpoints (so validity comes only from the constraint): the gram
 each draft at its first refused token and masks every verified position, so with ngram
 drafts (k = 1 and 3) every constrained output is valid and greedy output is the very
 output of no speculation, async on and off; unconstrained requests in the batch get their
-tokens alone; max_tokens and stop strings cut where they cut without speculation; a token
+tokens alone; max_tokens, stop strings and min_tokens act as without speculation; a token
 the grammar rejects ends only its request (finish_reason error); with a draft model equal
 to the target every draft the grammar keeps is accepted."""
 
@@ -39,6 +39,11 @@ FREE = ["an unconstrained prompt about the river", "the river the river the rive
 CUT = [("call 555-1234 or 555-9876 or 555-", {"regex": REGEXES[1]}, {"max_tokens": 3}),
        ('{"level": 2, "note": "abc"}', {"json": SCHEMAS[2]}, {"stop": ['"note"']}),
        ("red green blue red green", {"choice": CHOICES[0]}, {"ignore_eos": True})]
+# min_tokens holds a stop token back where the grammar allows it: this prompt's text
+# (random weights) reaches the stop token STOP_WORD at its 4th token.
+STOP_WORD = " ha"
+MIN = [("the river the river the", {"regex": "[a-z ]{1,40}"}, {"min_tokens": n})
+       for n in (0, 6)]
 
 
 def _ngram(k: int) -> dict:
@@ -50,7 +55,10 @@ def _so(constraint: dict) -> StructuredOutputsParams:
     return StructuredOutputsParams(**constraint, disable_any_whitespace="json" in constraint)
 
 
-def _requests(items=ITEMS, free=FREE, cut=CUT):
+def _requests(items=ITEMS, free=FREE, cut=CUT, stop_token_id: int | None = None):
+    """Prompts and params; with ``stop_token_id`` the MIN requests follow (stopping there)."""
+    cut = list(cut) + [(p, c, {**kw, "stop_token_ids": [stop_token_id]})
+                       for p, c, kw in (MIN if stop_token_id is not None else [])]
     prompts = [p for p, _ in items] + list(free) + [p for p, _, _ in cut]
     params = [SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=_so(c))
               for _, c in items]
@@ -81,7 +89,8 @@ def _run(path: str, spec: dict | None, async_scheduling: bool, alone: bool = Fal
     llm = LLM(path, async_scheduling=async_scheduling, speculative_config=spec, **ENGINE)
     try:
         with _count_drafts() as counts:
-            outs = llm.generate(*_requests(), use_tqdm=False)
+            [stop_id] = llm.get_tokenizer().encode(STOP_WORD, add_special_tokens=False)
+            outs = llm.generate(*_requests(stop_token_id=stop_id), use_tqdm=False)
         free = llm.generate(*_requests([], FREE, []), use_tqdm=False) if alone else None
         wait_for_free_kv(llm)
         return outs, free, counts, llm.get_metrics()
@@ -121,11 +130,18 @@ def test_greedy_constrained_output_equals_no_speculation(runs):
     # max_tokens, stop strings and the grammar's end cut the constrained text where they
     # cut without drafts.
     for key, (outs, _, _, _) in runs.items():
-        length, stop, end = (o.outputs[0] for o in outs[-len(CUT):])
+        length, stop, end, first, held = (o.outputs[0] for o in outs[-len(CUT) - len(MIN):])
         assert length.finish_reason == "length" and len(length.token_ids) == 3, key
         assert stop.finish_reason == "stop" and stop.stop_reason == '"note"', key
         assert stop.text.startswith('{"level": ') and '"note"' not in stop.text, key
         assert end.finish_reason == "stop" and end.text in CHOICES[0], key
+        assert first.finish_reason == "stop" and len(first.token_ids) == 4, (key, first)
+        assert first.stop_reason == first.token_ids[-1], (key, first)
+        assert held.finish_reason == "stop" and len(held.token_ids) >= 6, (key, held)
+        assert held.token_ids[:3] == first.token_ids[:3], (key, held)
+        assert first.token_ids[-1] not in held.token_ids[:6], (key, held)
+        for c in (first, held):  # the regex admits every prefix of its texts
+            check(c.text, MIN[0][1])
 
 
 def test_unconstrained_requests_in_the_batch_get_their_tokens_alone(runs):
