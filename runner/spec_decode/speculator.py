@@ -21,6 +21,11 @@ with ``disable_by_batch_size`` a step that runs more requests than that drafts n
 The drafts need the previous step's tokens on the host, so with speculative decoding a
 step's output is copied to the host before it returns (no -1 history placeholders); the
 scheduler still plans the next step while this one runs.
+
+Structured outputs: a step with grammar-constrained requests returns their drafts from
+the forward (``take_draft_token_ids``) and verifies only at ``sample_tokens``, whose
+bitmask has a row per verified position and says how many drafts each grammar kept;
+the dropped ones ran in the forward and count as rejected.
 """
 
 from __future__ import annotations
