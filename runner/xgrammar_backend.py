@@ -203,8 +203,8 @@ class XgrammarBackend:
                 if n == len(draft) or not _allows(rows[r], draft[n]):
                     break
                 r += 1
-                assert grammar.accept_token(draft[n]), (
-                    f"draft token {draft[n]} is in its row but the matcher refused it")
+                accepted = grammar.accept_token(draft[n])
+                assert accepted, f"draft token {draft[n]} is in its row but the matcher refused it"
                 n += 1
             if grammar is not None:
                 grammar.rollback(n)
