@@ -25,6 +25,8 @@ class DeferredSampling:
 
     step_id: int
     batch: StepBatch
+    # The sampled positions' logits; with speculative decoding the hidden states instead
+    # (which positions verification needs depends on the drafts the grammar keeps).
     logits: torch.Tensor
     pp_transport: SampledTokenTransport | None
     # Computed with the forward (they need its hidden states, not the bitmask).
@@ -44,15 +46,28 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str],
-                          grammar_output: GrammarOutput) -> None:
-    """Mask, in place, the logits rows of the constrained requests in ``req_ids``."""
+                          grammar_output: GrammarOutput,
+                          first_rows: list[int] | None = None) -> None:
+    """Mask, in place, the logits rows of the constrained requests in ``req_ids``.
+
+    Row ``i`` of ``logits`` belongs to ``req_ids[i]``; with speculative decoding
+    (``grammar_output.num_draft_tokens``) request ``req_ids[i]``'s verified positions are
+    the ``1 + num_draft_tokens`` rows from ``first_rows[i]`` on, one bitmask row each."""
     index = {rid: i for i, rid in enumerate(req_ids)}
-    mask_rows, logit_rows = [], []
+    per_request = grammar_output.num_draft_tokens
+    mask_rows: list[int] = []
+    logit_rows: list[int] = []
+    mask_row = 0
     for j, rid in enumerate(grammar_output.structured_output_request_ids):
+        n = 1 if per_request is None else 1 + per_request[j]
         i = index.get(rid)
         if i is not None:
-            mask_rows.append(j)
-            logit_rows.append(i)
+            start = i if first_rows is None else first_rows[i]
+            mask_rows.extend(range(mask_row, mask_row + n))
+            logit_rows.extend(range(start, start + n))
+        mask_row += n
+    assert mask_row == len(grammar_output.grammar_bitmask), (
+        f"{mask_row} bitmask rows expected, {len(grammar_output.grammar_bitmask)} sent")
     if not logit_rows:
         return
     bitmask = torch.from_numpy(grammar_output.grammar_bitmask[mask_rows]).to(logits.device)

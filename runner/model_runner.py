@@ -43,7 +43,12 @@ from raylm.runner.prompt_logprobs import compute_prompt_logprobs
 from raylm.runner.sampler import Sampler, SamplerOutput
 from raylm.runner.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.speculator import Speculator
-from raylm.scheduler.core_outputs import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from raylm.scheduler.core_outputs import (
+    DraftTokenIds,
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+)
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.structured_output import GrammarOutput
 
@@ -160,7 +165,8 @@ class ModelRunner:
                       pp_transport: SampledTokenTransport | None = None,
                       recv_intermediate: Callable[[SchedulerOutput], IntermediateTensors]
                       | None = None,
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors | None:
+                      ) -> (ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors
+                            | DraftTokenIds | None):
         """Run one step. The last PP stage returns the step's output (an
         AsyncModelRunnerOutput under async scheduling); other stages return the
         IntermediateTensors to send to the next stage. ``pp_transport`` (async PP) carries
@@ -202,6 +208,12 @@ class ModelRunner:
             return hidden
         if self.speculator is not None:
             prompt_logprobs = self._prompt_logprobs(batch, hidden)
+            if so.structured_output_request_ids:
+                # The grammar checks the drafts first: they go to the EngineCore, and the
+                # verification waits for sample_tokens with the bitmask of what it kept.
+                self.deferred_sampling = DeferredSampling(so.step_id, batch, hidden,
+                                                          pp_transport, prompt_logprobs)
+                return self.speculator.take_draft_token_ids(so.structured_output_request_ids)
             result = self.speculator.verify(batch, hidden, self.model, self.sampler)
             result.prompt_logprobs_dict = prompt_logprobs
             return result
@@ -221,6 +233,11 @@ class ModelRunner:
         state, self.deferred_sampling = self.deferred_sampling, None
         if state is None:
             raise RuntimeError("sample_tokens without a step waiting for its sampling")
+        if self.speculator is not None:
+            result = self.speculator.verify(state.batch, state.logits, self.model, self.sampler,
+                                            grammar_output)
+            result.prompt_logprobs_dict = state.prompt_logprobs
+            return result
         apply_grammar_bitmask(state.logits, state.batch.req_ids, grammar_output)
         return self._sample(state.batch, state.logits, state.pp_transport,
                             state.prompt_logprobs)

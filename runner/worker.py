@@ -25,7 +25,7 @@ from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.scheduler import envs
-from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.structured_output import GrammarOutput
@@ -169,8 +169,9 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
-        """Run one step; only the driver rank (TP rank 0 of the last stage) returns output."""
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
+        """Run one step; only the driver rank (TP rank 0 of the last stage) returns output
+        (DraftTokenIds when its sampling waits for a bitmask that checks them)."""
         intermediate = recv = None
         if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
             if self.model_runner.speculator is None:
@@ -195,7 +196,7 @@ class Worker:
         return out if self.ctx.is_driver else None
 
     def run(self, message: SchedulerOutput | GrammarOutput
-            ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+            ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
         """One message of the step stream: a step, or the sampling of a deferred step."""
         if isinstance(message, GrammarOutput):
             return self.sample_tokens(message)

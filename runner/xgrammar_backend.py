@@ -94,21 +94,25 @@ class XgrammarGrammar:
         self.matcher = matcher
         self.is_json = is_json
         self._decoded_vocab = decoded_vocab
-        self._last_byte = 0  # of the accepted text: a UTF-8 lead byte constrains the next
+        # Last byte of the accepted text after each accepted token (a UTF-8 lead byte
+        # constrains the next token); kept per token so a rollback restores it.
+        self._last_bytes: list[int] = []
 
-    def _accept(self, token: int) -> bool:
+    def accept_token(self, token: int) -> bool:
         if not self.matcher.accept_token(token):
             return False
+        last = self._last_bytes[-1] if self._last_bytes else 0
         if token < len(self._decoded_vocab) and self._decoded_vocab[token]:
-            self._last_byte = self._decoded_vocab[token][-1]
+            last = self._decoded_vocab[token][-1]
+        self._last_bytes.append(last)
         return True
 
     @property
     def pending_lead_byte(self) -> int:
-        return self._last_byte
+        return self._last_bytes[-1] if self._last_bytes else 0
 
     def accept_tokens(self, tokens: list[int]) -> bool:
-        return all(self._accept(t) for t in tokens)
+        return all(self.accept_token(t) for t in tokens)
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         accepted = 0
@@ -123,6 +127,7 @@ class XgrammarGrammar:
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            del self._last_bytes[len(self._last_bytes) - num_tokens:]
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -139,6 +144,9 @@ class XgrammarBackend:
         self.decoded_vocab = list(self.tokenizer_info.decoded_vocab[:vocab_size])
         self._valid_utf8 = self._mask(lambda b: not any(x in _NEVER_UTF8 for x in b))
         self._json_allowed = self._mask(lambda b: not any(x in _JSON_FORBIDDEN_BYTES for x in b))
+        stop = np.zeros(vocab_size, dtype=bool)
+        stop[list(self.tokenizer_info.stop_token_ids)] = True
+        self._stop_only = _pack(stop, (vocab_size + 31) // 32)
         self._after_lead = {lead: self._mask(lambda b, bad=bad: not b or b[0] not in bad)
                             for lead, bad in _BAD_AFTER_LEAD.items()}
 
@@ -172,21 +180,57 @@ class XgrammarBackend:
         return XgrammarGrammar(_xgr().GrammarMatcher(grammar), is_json, self.decoded_vocab)
 
     def build_bitmask(self, grammars: list[XgrammarGrammar | None]) -> np.ndarray:
-        bitmask = _xgr().allocate_token_bitmask(len(grammars), self.vocab_size)  # all allowed
-        for i, grammar in enumerate(grammars):
+        return self.build_spec_bitmask(grammars, [[] for _ in grammars])[0]
+
+    def build_spec_bitmask(self, grammars: list[XgrammarGrammar | None],
+                           drafts: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+        """Rows for verifying drafts: for each grammar, a row for its state, then one for
+        the state after each draft it accepts, the matcher advanced through the drafts
+        and rolled back after. The drafts stop at the first token its row forbids (the
+        grammar, or the UTF-8 / JSON rules below). Returns the rows (``sum(1 + kept)``
+        of them, grammar by grammar) and the drafts kept per grammar; a None grammar
+        gets one all-allowed row and keeps none."""
+        assert len(drafts) == len(grammars), (len(drafts), len(grammars))
+        total = sum(1 + len(d) for d in drafts)
+        bitmask = _xgr().allocate_token_bitmask(total, self.vocab_size)  # all allowed
+        rows = bitmask.numpy()  # the tensor's memory: rows see what the matcher fills
+        r = 0
+        kept: list[int] = []
+        for grammar, draft in zip(grammars, drafts, strict=True):
+            n = 0
+            while grammar is not None:
+                self._fill_row(grammar, bitmask, rows, r)
+                if n == len(draft) or not _allows(rows[r], draft[n]):
+                    break
+                r += 1
+                accepted = grammar.accept_token(draft[n])
+                assert accepted, f"draft token {draft[n]} is in its row but the matcher refused it"
+                n += 1
             if grammar is not None:
-                grammar.matcher.fill_next_token_bitmask(bitmask, i)
-        rows = bitmask.numpy()
-        for i, grammar in enumerate(grammars):
-            if grammar is None:
-                continue
-            rows[i] &= self._valid_utf8
-            if grammar.is_json:
-                rows[i] &= self._json_allowed
-            after = self._after_lead.get(grammar.pending_lead_byte)
-            if after is not None:
-                rows[i] &= after
-        return rows
+                grammar.rollback(n)
+            kept.append(n)
+            r += 1
+        return rows[:r].copy(), kept
+
+    def _fill_row(self, grammar: XgrammarGrammar, bitmask: Any, rows: np.ndarray,
+                  r: int) -> None:
+        if grammar.is_terminated():
+            # After a stop token (a draft's): the text is complete. The matcher has no
+            # next-token mask there; only another stop token keeps the row valid.
+            rows[r] = self._stop_only
+            return
+        grammar.matcher.fill_next_token_bitmask(bitmask, r)
+        rows[r] &= self._valid_utf8
+        if grammar.is_json:
+            rows[r] &= self._json_allowed
+        after = self._after_lead.get(grammar.pending_lead_byte)
+        if after is not None:
+            rows[r] &= after
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    return token >= 0 and token < row.size * 32 and bool(
+        (int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:

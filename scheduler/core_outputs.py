@@ -129,6 +129,16 @@ class ModelRunnerOutput:
         return cls(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
+@dataclass
+class DraftTokenIds:
+    """The drafts a step placed for its grammar-constrained requests (speculative
+    decoding): the result of such a step's ``execute_model``, which the grammar checks
+    before its ``sample_tokens`` verifies them."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"

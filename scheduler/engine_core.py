@@ -14,7 +14,9 @@ applies results one step late). Hazards of the overlap, where they are handled:
 - a grammar-constrained request scheduled while its previous token is in flight (rule 7):
   its step's forward is launched at once, but its sampling (``sample_tokens`` with the
   grammar bitmask) is sent only after the previous step's result has advanced the
-  grammar; no step is scheduled meanwhile (``_deferred``).
+  grammar; no step is scheduled meanwhile (``_deferred``). With speculative decoding the
+  bitmask also needs the drafts that step's forward placed: its ``execute_model`` result
+  (DraftTokenIds) is awaited first, so the grammar can cut them before verification.
 
 Threading: ``add_request`` and the step functions run on one thread (the engine loop);
 ``abort_requests`` and ``get_metrics`` may be called from any thread.
@@ -29,6 +31,7 @@ from typing import Any
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
 from raylm.scheduler.core_outputs import (
+    DraftTokenIds,
     EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
@@ -64,7 +67,9 @@ class EngineCore:
         # A deferred step's future is None until its sampling is sent.
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput] | None, SchedulerOutput]] = (
             deque())
-        self._deferred: SchedulerOutput | None = None
+        # The deferred step, with its execute_model future (speculative decoding: the
+        # drafts its bitmask needs).
+        self._deferred: tuple[SchedulerOutput, Future[Any]] | None = None
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         # Empty steps still advance the PP ring on the workers, so they are sent there.
         self._send_empty_steps = config.parallel_config.pipeline_parallel_size > 1
@@ -113,7 +118,7 @@ class EngineCore:
         assert not scheduler_output.pending_structured_output_tokens, (
             f"step {scheduler_output.step_id}: no token can be in flight in the synchronous loop")
         if scheduler_output.structured_output_request_ids:
-            future = self._sample_tokens(scheduler_output)
+            future = self._sample_tokens(scheduler_output, future)
         outputs = self._process_result(future, scheduler_output)
         return outputs, not scheduler_output.is_empty
 
@@ -128,13 +133,14 @@ class EngineCore:
                 and len(queue) < self.batch_queue_size):
             scheduler_output = self._schedule()
             if self._should_execute(scheduler_output):
-                future: Future[ModelRunnerOutput] | None = self._execute(scheduler_output)
+                executed_future = self._execute(scheduler_output)
+                future: Future[ModelRunnerOutput] | None = executed_future
                 if scheduler_output.pending_structured_output_tokens:
                     # Rule 7: the forward runs now; the sampling waits for the grammar to
                     # see the token still in flight.
-                    self._deferred, future = scheduler_output, None
+                    self._deferred, future = (scheduler_output, executed_future), None
                 elif scheduler_output.structured_output_request_ids:
-                    future = self._sample_tokens(scheduler_output)
+                    future = self._sample_tokens(scheduler_output, executed_future)
                 queue.append((future, scheduler_output))
                 executed = not scheduler_output.is_empty
                 if self._deferred is None and len(queue) < self.batch_queue_size and (
@@ -148,10 +154,11 @@ class EngineCore:
             f"deferred step {scheduler_output.step_id} reached the head of the batch queue "
             "before the steps its grammar waits for")
         outputs = self._process_result(future, scheduler_output)
-        deferred = self._deferred
-        if deferred is not None and self.scheduler.structured_output_ready(deferred):
+        if self._deferred is not None and self.scheduler.structured_output_ready(
+                self._deferred[0]):
+            deferred, executed_future = self._deferred
             assert queue and queue[-1][1] is deferred, "the deferred step is the newest"
-            queue[-1] = (self._sample_tokens(deferred), deferred)
+            queue[-1] = (self._sample_tokens(deferred, executed_future), deferred)
             self._deferred = None
         return outputs, executed
 
@@ -161,10 +168,21 @@ class EngineCore:
         self.scheduler.mark_structured_output(scheduler_output)
         return scheduler_output
 
-    def _sample_tokens(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Send the grammar bitmask of a step whose forward was sent; its future."""
+    def _sample_tokens(self, scheduler_output: SchedulerOutput,
+                       executed_future: Future[Any]) -> Future[ModelRunnerOutput]:
+        """Send the grammar bitmask of a step whose forward was sent (``executed_future``:
+        its execute_model's); the future of its sampling."""
         try:
-            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+            drafts = None
+            if self.scheduler.needs_draft_token_ids(scheduler_output):
+                # The worker proposed the drafts; their check needs them back (the forward
+                # has run by then: only the sampling waits).
+                placed = executed_future.result()
+                assert isinstance(placed, DraftTokenIds), (
+                    f"step {scheduler_output.step_id}: execute_model returned "
+                    f"{type(placed).__name__}, not the drafts of its constrained requests")
+                drafts = dict(zip(placed.req_ids, placed.draft_token_ids, strict=True))
+            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output, drafts)
             result = self.executor.sample_tokens(grammar_output, non_block=True)
         except Exception as e:
             raise self._fail(e) from e

@@ -38,7 +38,8 @@ class Executor(Protocol):
         the output of TP rank 0 of the last PP stage. Raises EngineDeadError.
 
         A step with ``structured_output_request_ids`` runs only its forward here (its
-        result is None); its sampling waits for the ``sample_tokens`` that follows it."""
+        result is None, or with speculative decoding the DraftTokenIds of those requests);
+        its sampling waits for the ``sample_tokens`` that follows it."""
         ...
 
     def sample_tokens(

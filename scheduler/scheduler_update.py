@@ -79,8 +79,9 @@ class UpdateFromOutputMixin:
                 self.spec_decode_counters.observe(
                     len(drafts) if proposed is None or i is None else proposed[i], num_accepted)
             new_token_ids, stopped = self._update_request_with_output(request, generated)
-            if request.use_structured_output:
-                stopped = self._advance_grammar(request, new_token_ids) or stopped
+            if request.use_structured_output and new_token_ids:
+                new_token_ids = new_token_ids[:self._advance_grammar(request, new_token_ids)]
+                stopped = stopped or request.is_finished()
             # KV of tokens whose steps have all returned is settled: cache its full blocks.
             kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
             prompt_lp = take_new_prompt_logprobs(

@@ -55,13 +55,26 @@ class StructuredOutputBackend(Protocol):
         ``t`` of row ``i`` set when grammar ``i`` allows token ``t``; a None row allows all."""
         ...
 
+    def build_spec_bitmask(self, grammars: list[StructuredOutputGrammar | None],
+                           drafts: list[list[int]]) -> tuple[Any, list[int]]:
+        """Speculative decoding: for each grammar, a row for its state and one after each
+        of its drafts it accepts (advanced through them, then rolled back); the drafts
+        stop at the first one their row forbids. Returns the rows (grammar by grammar,
+        ``1 + kept`` each) and the drafts kept per grammar (None: one row, none kept)."""
+        ...
+
 
 @dataclass
 class GrammarOutput:
-    """What ``sample_tokens`` needs: the bitmask row of each constrained request."""
+    """What ``sample_tokens`` needs: the bitmask row of each constrained request.
+
+    With speculative decoding, ``num_draft_tokens[i]`` is how many of request i's drafts
+    the grammar kept (the rest are dropped before verification), and it has ``1 +
+    num_draft_tokens[i]`` consecutive rows: one per verified position."""
 
     structured_output_request_ids: list[str]
-    grammar_bitmask: Any  # numpy int32 [len(ids), ceil(vocab / 32)]
+    grammar_bitmask: Any  # numpy int32 [num rows, ceil(vocab / 32)]
+    num_draft_tokens: list[int] | None = None
 
 
 class StructuredOutputRequest:
@@ -146,9 +159,14 @@ class StructuredOutputManager:
                 compiled.set_exception(e)
         return self._get_backend().new_grammar(compiled.result())
 
-    def build_bitmask(self, req_ids: list[str],
-                      grammars: list[StructuredOutputGrammar | None]) -> GrammarOutput:
-        return GrammarOutput(req_ids, self._get_backend().build_bitmask(grammars))
+    def build_bitmask(self, req_ids: list[str], grammars: list[StructuredOutputGrammar | None],
+                      drafts: list[list[int]] | None = None) -> GrammarOutput:
+        """One row per request; with ``drafts`` (speculative decoding) one per verified
+        position, the drafts cut where the grammar stops accepting them."""
+        if drafts is None:
+            return GrammarOutput(req_ids, self._get_backend().build_bitmask(grammars))
+        rows, kept = self._get_backend().build_spec_bitmask(grammars, drafts)
+        return GrammarOutput(req_ids, rows, kept)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -9,6 +9,11 @@
   grammar state, and so its bitmask, is known only after that step's result is applied.
 - Advancing: grammars move only on settled tokens, in ``update_from_output``; a token the
   grammar rejects ends that request with finish_reason "error", never the engine.
+- Speculative decoding: the workers propose a step's drafts, so the EngineCore hands
+  ``get_grammar_bitmask`` the drafts that step's forward placed; the bitmask has a row per
+  verified position (the matcher advanced through the drafts and rolled back), and the
+  drafts are cut at the first token the grammar refuses before they are verified. The
+  grammar then advances only on the tokens verification accepted.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from concurrent.futures import wait
 from typing import TYPE_CHECKING
 
 from raylm.scheduler.core_outputs import EngineCoreOutput, SchedulerOutput
-from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
+from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.structured_output import GrammarOutput, StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -39,12 +44,6 @@ class StructuredOutputSchedulingMixin:
         if request.use_structured_output and self.structured_output_manager is None:
             raise ValueError(f"request {request.request_id!r} asks for structured outputs "
                              "but this engine has no structured-output backend.")
-        if request.use_structured_output and self.num_spec_tokens:
-            # Drafts are not yet checked against the grammar, nor the grammar rolled back
-            # with rejected drafts: refuse instead of emitting tokens the grammar forbids.
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: structured_outputs is not supported together "
-                "with speculative_config on this engine.")
 
     def _add_structured_output_request(self: Scheduler, request: Request) -> bool:
         """Park a constrained request until its grammar is compiled. True if parked."""
@@ -114,9 +113,22 @@ class StructuredOutputSchedulingMixin:
                 return False
         return True
 
-    def get_grammar_bitmask(self: Scheduler, scheduler_output: SchedulerOutput) -> GrammarOutput:
+    def needs_draft_token_ids(self: Scheduler, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the step's bitmask needs the drafts its forward placed (a constrained
+        request of it verifies drafts)."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        return bool(spec) and any(
+            rid in spec for rid in scheduler_output.structured_output_request_ids)
+
+    def get_grammar_bitmask(self: Scheduler, scheduler_output: SchedulerOutput,
+                            draft_token_ids: dict[str, list[int]] | None = None,
+                            ) -> GrammarOutput:
         """One bitmask row per constrained request of the step, in the step's order; a
-        request finished meanwhile gets an all-allowed row (its token is discarded)."""
+        request finished meanwhile gets an all-allowed row (its token is discarded).
+
+        With speculative decoding, ``draft_token_ids`` are the drafts the step placed:
+        each request gets a row per verified position, its drafts cut at the first one
+        its grammar refuses (a request finished meanwhile keeps none)."""
         assert self.structured_output_manager is not None
         ids = scheduler_output.structured_output_request_ids
         grammars = []
@@ -125,17 +137,36 @@ class StructuredOutputSchedulingMixin:
             so_request = None if request is None or request.is_finished() else (
                 request.structured_output_request)
             grammars.append(None if so_request is None else so_request.grammar)
-        return self.structured_output_manager.build_bitmask(list(ids), grammars)
+        drafts = None
+        if self.num_spec_tokens:
+            placed = draft_token_ids or {}
+            drafts = [list(placed.get(rid, ())) if g is not None else []
+                      for rid, g in zip(ids, grammars, strict=True)]
+        return self.structured_output_manager.build_bitmask(list(ids), grammars, drafts)
 
-    def _advance_grammar(self: Scheduler, request: Request, new_token_ids: list[int]) -> bool:
-        """Feed settled tokens to the request's grammar. Returns True when the grammar
-        rejected one: the request is then finished with ERROR (the caller frees it)."""
+    def _advance_grammar(self: Scheduler, request: Request, new_token_ids: list[int]) -> int:
+        """Feed settled tokens (a step's accepted run) to the request's grammar, one by
+        one. Returns how many of them to keep: all, unless
+
+        - the grammar rejects one (a bug or a tokenizer mismatch): the request finishes
+          with ERROR, keeping the tokens through the rejected one;
+        - the grammar terminates (it accepted a stop token that does not stop the request,
+          e.g. under ignore_eos): its text is complete, so the request stops there.
+
+        A request it finishes is freed by the caller."""
         so_request = request.structured_output_request
-        if so_request is None or so_request.grammar is None or not new_token_ids:
-            return False
-        if so_request.grammar.accept_tokens(new_token_ids):
-            return False
-        logger.error("request %s: its grammar rejected a token of %s; finishing it with "
-                     "finish_reason error", request.request_id, new_token_ids)
-        request.status = RequestStatus.FINISHED_ERROR
-        return True
+        if so_request is None or so_request.grammar is None:
+            return len(new_token_ids)
+        grammar = so_request.grammar
+        for n, token in enumerate(new_token_ids, 1):
+            if not grammar.accept_tokens([token]):
+                logger.error("request %s: its grammar rejected token %d of %s; finishing "
+                             "it with finish_reason error", request.request_id, token,
+                             new_token_ids)
+                request.status = RequestStatus.FINISHED_ERROR
+                return n
+            if grammar.is_terminated():
+                if not request.is_finished():
+                    request.status = RequestStatus.FINISHED_STOPPED
+                return n
+        return len(new_token_ids)

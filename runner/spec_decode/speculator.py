@@ -21,6 +21,11 @@ with ``disable_by_batch_size`` a step that runs more requests than that drafts n
 The drafts need the previous step's tokens on the host, so with speculative decoding a
 step's output is copied to the host before it returns (no -1 history placeholders); the
 scheduler still plans the next step while this one runs.
+
+Structured outputs: a step with grammar-constrained requests returns their drafts from
+the forward (``take_draft_token_ids``) and verifies only at ``sample_tokens``, whose
+bitmask has a row per verified position and says how many drafts each grammar kept;
+the dropped ones ran in the forward and count as rejected.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
+from raylm.runner.grammar_bitmask import apply_grammar_bitmask
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.rejection_sampler import num_accepted_drafts
@@ -40,8 +46,14 @@ from raylm.runner.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.draft_gate import DraftGate
 from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
-from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import (
+    DraftTokenIds,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.structured_output import GrammarOutput
 
 
 class Speculator:
@@ -162,29 +174,58 @@ class Speculator:
         drafts = self.draft_model.propose(wanted)
         return {r: drafts[r.req_id] for r in wanted}
 
+    def take_draft_token_ids(self, req_ids: list[str]) -> DraftTokenIds:
+        """This step's drafts of ``req_ids`` (grammar-constrained requests: the grammar
+        checks them before ``verify``)."""
+        return DraftTokenIds(list(req_ids), [
+            self._drafts[r].tolist() if r in self._drafts else [] for r in req_ids])
+
+    def _keep_grammar_drafts(self, grammar_output: GrammarOutput) -> None:
+        """Drop the drafts the grammar refused (each request keeps the prefix it accepts);
+        their positions ran in the forward and count as rejected."""
+        assert grammar_output.num_draft_tokens is not None, "no draft counts in the bitmask"
+        for rid, kept in zip(grammar_output.structured_output_request_ids,
+                             grammar_output.num_draft_tokens, strict=True):
+            drafts = self._drafts.get(rid)
+            placed = 0 if drafts is None else drafts.size
+            assert kept <= placed, f"{rid}: the grammar kept {kept} of {placed} drafts"
+            if drafts is not None:
+                self._drafts[rid] = drafts[:kept]
+
     @torch.inference_mode()
     def verify(self, batch: StepBatch, hidden: torch.Tensor, model: nn.Module,
-               sampler: Sampler) -> ModelRunnerOutput:
+               sampler: Sampler, grammar_output: GrammarOutput | None = None
+               ) -> ModelRunnerOutput:
+        """Sample every verified position and accept the drafts. ``grammar_output``: the
+        bitmask of the step's constrained requests, a row per position they verify."""
         ib = self.input_batch
         empty = np.zeros(0, np.int64)
+        placed = np.array([len(self._drafts.get(r, empty)) for r in batch.req_ids], np.int64)
+        if grammar_output is not None:
+            self._keep_grammar_drafts(grammar_output)
         num_drafts = np.array([len(self._drafts.get(r, empty)) for r in batch.req_ids], np.int64)
         sampling = np.flatnonzero(batch.sample_mask)
         if sampling.size == 0:  # only non-final prefill chunks: nothing to sample
-            return self._bookkeeping(batch, sampling, empty, empty, empty, num_drafts, empty,
-                                     None)
+            return self._bookkeeping(batch, sampling, empty, empty, empty, num_drafts, placed,
+                                     empty, None)
         nd = num_drafts[sampling]
         counts = nd + 1  # verified positions per sampling row: its drafts and the bonus
         total = int(counts.sum())
         seg_starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         within = np.arange(total) - np.repeat(seg_starts, counts)
         ends = np.cumsum(batch.num_scheduled)[sampling]
-        flat = np.repeat(ends - counts, counts) + within
+        # The row's last 1 + placed positions ran its known last token and its drafts;
+        # the first 1 + kept of them are verified.
+        flat = np.repeat(ends - placed[sampling] - 1, counts) + within
         # Position of each verified token: after the known tokens (seq_len less drafts).
-        base_len = batch.seq_lens[sampling] - nd
+        base_len = batch.seq_lens[sampling] - placed[sampling]
         expanded = replace(batch, rows=np.repeat(batch.rows[sampling], counts),
                            seq_lens=np.repeat(base_len, counts) + within,
                            sample_mask=np.ones(total, bool))
         logits = model.compute_logits(hidden.index_select(0, self._to_device(flat)))
+        if grammar_output is not None:
+            apply_grammar_bitmask(logits, [batch.req_ids[i] for i in sampling.tolist()],
+                                  grammar_output, seg_starts.tolist())
         md = build_sampling_metadata(ib, expanded, self.vocab_size, self.device,
                                      lambda: None)  # the history holds no placeholders
         out = sampler(logits, md)
@@ -197,12 +238,14 @@ class Speculator:
         drafts = [self._drafts.get(batch.req_ids[i], empty) for i in sampling.tolist()]
         accepted = num_accepted_drafts(sampled, np.concatenate(drafts) if drafts else empty, nd)
         return self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
-                                 sampled, host[1:] if lp is not None else None)
+                                 placed, sampled, host[1:] if lp is not None else None)
 
     def _bookkeeping(self, batch: StepBatch, sampling: np.ndarray, seg_starts: np.ndarray,
                      base_len: np.ndarray, accepted: np.ndarray, num_drafts: np.ndarray,
-                     sampled: np.ndarray, logprob_arrays: list[np.ndarray] | None,
-                     ) -> ModelRunnerOutput:
+                     placed: np.ndarray, sampled: np.ndarray,
+                     logprob_arrays: list[np.ndarray] | None) -> ModelRunnerOutput:
+        """``num_drafts``: the drafts verified per request; ``placed``: those that ran in
+        the forward (more when the grammar dropped some)."""
         ib = self.input_batch
         ib.prev_sampled_token_ids = None  # inputs come from the host history
         ib.prev_req_id_to_index = {}
@@ -210,7 +253,8 @@ class Speculator:
         logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
         for k, i in enumerate(sampling.tolist()):
             row, length, a = int(batch.rows[i]), int(base_len[k]), int(accepted[k])
-            self.gate.observe(batch.req_ids[i], int(num_drafts[i]), a)
+            # A draft the grammar dropped cost its forward position like a rejected one.
+            self.gate.observe(batch.req_ids[i], int(placed[i]), a)
             if self.draft_model is not None:
                 self.draft_model.on_verified(batch.req_ids[i], length + a + 1)
             start = int(seg_starts[k])
@@ -228,7 +272,7 @@ class Speculator:
                                             ranks.tolist())
         # This rank's computed count: the step's tokens less the rejected drafts.
         rejected = np.zeros(len(batch.req_ids), np.int64)
-        rejected[sampling] = num_drafts[sampling] - accepted
+        rejected[sampling] = placed[sampling] - accepted
         for i, rid in enumerate(batch.req_ids):
             self.num_computed[rid] = int(batch.seq_lens[i] - rejected[i])
         return ModelRunnerOutput(

@@ -60,3 +60,22 @@ def test_constrained_greedy_on_ray_equals_single_process(llama_path, reference, 
         wait_for_free_kv(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(("tp", "pp", "async_scheduling"), [(2, 1, True), (1, 2, False)],
+                         ids=["tp2-async", "pp2-sync"])
+def test_constrained_with_speculation_on_ray_equals_single_process(
+        llama_path, reference, tp, pp, async_scheduling):
+    """With ngram drafts the step's execute result (the drafts of its constrained requests)
+    comes back over the step stream from the last stage's driver, and every TP rank of
+    that stage verifies with the bitmask; PP with speculation runs sync scheduling."""
+    llm = LLM(llama_path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              async_scheduling=async_scheduling,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+    try:
+        assert _generate(llm) == reference
+        metrics = llm.get_metrics()
+        assert metrics["raylm:spec_decode_num_drafts"] > 0, metrics
+        wait_for_free_kv(llm)
+    finally:
+        llm.shutdown()

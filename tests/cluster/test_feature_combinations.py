@@ -1,8 +1,9 @@
 """Features that meet in one step: prompt logprobs with speculative decoding and with a
-grammar-constrained request in the batch; structured outputs with speculative decoding
-(not supported yet: refused by name, never served with unchecked drafts)."""
+grammar-constrained request in the batch, and all three together."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -53,14 +54,24 @@ def test_prompt_logprobs_beside_a_constrained_request(llama_path, hf_oracle):
     assert outs[1].outputs[0].text in ("yes", "no")
 
 
-def test_structured_outputs_with_speculative_decoding_is_refused(llama_path):
-    llm = LLM(llama_path, speculative_config=NGRAM)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_and_speculation_beside_a_constrained_request(
+        llama_path, hf_oracle, async_scheduling):
+    """A step that defers its verification for a grammar keeps the prompt logprobs its
+    forward computed, and the unconstrained request's drafts verify as alone."""
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9, 14, 22, 31]  # repeats: prompt lookup drafts
+    llm = LLM(llama_path, async_scheduling=async_scheduling, speculative_config=NGRAM,
+              max_num_batched_tokens=8)  # 8: the prompts are chunked
     try:
-        with pytest.raises(ValueError, match="structured_outputs"):
-            llm.generate(["hi"], SamplingParams(
-                max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+")))
-        # The engine keeps serving.
-        assert len(llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
-                   .outputs[0].token_ids) == 3
+        outs = llm.generate(
+            [{"prompt_token_ids": prompt}, {"prompt_token_ids": [3, 4, 5, 3, 4]}],
+            [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1),
+             SamplingParams(temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex="(ab){1,4}c"))])
     finally:
         llm.shutdown()
+    oracle = hf_oracle(llama_path)
+    _check_prompt_logprobs(outs[0], prompt, oracle.logprobs(prompt))
+    assert outs[0].outputs[0].token_ids == oracle.greedy(prompt, 12)
+    assert outs[1].outputs[0].finish_reason == "stop"
+    assert re.fullmatch("(ab){1,4}c", outs[1].outputs[0].text), outs[1].outputs[0].text
