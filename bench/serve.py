@@ -69,11 +69,13 @@ class Result:
 
 
 # ---- servers -------------------------------------------------------------------------------
-def raylm_command(model: str, port: int, interval_ms: float | None) -> list[str]:
+def raylm_command(model: str, port: int, interval_ms: float | None,
+                  extra_args: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "raylm.cluster.cli", "serve", model, "--port", str(port),
            "--served-model-name", MODEL_ID, "--max-num-seqs", str(CONCURRENCY),
            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
-           "--no-enable-prefix-caching", "--max-ongoing-requests", str(4 * CONCURRENCY)]
+           "--no-enable-prefix-caching", "--max-ongoing-requests", str(4 * CONCURRENCY),
+           *extra_args]
     if interval_ms is not None:
         cmd += ["--stream-batching-interval-ms", str(interval_ms)]
     return cmd
@@ -299,6 +301,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="fixed,mixed")
     ap.add_argument("--servers", default="raylm,vllm")
     ap.add_argument("--stream-batching-interval-ms", type=float, default=None)
+    ap.add_argument("--raylm-args", default="",
+                    help="more `raylm serve` arguments, e.g. \"--proxy ray\"")
     args = ap.parse_args()
     model = args.model or checkpoint("6m")
     workloads = [w for w in args.workloads.split(",") if w]
@@ -313,7 +317,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         if "raylm" in servers:
             port = _free_port()
-            cmd = raylm_command(model, port, args.stream_batching_interval_ms)
+            cmd = raylm_command(model, port, args.stream_batching_interval_ms,
+                                args.raylm_args.split())
             # RAY_ADDRESS unset: `raylm serve` starts a local Ray instance of its own.
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
             results += measure(port, "raylm", cmd, env, model, workloads, args.vllm_python,

