@@ -45,10 +45,14 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        for c in self.children:  # a loop, not all(genexpr): read for every request each step
+            if c.finish_reason is None:
+                return False
+        return True
 
-    def make_output(self) -> RequestOutput:
-        finished = self.finished
+    def make_output(self, finished: bool | None = None) -> RequestOutput:
+        if finished is None:
+            finished = self.finished
         delta = self.params.output_kind == RequestOutputKind.DELTA
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is not None:
@@ -150,12 +154,13 @@ class OutputProcessor:
             changed[parent.request_id] = parent
         results = []
         for parent in changed.values():
-            if parent.finished:
+            finished = parent.finished
+            if finished:
                 parent.metrics.finished_time = now
                 self._remove(parent)
             elif parent.params.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
-            results.append(parent.make_output())
+            results.append(parent.make_output(finished))
         return results, to_abort
 
     def _apply(self, state: RequestState, out: EngineCoreOutput) -> bool:
