@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from raylm.cluster.detokenizer import IncrementalDetokenizer
+from raylm.cluster.detokenizer import IncrementalDetokenizer, fast_decoder
 from raylm.cluster.output_processor import OutputProcessor, ParentRequest
 from raylm.cluster.outputs import RequestMetrics
 from raylm.scheduler.core_outputs import (
@@ -35,6 +35,21 @@ def test_incremental_text_equals_full_decode(tokenizer):
         assert detok.update(t) is None
     detok.flush()
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_fast_decoder_returns_the_tokenizers_text(tokenizer):
+    ids = tokenizer("Hello world: ümlaut ✓ 漢字 , . !").input_ids + [tokenizer.eos_token_id]
+    decode = fast_decoder(tokenizer)
+    assert decode is not tokenizer.decode  # the Rust decode, without the wrapper
+    for skip in (True, False):
+        assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+            ids, skip_special_tokens=skip)
+    # A tokenizer that post-processes the text keeps its own decode.
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert fast_decoder(tokenizer) == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
 
 
 def test_stop_string_trims_and_asks_for_abort(tokenizer):
