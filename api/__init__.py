@@ -1,8 +1,8 @@
 """raylm: an LLM serving engine on Ray with asynchronous scheduling."""
 
 from raylm.cluster.llm import LLM
-from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 from raylm.scheduler.structured_output_params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "__version__"]

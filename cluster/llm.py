@@ -13,7 +13,7 @@ from raylm.cluster.engine_args import EngineArgs
 from raylm.cluster.llm_engine import LLMEngine
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.processor import PromptType
-from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,12 @@ class LLM:
             text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
             self.llm_engine.input_processor.validate(token_ids)
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        # Only final outputs are read here: build none per step (vLLM's LLM does the same).
+        final_only: dict[int, SamplingParams] = {}
+        for p in params_list:
+            if id(p) not in final_only:
+                final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        params_list = [final_only[id(p)] for p in params_list]
         ids = [str(next(self._ids)) for _ in prompts]
         for request_id, prompt, params in zip(ids, tokenized, params_list, strict=True):
             self.llm_engine.add_request(request_id, prompt, params)

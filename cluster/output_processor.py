@@ -5,6 +5,11 @@ requests ``"{i}_{parent_id}"`` whose outputs are gathered into one RequestOutput
 Stop strings are found here, after detokenization; the processor then reports the request
 for abort so the engine frees its KV blocks. Tokens that arrive after a request finished
 here (in flight when the stop string matched) are ignored: nothing is delivered twice.
+
+What a RequestOutput carries follows ``SamplingParams.output_kind``: everything so far
+(CUMULATIVE, the default), only what is new (DELTA), or nothing until the request
+finishes (FINAL_ONLY: no per-step output is built at all). A cumulative output copies a
+request's token ids and logprobs each step (O(length) per step); the other two do not.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from raylm.cluster.outputs import (
     RequestOutput,
 )
 from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
-from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -36,19 +41,30 @@ class ParentRequest:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # filled from the first child's outputs
+    num_sent_prompt_logprobs: int = 0  # DELTA: entries already delivered
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        for c in self.children:  # a loop, not all(genexpr): read for every request each step
+            if c.finish_reason is None:
+                return False
+        return True
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self, finished: bool | None = None) -> RequestOutput:
+        if finished is None:
+            finished = self.finished
+        delta = self.params.output_kind == RequestOutputKind.DELTA
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None:
+            start = self.num_sent_prompt_logprobs if delta else 0
+            prompt_logprobs = prompt_logprobs[start:]
+            self.num_sent_prompt_logprobs = len(self.prompt_logprobs)  # type: ignore[arg-type]
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.make_completion() for c in self.children], finished=self.finished,
+            outputs=[c.make_completion(delta) for c in self.children], finished=finished,
             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics, error=self.error,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None
-            else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -62,14 +78,25 @@ class RequestState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA: how much of the token ids / text has been delivered (logprobs follow tokens).
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
-    def make_completion(self) -> CompletionOutput:
+    def make_completion(self, delta: bool = False) -> CompletionOutput:
+        """Everything so far; with ``delta``, only what the previous call did not return."""
         finished = self.finish_reason is not None
+        text = self.detokenizer.get_text(finished)
+        token_ids = self.detokenizer.token_ids
+        start = self.num_sent_tokens if delta else 0
+        if delta:
+            # The held-back tail of a stop string is never sent, so the text only grows.
+            text = text[self.num_sent_chars:]
+            self.num_sent_chars += len(text)
+            self.num_sent_tokens = len(token_ids)
         return CompletionOutput(
-            index=self.index, text=self.detokenizer.get_text(finished),
-            token_ids=list(self.detokenizer.token_ids),
+            index=self.index, text=text, token_ids=token_ids[start:],
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
 
@@ -127,10 +154,13 @@ class OutputProcessor:
             changed[parent.request_id] = parent
         results = []
         for parent in changed.values():
-            if parent.finished:
+            finished = parent.finished
+            if finished:
                 parent.metrics.finished_time = now
                 self._remove(parent)
-            results.append(parent.make_output())
+            elif parent.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            results.append(parent.make_output(finished))
         return results, to_abort
 
     def _apply(self, state: RequestState, out: EngineCoreOutput) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from typing import Any
 
 from raylm.scheduler.structured_output_params import StructuredOutputsParams
@@ -10,6 +11,19 @@ from raylm.scheduler.structured_output_params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 # The most top logprobs a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request carries, as vLLM's.
+
+    CUMULATIVE: everything so far (token ids, text, logprobs), every step.
+    DELTA: only what is new since the request's previous output.
+    FINAL_ONLY: no output until the request finishes, then everything (what the offline
+    ``LLM.generate`` uses: it reads only final outputs, so nothing is built per step)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -20,7 +34,8 @@ class SamplingParams:
     ``top_k`` of 0 or -1 disables top-k. ``logprobs=k`` returns the sampled token's
     logprob plus the top-k (raw model logprobs, as vLLM's default ``raw_logprobs``);
     ``prompt_logprobs=k`` the same for every prompt token after the first.
-    ``max_tokens=None`` means "up to max_model_len".
+    ``max_tokens=None`` means "up to max_model_len". ``output_kind`` shapes the
+    RequestOutputs (see RequestOutputKind); it changes nothing the engine computes.
     """
 
     n: int = 1
@@ -44,6 +59,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -105,6 +121,8 @@ class SamplingParams:
                 self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs,
                       "must be a StructuredOutputsParams")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
         if self.stop and not self.detokenize:
             raise bad("stop", list(self.stop), "needs detokenize=True (stop strings match text)")
 

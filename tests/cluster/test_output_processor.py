@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from raylm.cluster.detokenizer import IncrementalDetokenizer
+from raylm.cluster.detokenizer import IncrementalDetokenizer, fast_decoder
 from raylm.cluster.output_processor import OutputProcessor, ParentRequest
 from raylm.cluster.outputs import RequestMetrics
 from raylm.scheduler.core_outputs import (
@@ -14,7 +14,7 @@ from raylm.scheduler.core_outputs import (
     FinishReason,
     LogprobsLists,
 )
-from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,21 @@ def test_incremental_text_equals_full_decode(tokenizer):
         assert detok.update(t) is None
     detok.flush()
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_fast_decoder_returns_the_tokenizers_text(tokenizer):
+    ids = tokenizer("Hello world: ümlaut ✓ 漢字 , . !").input_ids + [tokenizer.eos_token_id]
+    decode = fast_decoder(tokenizer)
+    assert decode is not tokenizer.decode  # the Rust decode, without the wrapper
+    for skip in (True, False):
+        assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+            ids, skip_special_tokens=skip)
+    # A tokenizer that post-processes the text keeps its own decode.
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert fast_decoder(tokenizer) == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
 
 
 def test_stop_string_trims_and_asks_for_abort(tokenizer):
@@ -134,3 +149,51 @@ def test_detokenize_false_keeps_ids_and_skips_text(tokenizer):
     assert [e[t].decoded_token for e, t in zip(c.logprobs, c.token_ids)] == [None] * 3
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def _stream(tokenizer, kind, text, **params):
+    """Feed ``text``'s tokens one per step to a request of output kind ``kind``."""
+    proc = OutputProcessor(tokenizer)
+    ids = tokenizer(text).input_ids
+    sp = SamplingParams(max_tokens=len(ids), logprobs=0, output_kind=kind, **params)
+    proc.add_request(_parent(tokenizer, "x", sp), ["r"])
+    outs = []
+    for i, t in enumerate(ids):
+        lp = LogprobsLists(token_ids=[[t]], logprobs=[[-float(i)]], sampled_token_ranks=[1])
+        last = FinishReason.LENGTH if i == len(ids) - 1 else None
+        step, _ = proc.process_outputs(EngineCoreOutputs([
+            EngineCoreOutput("r", [t], new_logprobs=lp, finish_reason=last)]))
+        outs += step
+        if step and step[0].finished:
+            break
+    assert not proc.has_unfinished()
+    return ids, outs
+
+
+@pytest.mark.parametrize("stop", [(), ("jumps over",)])
+def test_delta_outputs_add_up_to_the_cumulative_ones(tokenizer, stop):
+    text = "the quick brown fox jumps over the lazy dog ✓ 漢字"
+    _, cumulative = _stream(tokenizer, RequestOutputKind.CUMULATIVE, text, stop=stop)
+    ids, delta = _stream(tokenizer, RequestOutputKind.DELTA, text, stop=stop)
+    assert len(delta) == len(cumulative)
+    for n, (d, c) in enumerate(zip(delta, cumulative), 1):
+        assert d.finished == c.finished
+        assert "".join(o.outputs[0].text for o in delta[:n]) == c.outputs[0].text
+        assert sum((o.outputs[0].token_ids for o in delta[:n]), []) == c.outputs[0].token_ids
+        assert sum((o.outputs[0].logprobs for o in delta[:n]), []) == c.outputs[0].logprobs
+    assert len(delta[0].outputs[0].token_ids) == 1  # one step's token, not everything so far
+    final = cumulative[-1].outputs[0]
+    assert final.finish_reason == ("stop" if stop else "length")
+    if not stop:
+        assert final.token_ids == ids
+
+
+def test_final_only_outputs_only_the_finished_request(tokenizer):
+    text = "the quick brown fox jumps over the lazy dog"
+    ids, outs = _stream(tokenizer, RequestOutputKind.FINAL_ONLY, text)
+    (out,) = outs
+    assert out.finished and out.outputs[0].token_ids == ids
+    assert out.outputs[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(out.outputs[0].logprobs) == len(ids)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=1)
