@@ -1,0 +1,168 @@
+"""`raylm serve` end to end as a user runs it (a subprocess with its own local Ray), for each
+HTTP entry: Ray Serve's HAProxy ingress straight to the single model's replica (the default)
+and Serve's Python proxy. Both serve the app whose one deployment is the model's replica and
+its own HTTP ingress; served tokens must equal offline ones, a disconnect must abort the
+request and free its KV blocks, and 64 concurrent streams must get exact token counts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from test_openai_fakes import free_port
+from test_openai_serve import wait_for
+
+from raylm import LLM, SamplingParams
+
+pytestmark = pytest.mark.ray
+
+MODEL = "tiny"
+PROMPTS = ["the quick brown fox", "hello world, this is", "1 2 3 4"]
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _descendants(root: int) -> list[str]:
+    """Command names of every process under ``root``."""
+    parents, names = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            pid = int(entry)
+            names[pid] = stat[stat.index("(") + 1:stat.rindex(")")]
+            parents[pid] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = [], {root}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier}
+        found += [names[p] for p in frontier]
+    return found
+
+
+@pytest.fixture(scope="module", params=["haproxy", "ray"])
+def server(request, llama_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raylm.cluster.cli", "serve", llama_path, "--port", str(port),
+         "--served-model-name", MODEL, "--proxy", request.param, "--max-num-seqs", "64",
+         "--max-ongoing-requests", "128"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "raylm serve did not come up"
+            time.sleep(0.5)
+        yield request.param, base, proc
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(llama_path):
+    llm = LLM(llama_path, max_num_seqs=8)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                    logprobs=0), use_tqdm=False)
+        # The served logprobs name each token by its text: compare those.
+        return [[lp[t].decoded_token for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                                       strict=True)] for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def test_the_entry_is_the_one_asked_for(server):
+    proxy, _, proc = server
+    assert ("haproxy" in _descendants(proc.pid)) == (proxy == "haproxy")
+
+
+def test_streamed_and_whole_tokens_equal_offline(server, offline_tokens):
+    _, base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+    for prompt, expected in zip(PROMPTS, offline_tokens, strict=True):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                          temperature=0, logprobs=0,
+                                          extra_body={"ignore_eos": True})
+        streamed, tokens = "", []
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                               temperature=0, logprobs=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                streamed += chunk.choices[0].text
+                tokens += chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
+        assert whole.usage.completion_tokens == len(expected) == 12
+        assert streamed == whole.choices[0].text
+        assert tokens == whole.choices[0].logprobs.tokens == expected
+
+
+def test_errors_are_openai_envelopes(server):
+    _, base, _ = server
+    r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                    "max_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{base}/v1/completions", json={"model": "gone", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_disconnect_aborts_and_frees_kv(server):
+    _, base, _ = server
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert sum(1 for _ in zip(range(4), (ln for ln in lines if ln.startswith("data: ")))) == 4
+        assert _metric(base, "raylm:num_requests_running") == 1
+    wait_for(lambda: _metric(base, "raylm:num_requests_running") == 0)
+    assert _metric(base, "raylm:kv_cache_usage_perc") == 0
+    assert _metric(base, "raylm:request_success_total", finished_reason="abort") >= 1
+
+
+def test_64_concurrent_streams_get_exact_token_counts(server):
+    _, base, _ = server
+
+    async def one(client, i):
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"client {i} says", max_tokens=16, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        finish, usage = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return finish, usage.completion_tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert asyncio.run(main()) == [("length", 16)] * 64
+    wait_for(lambda: _metric(base, "raylm:num_requests_running") == 0)
