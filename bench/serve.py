@@ -17,11 +17,13 @@ Workloads (96 requests each, at most 32 in flight):
          output 128, range ratio 0.9, seed 0)
 
 Reported per server and workload: output tok/s, mean TTFT, TPOT and ITL. ITL is the gap
-between streamed chunks: raylm joins the tokens one request makes within
-`stream_batching_interval_ms` (default 50) into one chunk, so its ITL is per chunk, not per
-token; TPOT ((e2e - TTFT) / (tokens - 1)) is comparable across both. The last table is the
-profile of one served token: CPU seconds each server process spent during the run, divided by
-the output tokens (and by the streamed chunks), from /proc of the server's process tree.
+between streamed SSE events as the client reads them: raylm joins the events one request
+makes within `stream_batching_interval_ms` (default 50) into one transport chunk, so its
+events arrive in bursts (many gaps of ~0, one per chunk of ~the interval) and its ITL
+distribution is per chunk, not per token; the mean ITL and TPOT ((e2e - TTFT) /
+(tokens - 1)) are comparable across both. The last table is the profile of one served
+token: CPU seconds each server process spent during the run (from /proc, over the server's
+process tree), per output token and per request.
 """
 
 from __future__ import annotations
@@ -64,7 +66,6 @@ class Result:
     tpot_ms: float
     itl_ms: float
     output_tokens: int
-    chunks: int
     cpu: dict[str, float]  # process role -> CPU seconds during the run
 
 
@@ -144,7 +145,9 @@ def _role(name: str, cmdline: str) -> str:
     """A readable role for a server process (Ray names its workers ``ray::<actor>``)."""
     for key, role in (("ServeReplica", "Serve replica (HTTP + engine)"),
                       ("ProxyActor", "Serve HTTP proxy"), ("ServeController", "Serve controller"),
-                      ("EngineCore", "vLLM EngineCore"), ("VLLM::Worker", "vLLM worker"),
+                      ("VLLM::EngineCore", "vLLM EngineCore"), ("VLLM::Worker", "vLLM worker"),
+                      ("EngineCoreActor", "raylm EngineCore actor"),
+                      ("WorkerActor", "raylm worker actor"),
                       ("api_server", "vLLM API server"), ("raylet", "raylet"),
                       ("gcs_server", "gcs_server")):
         if key in name or key in cmdline:
@@ -179,7 +182,7 @@ def run_vllm_client(python: str, port: int, model: str, workload: str, out_dir: 
            "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(in_len),
            "--random-output-len", str(out_len), "--random-range-ratio", str(ratio),
            "--num-prompts", str(NUM_REQUESTS), "--max-concurrency", str(CONCURRENCY),
-           "--ignore-eos", "--disable-tqdm", "--seed", "0", "--save-result", "--save-detailed",
+           "--ignore-eos", "--disable-tqdm", "--seed", "0", "--save-result",
            "--result-dir", out_dir, "--result-filename", name,
            "--percentile-metrics", "ttft,tpot,itl,e2el"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -192,8 +195,7 @@ def run_vllm_client(python: str, port: int, model: str, workload: str, out_dir: 
         raise RuntimeError(f"{NUM_REQUESTS - res['completed']} requests failed: {res.get('errors')}")
     return {"tok_s": res["output_throughput"], "ttft_ms": res["mean_ttft_ms"],
             "tpot_ms": res["mean_tpot_ms"], "itl_ms": res["mean_itl_ms"],
-            "output_tokens": res["total_output_tokens"],
-            "chunks": sum(len(x) + 1 for x in res["itls"])}
+            "output_tokens": res["total_output_tokens"]}
 
 
 def _openai_workload(workload: str, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -250,7 +252,7 @@ async def _openai_load(port: int, prompts: list[list[int]], max_tokens: list[int
         return 1000 * sum(xs) / len(xs) if xs else 0.0
 
     return {"tok_s": tokens / seconds, "ttft_ms": mean_ms(ttfts), "tpot_ms": mean_ms(tpots),
-            "itl_ms": mean_ms(itls), "output_tokens": tokens, "chunks": len(itls) + len(ttfts)}
+            "itl_ms": mean_ms(itls), "output_tokens": tokens}
 
 
 def run_openai_client(port: int, model: str, workload: str) -> dict:
@@ -276,16 +278,16 @@ def print_tables(results: list[Result]) -> None:
     for r in results:
         print(f"| {r.server} | {r.workload} | {r.tok_s:.0f} | {r.ttft_ms:.0f} | "
               f"{r.tpot_ms:.1f} | {r.itl_ms:.1f} |")
-    print("\nCPU per output token (and per streamed chunk), by server process:")
-    print("\n| server | workload | process | CPU s | us/token | us/chunk |")
+    print(f"\nCPU per output token and per request ({NUM_REQUESTS} requests), by server process:")
+    print("\n| server | workload | process | CPU s | us/token | ms/request |")
     print("|---|---|---|---|---|---|")
     for r in results:
         for role, seconds in sorted(r.cpu.items(), key=lambda kv: -kv[1]):
             print(f"| {r.server} | {r.workload} | {role} | {seconds:.2f} | "
-                  f"{1e6 * seconds / r.output_tokens:.0f} | {1e6 * seconds / r.chunks:.0f} |")
+                  f"{1e6 * seconds / r.output_tokens:.0f} | {1e3 * seconds / NUM_REQUESTS:.1f} |")
         total = sum(r.cpu.values())
         print(f"| {r.server} | {r.workload} | **all** | {total:.2f} | "
-              f"{1e6 * total / r.output_tokens:.0f} | {1e6 * total / r.chunks:.0f} |")
+              f"{1e6 * total / r.output_tokens:.0f} | {1e3 * total / NUM_REQUESTS:.1f} |")
     by = {(r.server, r.workload): r for r in results}
     for workload in WORKLOADS:
         mine, peer = by.get(("raylm", workload)), by.get(("vllm", workload))
