@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import wait_until_healthy
 from test_openai_fakes import free_port
 
 from raylm.cluster.cli import build_llm_config, build_parser, main
@@ -201,16 +202,7 @@ def test_serve_demo_random_serves_the_demo_model(demo_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "raylm serve did not come up"
-            time.sleep(0.5)
+        wait_until_healthy(proc, base, timeout_s=180)
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": "raylm-demo", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200, r.text

@@ -3,14 +3,13 @@ the official openai client. One Ray instance and one Serve app (two models) for 
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from serve_helpers import running_serve_app
+from serve_helpers import concurrent_streams, running_serve_app
 
 pytestmark = pytest.mark.ray
 
@@ -161,23 +160,7 @@ def test_disconnect_aborts_and_frees_kv(base_url):
 
 
 def test_64_concurrent_streams_get_exact_token_counts(base_url):
-    async def one(client, i):
-        stream = await client.completions.create(
-            model=MODEL, prompt=f"client {i} says", max_tokens=16, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        finish, usage = None, None
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-            usage = chunk.usage or usage
-        return finish, usage.completion_tokens
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0,
-                                      timeout=300) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
-
-    results = asyncio.run(main())
+    results = concurrent_streams(base_url, MODEL)
     assert results == [("length", 16)] * 64
     wait_for(lambda: metric(base_url, "raylm:num_requests_running") == 0)
 

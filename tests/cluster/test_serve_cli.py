@@ -6,16 +6,15 @@ request and free its KV blocks, and 64 concurrent streams must get exact token c
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
+from serve_helpers import concurrent_streams, wait_until_healthy
 from test_openai_fakes import free_port
 from test_openai_serve import wait_for
 
@@ -67,16 +66,7 @@ def server(request, llama_path):
         start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "raylm serve did not come up"
-            time.sleep(0.5)
+        wait_until_healthy(proc, base)
         yield request.param, base, proc
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0
@@ -147,22 +137,5 @@ def test_disconnect_aborts_and_frees_kv(server):
 
 def test_64_concurrent_streams_get_exact_token_counts(server):
     _, base, _ = server
-
-    async def one(client, i):
-        stream = await client.completions.create(
-            model=MODEL, prompt=f"client {i} says", max_tokens=16, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        finish, usage = None, None
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-            usage = chunk.usage or usage
-        return finish, usage.completion_tokens
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0,
-                                      timeout=300) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
-
-    assert asyncio.run(main()) == [("length", 16)] * 64
+    assert concurrent_streams(base, MODEL) == [("length", 16)] * 64
     wait_for(lambda: _metric(base, "raylm:num_requests_running") == 0)
