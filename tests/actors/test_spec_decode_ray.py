@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.shutdown()
@@ -81,6 +82,36 @@ def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
         for p, m, out in zip(prompts, max_tokens, outs, strict=True):
             assert out.outputs[0].token_ids == oracle.greedy(p, m)
         metrics = llm.get_metrics()
+        assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()
+
+
+def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
+    """data_parallel_size=2: each rank's engine drafts and verifies its own requests (async
+    scheduling, the default); the tokens equal transformers (so equal no speculation),
+    drafts are accepted, and every block comes back."""
+    from raylm import LLM, SamplingParams
+    from raylm.actors.dp_client import DPEngineCoreClient
+
+    llm = LLM(loopy_llama_path, data_parallel_size=2, block_size=8, num_kv_blocks=64,
+              max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        assert isinstance(llm.llm_engine.core, DPEngineCoreClient)
+        assert llm.llm_engine.engine_config.async_scheduling
+        rng = random.Random(2)
+        passages = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 11, 9, 14)]
+        prompts = [p * 3 for p in passages]  # lookup finds the passage again
+        max_tokens = [28, 21, 34, 17]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in max_tokens], use_tqdm=False)
+        oracle = hf_oracle(loopy_llama_path)
+        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(p, m)
+        metrics = llm.get_metrics()
+        assert metrics["dp_routed_requests"] == [2, 2], metrics
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
