@@ -33,6 +33,10 @@ class SpeculativeConfig:
     # vLLM's name: no drafts in a step that runs more than this many requests (verifying
     # 1 + k positions per request costs more than it saves once the batch is large).
     disable_by_batch_size: int | None = None
+    # The cost of verifying one draft position, in units of one emitted token's cost: a
+    # request proposes draft j only while its estimated acceptance p**j is at least this
+    # (runner/spec_decode/draft_gate.py). Lower it where extra positions are cheap.
+    draft_position_cost: float = 0.25
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -43,6 +47,9 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise _bad("disable_by_batch_size", b, "must be an integer of at least 1")
+        c = self.draft_position_cost
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c < 1.0:
+            raise _bad("draft_position_cost", c, "must be a number in (0, 1)")
         if self.method == "ngram":
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)

@@ -14,9 +14,10 @@ rejected since. The rank keeps its own count (``num_computed``) and places step 
 tokens from it; the KV slots booked for the optimistic case cover the real ones, and the
 scheduler's count catches up (§3 rule 3) when step t's result reaches it.
 
-Drafting is gated per request (draft_gate.py): a request whose drafts keep being rejected
-stops drafting for a while, so speculation switches itself off where it cannot pay; and
-with ``disable_by_batch_size`` a step that runs more requests than that drafts nothing.
+Drafting is gated per request (draft_gate.py): a request proposes only the drafts whose
+estimated acceptance pays for their verification, and none for a growing back-off when
+not even one pays, so speculation switches itself off where it cannot pay; and with
+``disable_by_batch_size`` a step that runs more requests than that drafts nothing.
 
 The drafts need the previous step's tokens on the host, so with speculative decoding a
 step's output is copied to the host before it returns (no -1 history placeholders); the
@@ -66,7 +67,7 @@ class Speculator:
         self.draft_model = (DraftModelProposer(engine_config, input_batch, device)
                             if config.method == "draft_model" else None)
         # A draft model's proposals cost forwards: the gate applies to both methods.
-        self.gate = DraftGate()
+        self.gate = DraftGate(config.draft_position_cost)
         self.disable_by_batch_size = config.disable_by_batch_size
         self.input_batch = input_batch
         self.vocab_size = engine_config.model_config.vocab_size
@@ -133,8 +134,9 @@ class Speculator:
                 f"{rid}: {n - num_booked} known tokens from {computed} do not end at the "
                 f"history's {num_tokens}")
             num_scheduled[rid] = n - num_booked  # plus the drafts proposed below
-            if self.gate.allows(rid):
-                wanted.append(DraftRequest(rid, row, num_tokens, num_booked))
+            num_wanted = self.gate.num_drafts(rid, num_booked)
+            if num_wanted:
+                wanted.append(DraftRequest(rid, row, num_tokens, num_wanted))
         if self.disable_by_batch_size and len(num_scheduled) > self.disable_by_batch_size:
             wanted = []  # a large batch: verifying drafts costs more than it saves
         for r, drafts in self._propose(wanted).items():
