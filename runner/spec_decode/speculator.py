@@ -164,6 +164,8 @@ class Speculator:
         if entry is not None:
             before, num_drafts = entry
             self.gate.observe(rid, num_drafts, num_tokens - before - 1)
+            if self.draft_model is not None:
+                self.draft_model.on_verified(rid, num_tokens)
 
     def _propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
         if not wanted:

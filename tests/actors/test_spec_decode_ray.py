@@ -116,3 +116,41 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("draft", ["target", "random"])
+def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draft):
+    """A draft model with PP=2 (sync scheduling): every stage runs the whole draft model
+    from the same history, so both stages propose the same drafts. The draft equal to the
+    target has every draft accepted; a random one has nearly all rejected (each stage
+    rolls its draft KV back to the accepted tokens). The tokens equal transformers."""
+    from raylm import LLM, SamplingParams
+    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    model = llama_path if draft == "target" else write_random_checkpoint(
+        str(tmp_path / "draft"), CheckpointSpec(seed=9, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1))
+    llm = LLM(llama_path, pipeline_parallel_size=2, block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=8, speculative_config={
+                  "method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33, 9)]
+        max_tokens = [20, 13, 16, 24]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in max_tokens], use_tqdm=False)
+        oracle = hf_oracle(llama_path)
+        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(p, m)
+        metrics = llm.get_metrics()
+        drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+        accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
+        assert drafted > 0, metrics
+        if draft == "target":
+            assert accepted == drafted, metrics
+        else:
+            assert accepted <= 0.2 * drafted, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()
