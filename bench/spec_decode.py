@@ -20,7 +20,9 @@ drafts nothing; with 0 the per-request draft gate alone decides.
 The engines of one row (off, ngram, draft model) live in this process side by side and
 are timed in turns (off, ngram, draft, off, ...) after a warm-up turn, so a change of
 load on a shared machine hits them alike: tok/s is the median of --repeats runs, the
-ratio to off the median of the per-turn ratios.
+ratio to off the median of the per-turn ratios. "cpu x" is the same ratio of this
+process's CPU time (all its threads): on an oversubscribed box wall time mostly measures
+the other work, CPU time the work this engine did for its tokens.
 accept_len is the mean number of tokens a verifying step emits (1 + accepted drafts).
 The draft model is a 1-layer random checkpoint with the target's vocabulary (hidden 64):
 it predicts neither target, so its row shows what drafting costs when it cannot win and
@@ -35,6 +37,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,10 +95,10 @@ def make_prompts(path: str, batch: int, prompt_len: int, quote_len: int) -> list
 
 def run(path: str, batch: int, prompts: list[dict], out_len: int,
         specs: dict[str, dict | None], repeats: int
-        ) -> dict[str, tuple[float, float, float, list[list[int]]]]:
-    """Per engine: (tok/s, tok/s ratio to "off", accept_len, tokens). The engines are
-    timed in turns (off, ngram, draft, off, ...), so a change of machine load hits them
-    alike; the ratio is the median of the per-turn ratios."""
+        ) -> dict[str, tuple[float, float, float, float, list[list[int]]]]:
+    """Per engine: (tok/s, tok/s ratio to "off", accept_len, CPU-time ratio to "off",
+    tokens). The engines are timed in turns (off, ngram, draft, off, ...), so a change of
+    machine load hits them alike; a ratio is the median of the per-turn ratios."""
     from raylm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True,
@@ -105,14 +108,18 @@ def run(path: str, batch: int, prompts: list[dict], out_len: int,
             for name, spec in specs.items()}
     tokens: dict[str, list[list[int]]] = {}
     seconds: dict[str, list[float]] = {name: [] for name in llms}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in llms}
     for turn in range(repeats + 1):  # turn 0 warms up
         for name, llm in llms.items():
+            cpu = time.process_time()
             with Timer() as t:
                 outs = llm.generate(prompts, params, use_tqdm=False)
+            cpu = time.process_time() - cpu
             tokens[name] = [o.outputs[0].token_ids for o in outs]
             assert sum(len(x) for x in tokens[name]) == batch * out_len
             if turn:
                 seconds[name].append(t.seconds)
+                cpu_seconds[name].append(cpu)
     results = {}
     for name, llm in llms.items():
         m = llm.get_metrics()  # (the warm-up turn drafts too; it is counted in accept_len)
@@ -121,8 +128,10 @@ def run(path: str, batch: int, prompts: list[dict], out_len: int,
         llm.shutdown()
         ratio = statistics.median(o / s for o, s in zip(seconds["off"], seconds[name],
                                                         strict=True))
+        cpu_ratio = statistics.median(o / s for o, s in zip(cpu_seconds["off"],
+                                                            cpu_seconds[name], strict=True))
         results[name] = (batch * out_len / statistics.median(seconds[name]), ratio, accept_len,
-                         tokens[name])
+                         cpu_ratio, tokens[name])
     return results
 
 
@@ -148,10 +157,10 @@ def main() -> None:
                              ("miss", lambda: checkpoint("6m"), 32, 0, 64)]
                  if w[0] in args.workloads.split(",")]
     print(f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} | {'ngram tok/s':>11} | "
-          f"{'speedup':>7} | {'accept_len':>10} | {'draft tok/s':>11} | {'speedup':>7} | "
-          f"{'accept_len':>10} |")
-    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 12}|{'-' * 13}|"
-          f"{'-' * 9}|{'-' * 12}|")
+          f"{'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} | {'draft tok/s':>11} | "
+          f"{'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} |")
+    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 12}|"
+          f"{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 12}|")
     batch1 = None
     for name, make_path, prompt_len, quote_len, out_len in workloads:
         path = make_path()
@@ -161,14 +170,14 @@ def main() -> None:
                                      for m in methods}}
             res = run(path, batch, prompts, out_len, specs, args.repeats)
             for m in methods:
-                assert res[m][3] == res["off"][3], f"{name} batch {batch}: {m} changed the tokens"
-            nan = (float("nan"),) * 3
+                assert res[m][4] == res["off"][4], f"{name} batch {batch}: {m} changed the tokens"
+            nan = (float("nan"),) * 4
             off = res["off"][0]
-            (on, on_x, accept_len), (dm, dm_x, dm_len) = (res[m][:3] if m in res else nan
-                                                          for m in ("ngram", "draft_model"))
+            (on, on_x, accept_len, on_cpu), (dm, dm_x, dm_len, dm_cpu) = (
+                res[m][:4] if m in res else nan for m in ("ngram", "draft_model"))
             print(f"| {name:<8} | {batch:>5} | {off:>9.1f} | {on:>11.1f} | {on_x:>6.2f}x "
-                  f"| {accept_len:>10.2f} | {dm:>11.1f} | {dm_x:>6.2f}x | {dm_len:>10.2f} |",
-                  flush=True)
+                  f"| {on_cpu:>6.2f}x | {accept_len:>10.2f} | {dm:>11.1f} | {dm_x:>6.2f}x "
+                  f"| {dm_cpu:>6.2f}x | {dm_len:>10.2f} |", flush=True)
             if name == "copy" and batch == 1:
                 batch1 = (off, on, on_x, accept_len)
     if batch1 is not None:
