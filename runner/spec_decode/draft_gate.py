@@ -2,9 +2,12 @@
 
 Model: a verifying step accepts draft j only if drafts 1..j-1 were accepted, each with the
 same probability p, so draft j is accepted with probability p**j. Verifying a draft
-position costs ``position_cost`` (in units of the cost of one emitted token) and an
-accepted draft saves one token's worth, so draft j pays iff p**j >= position_cost. A
-request proposes the drafts that pay: the largest j <= k with p**j >= position_cost.
+position costs c (in units of the cost of one emitted token) and an accepted draft saves
+one token's worth, so draft j pays iff p**j >= c. A request proposes the drafts that
+pay: the largest j <= k with p**j >= c. The cost depends on the step: with a step
+costing a fixed overhead plus a share per position, c = B / (B + overhead) for a step
+of B requests (``step_position_cost``): extra positions are nearly free beside a lone
+request, and cost nearly a token each in a large batch.
 
 Estimate of p: a step that verified d drafts and accepted a of them observed a successes,
 plus one failure when a < d (the run stopped at a rejection); p is successes / trials
@@ -13,7 +16,7 @@ from one optimistic pseudo-success (drafting is tried first).
 
 Back-off: when not even one draft pays, the request drafts nothing for ``backoff`` of its
 decode steps (a decode then runs one token, as without speculation), then probes: the
-estimate restarts at p = position_cost, so the probe proposes one draft; accepted, p
+estimate restarts at p = the position cost, so the probe proposes one draft; accepted, p
 rises and drafting resumes; rejected, the gate closes again for twice as long (up to
 ``max_backoff``). A request whose drafts always miss thus costs one verified position
 per back-off after its first few steps; a step whose estimate pays resets the back-off.
@@ -29,7 +32,20 @@ class _GateState:
     successes: float
     trials: float
     closed_for: int = 0  # decode steps left without drafts
+    probe: bool = False  # the next decode step probes with one draft
+    cost: float = 0.0  # the position cost of the request's latest decode step
     backoff: int = 0  # the current back-off; 0: the gate has not closed since it paid
+
+
+def step_position_cost(num_reqs: int, step_overhead_tokens: float) -> float:
+    """The cost of one more verified position in a step of ``num_reqs`` decodes, in units
+    of one emitted token. Model: a step costs ``a + b * T`` for T positions; with
+    ``step_overhead_tokens`` = a / b, a decode step emits num_reqs tokens for
+    ``a + b * num_reqs``, and one more position costs b, i.e.
+    num_reqs / (num_reqs + step_overhead_tokens) tokens. A lone request's step is mostly
+    overhead, so its extra positions are nearly free; a large batch already keeps the
+    device busy, so an extra position costs nearly what a decoded token does."""
+    return num_reqs / (num_reqs + step_overhead_tokens)
 
 
 class DraftGate:
@@ -53,20 +69,24 @@ class DraftGate:
         st = self._state.get(req_id)
         return 1.0 if st is None else st.successes / st.trials
 
-    def num_drafts(self, req_id: str, k: int) -> int:
+    def num_drafts(self, req_id: str, k: int, position_cost: float | None = None) -> int:
         """How many of ``k`` booked drafts ``req_id`` proposes in this decode step (call
-        once per decode step that booked drafts)."""
+        once per decode step that booked drafts). ``position_cost``: this step's cost of a
+        verified position, if not the gate's own (see ``step_position_cost``)."""
+        cost = self.position_cost if position_cost is None else position_cost
         st = self._state.get(req_id)
         if st is None:
             st = self._state[req_id] = _GateState(*self._prior())
+        st.cost = cost
         if st.closed_for > 0:
             st.closed_for -= 1
-            if st.closed_for == 0:  # the next step probes with one draft
-                st.successes, st.trials = self.position_cost, 1.0
+            st.probe = st.closed_for == 0
             return 0
+        if st.probe:  # p = cost: exactly one draft pays
+            st.successes, st.trials, st.probe = cost, 1.0, False
         p = st.successes / st.trials
         n, pj = 0, p
-        while n < k and pj >= self.position_cost:
+        while n < k and pj >= cost:
             n, pj = n + 1, pj * p
         if n == 0:
             st.backoff = min(2 * st.backoff, self.max_backoff) if st.backoff else \
@@ -85,7 +105,7 @@ class DraftGate:
         failed = num_accepted < num_proposed
         st.successes = self.decay * st.successes + num_accepted
         st.trials = self.decay * st.trials + num_accepted + failed
-        if self.position_cost <= st.successes / st.trials:
+        if (st.cost or self.position_cost) <= st.successes / st.trials:
             st.backoff = 0  # it pays again: the next closure starts from min_backoff
 
     def forget(self, req_id: str) -> None:

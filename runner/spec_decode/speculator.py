@@ -44,7 +44,7 @@ from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.rejection_sampler import num_accepted_drafts
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import build_sampling_metadata
-from raylm.runner.spec_decode.draft_gate import DraftGate
+from raylm.runner.spec_decode.draft_gate import DraftGate, step_position_cost
 from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
 from raylm.scheduler.core_outputs import (
@@ -67,7 +67,8 @@ class Speculator:
         self.draft_model = (DraftModelProposer(engine_config, input_batch, device)
                             if config.method == "draft_model" else None)
         # A draft model's proposals cost forwards: the gate applies to both methods.
-        self.gate = DraftGate(config.draft_position_cost)
+        self.gate = DraftGate()
+        self.step_overhead_tokens = config.draft_step_overhead_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.input_batch = input_batch
         self.vocab_size = engine_config.model_config.vocab_size
@@ -115,6 +116,7 @@ class Speculator:
         num_scheduled = dict(so.num_scheduled_tokens)
         self._drafts = {}
         wanted: list[DraftRequest] = []
+        position_cost = step_position_cost(len(num_scheduled), self.step_overhead_tokens)
         for rid, n in so.num_scheduled_tokens.items():
             row = ib.req_id_to_index[rid]
             booked = int(ib.num_computed_tokens[row])
@@ -134,7 +136,7 @@ class Speculator:
                 f"{rid}: {n - num_booked} known tokens from {computed} do not end at the "
                 f"history's {num_tokens}")
             num_scheduled[rid] = n - num_booked  # plus the drafts proposed below
-            num_wanted = self.gate.num_drafts(rid, num_booked)
+            num_wanted = self.gate.num_drafts(rid, num_booked, position_cost)
             if num_wanted:
                 wanted.append(DraftRequest(rid, row, num_tokens, num_wanted))
         if self.disable_by_batch_size and len(num_scheduled) > self.disable_by_batch_size:

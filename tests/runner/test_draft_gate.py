@@ -74,3 +74,19 @@ def test_forget_restarts_a_request_and_requests_are_independent():
     assert gate.num_drafts("other", 3) == 3
     gate.forget("r")
     assert gate.num_drafts("r", 3) == 3
+
+
+def test_the_position_cost_grows_with_the_batch():
+    from raylm.runner.spec_decode.draft_gate import step_position_cost
+
+    assert step_position_cost(1, 24) == pytest.approx(0.04)
+    assert step_position_cost(8, 24) == pytest.approx(0.25)
+    assert step_position_cost(32, 24) == pytest.approx(32 / 56)
+    # A request whose drafts are accepted half the time (each step of two drafts
+    # accepts one): beside no one it drafts all k (0.5**3 >= 0.04), in a batch of 8 two
+    # (0.5**2 >= 0.25 > 0.5**3), in a batch of 32 none (0.5 < 0.57).
+    gate = DraftGate()
+    for _ in range(60):
+        gate.observe("r", 2, 1)
+    assert gate.acceptance("r") == pytest.approx(0.5, abs=1e-4)
+    assert [gate.num_drafts("r", 3, step_position_cost(b, 24)) for b in (1, 8, 32)] == [3, 2, 0]
