@@ -118,21 +118,36 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("draft", ["target", "random"])
+@pytest.mark.parametrize("draft", ["target", "near"])
 def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draft):
     """A draft model with PP=2 (sync scheduling): every stage runs the whole draft model
     from the same history, so both stages propose the same drafts. The draft equal to the
-    target has every draft accepted; a random one has nearly all rejected (each stage
-    rolls its draft KV back to the accepted tokens). The tokens equal transformers."""
-    from raylm import LLM, SamplingParams
-    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+    target has every draft accepted; a near copy of it (attention output halved) has part
+    of its drafts accepted, so each stage must roll its draft KV back to the accepted
+    tokens, or the first stage would run other drafts than the last one verifies. The
+    tokens equal transformers."""
+    import shutil
 
-    model = llama_path if draft == "target" else write_random_checkpoint(
-        str(tmp_path / "draft"), CheckpointSpec(seed=9, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=1))
+    from safetensors.torch import load_file, save_file
+
+    from raylm import LLM, SamplingParams
+
+    model = llama_path
+    if draft == "near":
+        model = str(tmp_path / "near")
+        shutil.copytree(llama_path, model)
+        weights = load_file(f"{model}/model.safetensors")
+        for name in weights:
+            if name.endswith("o_proj.weight"):
+                weights[name] = weights[name] * 0.5
+        save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+    # Near: positions priced high, so the gate closes after rejections and probes later
+    # (the draft KV past the accepted tokens must not be reused after such a pause).
+    overhead = 24.0 if draft == "target" else 0.2
     llm = LLM(llama_path, pipeline_parallel_size=2, block_size=4, num_kv_blocks=64,
               max_num_batched_tokens=24, max_num_seqs=8, speculative_config={
-                  "method": "draft_model", "model": model, "num_speculative_tokens": 3})
+                  "method": "draft_model", "model": model, "num_speculative_tokens": 3,
+                  "draft_step_overhead_tokens": overhead})
     try:
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33, 9)]
@@ -146,11 +161,10 @@ def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draf
         metrics = llm.get_metrics()
         drafted = metrics["raylm:spec_decode_num_draft_tokens"]
         accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
-        assert drafted > 0, metrics
         if draft == "target":
-            assert accepted == drafted, metrics
+            assert accepted == drafted > 0, metrics
         else:
-            assert accepted <= 0.2 * drafted, metrics
+            assert 0 < accepted < drafted, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
