@@ -145,14 +145,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="speculative_config.disable_by_batch_size (0: never)")
+    ap.add_argument("--draft-step-overhead-tokens", type=float, default=None,
+                    help="speculative_config.draft_step_overhead_tokens (default: the "
+                         "engine's)")
     args = ap.parse_args()
     args.disable_by_batch_size = args.disable_by_batch_size or None
+    gate = ({} if args.draft_step_overhead_tokens is None
+            else {"draft_step_overhead_tokens": args.draft_step_overhead_tokens})
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 3, "disable_by_batch_size": args.disable_by_batch_size}
+             "prompt_lookup_max": 3, "disable_by_batch_size": args.disable_by_batch_size,
+             **gate}
     methods = args.methods.split(",")
     draft = {"method": "draft_model",
              "model": draft_checkpoint() if "draft_model" in methods else None,
-             "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size}
+             "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size,
+             **gate}
     workloads = [w for w in [("copy", copy_checkpoint, 32, 96, 128),
                              ("miss", lambda: checkpoint("6m"), 32, 0, 64)]
                  if w[0] in args.workloads.split(",")]
