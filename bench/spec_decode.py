@@ -2,6 +2,7 @@
 vs a draft model.
 
     python bench/spec_decode.py [--k 3] [--batches 1,4,32] [--repeats 3]
+        [--workloads copy,miss] [--methods ngram,draft_model] [--disable-by-batch-size 8]
 
 Workloads (6m-size random-weight Llama checkpoints written locally, greedy, ignore_eos):
 - copy: a checkpoint whose attention output is scaled down 250x, so its next token
@@ -14,10 +15,14 @@ Workloads (6m-size random-weight Llama checkpoints written locally, greedy, igno
   the per-request draft gate turns speculation off for the requests it cannot help.
   32-token prompts, 64 output tokens.
 Each batch size b runs b requests at once (max_num_seqs=b). Both methods run with
-disable_by_batch_size=8 (--disable-by-batch-size): a step of more requests drafts nothing,
-because on this CPU a request's 1 + k verified positions take the attention path of a
-prefill chunk (one attention call per request) instead of the batched decode path. Engines run in this process
-one after the other, each with a warm-up run; the median of --repeats timed runs is shown.
+disable_by_batch_size=8 (--disable-by-batch-size, 0: never): a step of more requests
+drafts nothing; with 0 the per-request draft gate alone decides.
+The engines of one row (off, ngram, draft model) live in this process side by side and
+are timed in turns (off, ngram, draft, off, ...) after a warm-up turn, so a change of
+load on a shared machine hits them alike: tok/s is the median of --repeats runs, the
+ratio to off the median of the per-turn ratios. "cpu x" is the same ratio of this
+process's CPU time (all its threads): on an oversubscribed box wall time mostly measures
+the other work, CPU time the work this engine did for its tokens.
 accept_len is the mean number of tokens a verifying step emits (1 + accepted drafts).
 The draft model is a 1-layer random checkpoint with the target's vocabulary (hidden 64):
 it predicts neither target, so its row shows what drafting costs when it cannot win and
@@ -30,11 +35,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import CACHE, checkpoint, median_rate  # noqa: E402
+from common import CACHE, Timer, checkpoint  # noqa: E402
+
+KV_BYTES = 64 << 20  # per engine: the engines of one row live side by side
 
 
 def copy_checkpoint() -> str:
@@ -66,36 +75,64 @@ def draft_checkpoint() -> str:
     return path
 
 
-def run(path: str, batch: int, prompt_len: int, quote_len: int, out_len: int,
-        spec: dict | None, repeats: int) -> tuple[float, float, list[list[int]]]:
+def make_prompts(path: str, batch: int, prompt_len: int, quote_len: int) -> list[dict]:
     from raylm import LLM, SamplingParams
 
-    llm = LLM(path, max_num_seqs=batch, enable_prefix_caching=False, speculative_config=spec)
-    vocab = llm.llm_engine.model_config.vocab_size
     rng = random.Random(batch)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(prompt_len)]}
-               for _ in range(batch)]
-    if quote_len:  # the model's own continuation becomes part of the prompt
-        quoted = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=quote_len,
-                                                      ignore_eos=True, detokenize=False),
-                              use_tqdm=False)
-        prompts = [{"prompt_token_ids": p["prompt_token_ids"] + q.outputs[0].token_ids}
-                   for p, q in zip(prompts, quoted, strict=True)]
+    with LLM(path, max_num_seqs=batch, enable_prefix_caching=False,
+             kv_cache_memory_bytes=KV_BYTES) as llm:
+        vocab = llm.llm_engine.model_config.vocab_size
+        prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(prompt_len)]}
+                   for _ in range(batch)]
+        if quote_len:  # the model's own continuation becomes part of the prompt
+            quoted = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=quote_len,
+                                                          ignore_eos=True, detokenize=False),
+                                  use_tqdm=False)
+            prompts = [{"prompt_token_ids": p["prompt_token_ids"] + q.outputs[0].token_ids}
+                       for p, q in zip(prompts, quoted, strict=True)]
+    return prompts
+
+
+def run(path: str, batch: int, prompts: list[dict], out_len: int,
+        specs: dict[str, dict | None], repeats: int
+        ) -> dict[str, tuple[float, float, float, float, list[list[int]]]]:
+    """Per engine: (tok/s, tok/s ratio to "off", accept_len, CPU-time ratio to "off",
+    tokens). The engines are timed in turns (off, ngram, draft, off, ...), so a change of
+    machine load hits them alike; a ratio is the median of the per-turn ratios."""
+    from raylm import LLM, SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True,
                             detokenize=False)
-    tokens: list[list[int]] = []
-
-    def once() -> None:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens[:] = [o.outputs[0].token_ids for o in outs]
-        assert sum(len(t) for t in tokens) == batch * out_len
-
-    rate = median_rate(batch * out_len, repeats + 1, once)
-    m = llm.get_metrics()  # (the quoting run drafts too; it is counted in accept_len)
-    drafts = m.get("raylm:spec_decode_num_drafts", 0)
-    accept_len = 1 + m["raylm:spec_decode_num_accepted_tokens"] / drafts if drafts else 1.0
-    llm.shutdown()
-    return rate, accept_len, tokens
+    llms = {name: LLM(path, max_num_seqs=batch, enable_prefix_caching=False,
+                      kv_cache_memory_bytes=KV_BYTES, speculative_config=spec)
+            for name, spec in specs.items()}
+    tokens: dict[str, list[list[int]]] = {}
+    seconds: dict[str, list[float]] = {name: [] for name in llms}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in llms}
+    for turn in range(repeats + 1):  # turn 0 warms up
+        for name, llm in llms.items():
+            cpu = time.process_time()
+            with Timer() as t:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            cpu = time.process_time() - cpu
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+            assert sum(len(x) for x in tokens[name]) == batch * out_len
+            if turn:
+                seconds[name].append(t.seconds)
+                cpu_seconds[name].append(cpu)
+    results = {}
+    for name, llm in llms.items():
+        m = llm.get_metrics()  # (the warm-up turn drafts too; it is counted in accept_len)
+        drafts = m.get("raylm:spec_decode_num_drafts", 0)
+        accept_len = 1 + m["raylm:spec_decode_num_accepted_tokens"] / drafts if drafts else 1.0
+        llm.shutdown()
+        ratio = statistics.median(o / s for o, s in zip(seconds["off"], seconds[name],
+                                                        strict=True))
+        cpu_ratio = statistics.median(o / s for o, s in zip(cpu_seconds["off"],
+                                                            cpu_seconds[name], strict=True))
+        results[name] = (batch * out_len / statistics.median(seconds[name]), ratio, accept_len,
+                         cpu_ratio, tokens[name])
+    return results
 
 
 def main() -> None:
@@ -103,38 +140,56 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--batches", default="1,4,32")
+    ap.add_argument("--workloads", default="copy,miss")
+    ap.add_argument("--methods", default="ngram,draft_model")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="speculative_config.disable_by_batch_size (0: never)")
+    ap.add_argument("--draft-step-overhead-tokens", type=float, default=None,
+                    help="speculative_config.draft_step_overhead_tokens (default: the "
+                         "engine's)")
     args = ap.parse_args()
     args.disable_by_batch_size = args.disable_by_batch_size or None
+    gate = ({} if args.draft_step_overhead_tokens is None
+            else {"draft_step_overhead_tokens": args.draft_step_overhead_tokens})
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 3, "disable_by_batch_size": args.disable_by_batch_size}
-    draft = {"method": "draft_model", "model": draft_checkpoint(),
-             "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size}
-    workloads = [("copy", copy_checkpoint(), 32, 96, 128), ("miss", checkpoint("6m"), 32, 0, 64)]
+             "prompt_lookup_max": 3, "disable_by_batch_size": args.disable_by_batch_size,
+             **gate}
+    methods = args.methods.split(",")
+    draft = {"method": "draft_model",
+             "model": draft_checkpoint() if "draft_model" in methods else None,
+             "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size,
+             **gate}
+    workloads = [w for w in [("copy", copy_checkpoint, 32, 96, 128),
+                             ("miss", lambda: checkpoint("6m"), 32, 0, 64)]
+                 if w[0] in args.workloads.split(",")]
     print(f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} | {'ngram tok/s':>11} | "
-          f"{'speedup':>7} | {'accept_len':>10} | {'draft tok/s':>11} | {'speedup':>7} | "
-          f"{'accept_len':>10} |")
-    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 12}|{'-' * 13}|"
-          f"{'-' * 9}|{'-' * 12}|")
+          f"{'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} | {'draft tok/s':>11} | "
+          f"{'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} |")
+    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 12}|"
+          f"{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 12}|")
     batch1 = None
-    for name, path, prompt_len, quote_len, out_len in workloads:
+    for name, make_path, prompt_len, quote_len, out_len in workloads:
+        path = make_path()
         for batch in [int(b) for b in args.batches.split(",")]:
-            shape = (path, batch, prompt_len, quote_len, out_len)
-            off, _, want = run(*shape, None, args.repeats)
-            on, accept_len, got = run(*shape, ngram, args.repeats)
-            assert got == want, f"{name} batch {batch}: ngram changed the tokens"
-            dm, dm_len, got = run(*shape, draft, args.repeats)
-            assert got == want, f"{name} batch {batch}: the draft model changed the tokens"
-            print(f"| {name:<8} | {batch:>5} | {off:>9.1f} | {on:>11.1f} | {on / off:>6.2f}x "
-                  f"| {accept_len:>10.2f} | {dm:>11.1f} | {dm / off:>6.2f}x | {dm_len:>10.2f} |",
-                  flush=True)
+            prompts = make_prompts(path, batch, prompt_len, quote_len)
+            specs = {"off": None, **{m: {"ngram": ngram, "draft_model": draft}[m]
+                                     for m in methods}}
+            res = run(path, batch, prompts, out_len, specs, args.repeats)
+            for m in methods:
+                assert res[m][4] == res["off"][4], f"{name} batch {batch}: {m} changed the tokens"
+            nan = (float("nan"),) * 4
+            off = res["off"][0]
+            (on, on_x, accept_len, on_cpu), (dm, dm_x, dm_len, dm_cpu) = (
+                res[m][:4] if m in res else nan for m in ("ngram", "draft_model"))
+            print(f"| {name:<8} | {batch:>5} | {off:>9.1f} | {on:>11.1f} | {on_x:>6.2f}x "
+                  f"| {on_cpu:>6.2f}x | {accept_len:>10.2f} | {dm:>11.1f} | {dm_x:>6.2f}x "
+                  f"| {dm_cpu:>6.2f}x | {dm_len:>10.2f} |", flush=True)
             if name == "copy" and batch == 1:
-                batch1 = (off, on, accept_len)
+                batch1 = (off, on, on_x, accept_len)
     if batch1 is not None:
-        off, on, accept_len = batch1
-        print(f"spec: batch1 off={off:.1f} ngram={on:.1f} speedup={on / off:.2f}x "
+        off, on, on_x, accept_len = batch1
+        print(f"spec: batch1 off={off:.1f} ngram={on:.1f} speedup={on_x:.2f}x "
               f"accept_len={accept_len:.2f}")
 
 

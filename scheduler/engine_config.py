@@ -209,11 +209,6 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.hf_config)
-        if (spec is not None and spec.method == "draft_model"
-                and self.parallel_config.pipeline_parallel_size > 1):
-            raise ValueError("speculative_config.method 'draft_model' is not supported with "
-                             f"pipeline_parallel_size={self.parallel_config.pipeline_parallel_size}"
-                             " (use 'ngram').")
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))

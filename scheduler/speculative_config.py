@@ -33,6 +33,12 @@ class SpeculativeConfig:
     # vLLM's name: no drafts in a step that runs more than this many requests (verifying
     # 1 + k positions per request costs more than it saves once the batch is large).
     disable_by_batch_size: int | None = None
+    # A step's fixed cost in units of one position's: a verified draft position in a step
+    # of B requests costs B / (B + this) emitted tokens, and a request proposes draft j
+    # only while its estimated acceptance p**j pays for it (runner/spec_decode/
+    # draft_gate.py). 24 was measured with the 6m checkpoints on a CPU; a GPU step's
+    # overhead is worth far more positions.
+    draft_step_overhead_tokens: float = 24.0
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -43,6 +49,9 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise _bad("disable_by_batch_size", b, "must be an integer of at least 1")
+        c = self.draft_step_overhead_tokens
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+            raise _bad("draft_step_overhead_tokens", c, "must be a positive number")
         if self.method == "ngram":
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)

@@ -1,11 +1,25 @@
-"""When drafting cannot pay, stop: a per-request gate on proposals.
+"""When drafting cannot pay, stop: a per-request rule for how many drafts to propose.
 
-Verifying a rejected draft costs a forward position and buys nothing. The gate keeps an
-exponential moving average of each request's acceptance rate (accepted / proposed per
-verifying step); when it falls under ``min_acceptance`` the request proposes nothing (its
-decodes run one token, as without speculation) for ``backoff_steps`` of its steps, then
-one probe step drafts again and either reopens the gate or closes it for another backoff.
-A request that never finds a lookup match costs nothing either way.
+Model: a verifying step accepts draft j only if drafts 1..j-1 were accepted, each with the
+same probability p, so draft j is accepted with probability p**j. Verifying a draft
+position costs c (in units of the cost of one emitted token) and an accepted draft saves
+one token's worth, so draft j pays iff p**j >= c. A request proposes the drafts that
+pay: the largest j <= k with p**j >= c. The cost depends on the step: with a step
+costing a fixed overhead plus a share per position, c = B / (B + overhead) for a step
+of B requests (``step_position_cost``): extra positions are nearly free beside a lone
+request, and cost nearly a token each in a large batch.
+
+Estimate of p: a step that verified d drafts and accepted a of them observed a successes,
+plus one failure when a < d (the run stopped at a rejection); p is successes / trials
+over the request's verifying steps, older steps decayed by ``decay`` per step, starting
+from one optimistic pseudo-success (drafting is tried first).
+
+Back-off: when not even one draft pays, the request drafts nothing for ``backoff`` of its
+decode steps (a decode then runs one token, as without speculation), then probes: the
+estimate restarts at p = the position cost, so the probe proposes one draft; accepted, p
+rises and drafting resumes; rejected, the gate closes again for twice as long (up to
+``max_backoff``). A request whose drafts always miss thus costs one verified position
+per back-off after its first few steps; a step whose estimate pays resets the back-off.
 """
 
 from __future__ import annotations
@@ -15,35 +29,84 @@ from dataclasses import dataclass
 
 @dataclass
 class _GateState:
-    rate: float = 1.0  # optimistic start: drafting is tried first
+    successes: float
+    trials: float
     closed_for: int = 0  # decode steps left without drafts
+    probe: bool = False  # the next decode step probes with one draft
+    cost: float = 0.0  # the position cost of the request's latest decode step
+    backoff: int = 0  # the current back-off; 0: the gate has not closed since it paid
+
+
+def step_position_cost(num_reqs: int, step_overhead_tokens: float) -> float:
+    """The cost of one more verified position in a step of ``num_reqs`` decodes, in units
+    of one emitted token. Model: a step costs ``a + b * T`` for T positions; with
+    ``step_overhead_tokens`` = a / b, a decode step emits num_reqs tokens for
+    ``a + b * num_reqs``, and one more position costs b, i.e.
+    num_reqs / (num_reqs + step_overhead_tokens) tokens. A lone request's step is mostly
+    overhead, so its extra positions are nearly free; a large batch already keeps the
+    device busy, so an extra position costs nearly what a decoded token does."""
+    return num_reqs / (num_reqs + step_overhead_tokens)
 
 
 class DraftGate:
-    def __init__(self, min_acceptance: float = 0.25, backoff_steps: int = 16,
-                 decay: float = 0.7) -> None:
-        self.min_acceptance = min_acceptance
-        self.backoff_steps = backoff_steps
+    def __init__(self, position_cost: float = 0.25, decay: float = 0.8,
+                 min_backoff: int = 8, max_backoff: int = 128) -> None:
+        assert 0.0 < position_cost < 1.0, position_cost
+        assert 0.0 < decay < 1.0, decay
+        assert 1 <= min_backoff <= max_backoff, (min_backoff, max_backoff)
+        self.position_cost = position_cost
         self.decay = decay
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
         self._state: dict[str, _GateState] = {}
 
-    def allows(self, req_id: str) -> bool:
-        """Whether this decode of ``req_id`` may draft (call once per decode step)."""
-        st = self._state.setdefault(req_id, _GateState())
+    @staticmethod
+    def _prior() -> tuple[float, float]:
+        return 1.0, 1.0  # one pseudo-trial, accepted: p starts at 1
+
+    def acceptance(self, req_id: str) -> float:
+        """The estimated per-draft acceptance probability p of ``req_id``."""
+        st = self._state.get(req_id)
+        return 1.0 if st is None else st.successes / st.trials
+
+    def num_drafts(self, req_id: str, k: int, position_cost: float | None = None) -> int:
+        """How many of ``k`` booked drafts ``req_id`` proposes in this decode step (call
+        once per decode step that booked drafts). ``position_cost``: this step's cost of a
+        verified position, if not the gate's own (see ``step_position_cost``)."""
+        cost = self.position_cost if position_cost is None else position_cost
+        st = self._state.get(req_id)
+        if st is None:
+            st = self._state[req_id] = _GateState(*self._prior())
+        st.cost = cost
         if st.closed_for > 0:
             st.closed_for -= 1
-            return False
-        return True
+            st.probe = st.closed_for == 0
+            return 0
+        if st.probe:  # p = cost: exactly one draft pays
+            st.successes, st.trials, st.probe = cost, 1.0, False
+        p = st.successes / st.trials
+        n, pj = 0, p
+        while n < k and pj >= cost:
+            n, pj = n + 1, pj * p
+        if n == 0:
+            st.backoff = min(2 * st.backoff, self.max_backoff) if st.backoff else \
+                self.min_backoff
+            st.closed_for = st.backoff
+        return n
 
     def observe(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verifying step of ``req_id``: ``num_accepted`` of ``num_proposed`` drafts."""
         if num_proposed == 0:
             return
-        st = self._state.setdefault(req_id, _GateState())
-        st.rate = self.decay * st.rate + (1 - self.decay) * num_accepted / num_proposed
-        if st.rate < self.min_acceptance:
-            st.closed_for = self.backoff_steps
-            # The probe after the backoff must prove itself: one good step reopens.
-            st.rate = self.min_acceptance
+        assert 0 <= num_accepted <= num_proposed, (req_id, num_accepted, num_proposed)
+        st = self._state.get(req_id)
+        if st is None:
+            st = self._state[req_id] = _GateState(*self._prior())
+        failed = num_accepted < num_proposed
+        st.successes = self.decay * st.successes + num_accepted
+        st.trials = self.decay * st.trials + num_accepted + failed
+        if (st.cost or self.position_cost) <= st.successes / st.trials:
+            st.backoff = 0  # it pays again: the next closure starts from min_backoff
 
     def forget(self, req_id: str) -> None:
         self._state.pop(req_id, None)

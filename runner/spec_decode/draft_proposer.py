@@ -13,7 +13,7 @@ rejects lies past ``num_computed`` and is overwritten later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -51,7 +51,13 @@ class DraftModelProposer:
 
     # ---------------------------------------------------------------- setup
     def load_model(self, ctx: ParallelContext) -> None:
-        self.model = get_model(self.model_config, ctx)
+        # Pipeline parallelism: every stage runs the whole draft model (sharded over its
+        # TP group only). The drafts fix the step's query lengths, which each stage needs
+        # before its forward; drafting on every stage from the same history gives every
+        # stage the same drafts with no message from the last stage, for the price of
+        # a small model's forwards repeated per stage.
+        self.model = get_model(self.model_config, replace(ctx, pp_rank=0, pp_size=1,
+                                                          pp_group=None))
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -14,9 +14,10 @@ rejected since. The rank keeps its own count (``num_computed``) and places step 
 tokens from it; the KV slots booked for the optimistic case cover the real ones, and the
 scheduler's count catches up (§3 rule 3) when step t's result reaches it.
 
-Drafting is gated per request (draft_gate.py): a request whose drafts keep being rejected
-stops drafting for a while, so speculation switches itself off where it cannot pay; and
-with ``disable_by_batch_size`` a step that runs more requests than that drafts nothing.
+Drafting is gated per request (draft_gate.py): a request proposes only the drafts whose
+estimated acceptance pays for their verification, and none for a growing back-off when
+not even one pays, so speculation switches itself off where it cannot pay; and with
+``disable_by_batch_size`` a step that runs more requests than that drafts nothing.
 
 The drafts need the previous step's tokens on the host, so with speculative decoding a
 step's output is copied to the host before it returns (no -1 history placeholders); the
@@ -43,7 +44,7 @@ from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.rejection_sampler import num_accepted_drafts
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import build_sampling_metadata
-from raylm.runner.spec_decode.draft_gate import DraftGate
+from raylm.runner.spec_decode.draft_gate import DraftGate, step_position_cost
 from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
 from raylm.scheduler.core_outputs import (
@@ -67,6 +68,7 @@ class Speculator:
                             if config.method == "draft_model" else None)
         # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
+        self.step_overhead_tokens = config.draft_step_overhead_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.input_batch = input_batch
         self.vocab_size = engine_config.model_config.vocab_size
@@ -114,6 +116,7 @@ class Speculator:
         num_scheduled = dict(so.num_scheduled_tokens)
         self._drafts = {}
         wanted: list[DraftRequest] = []
+        position_cost = step_position_cost(len(num_scheduled), self.step_overhead_tokens)
         for rid, n in so.num_scheduled_tokens.items():
             row = ib.req_id_to_index[rid]
             booked = int(ib.num_computed_tokens[row])
@@ -133,8 +136,9 @@ class Speculator:
                 f"{rid}: {n - num_booked} known tokens from {computed} do not end at the "
                 f"history's {num_tokens}")
             num_scheduled[rid] = n - num_booked  # plus the drafts proposed below
-            if self.gate.allows(rid):
-                wanted.append(DraftRequest(rid, row, num_tokens, num_booked))
+            num_wanted = self.gate.num_drafts(rid, num_booked, position_cost)
+            if num_wanted:
+                wanted.append(DraftRequest(rid, row, num_tokens, num_wanted))
         if self.disable_by_batch_size and len(num_scheduled) > self.disable_by_batch_size:
             wanted = []  # a large batch: verifying drafts costs more than it saves
         for r, drafts in self._propose(wanted).items():
@@ -162,6 +166,8 @@ class Speculator:
         if entry is not None:
             before, num_drafts = entry
             self.gate.observe(rid, num_drafts, num_tokens - before - 1)
+            if self.draft_model is not None:
+                self.draft_model.on_verified(rid, num_tokens)
 
     def _propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
         if not wanted:

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of our own, never a cluster `ray start` left on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.shutdown()
@@ -82,6 +83,88 @@ def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
             assert out.outputs[0].token_ids == oracle.greedy(p, m)
         metrics = llm.get_metrics()
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()
+
+
+def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
+    """data_parallel_size=2: each rank's engine drafts and verifies its own requests (async
+    scheduling, the default); the tokens equal transformers (so equal no speculation),
+    drafts are accepted, and every block comes back."""
+    from raylm import LLM, SamplingParams
+    from raylm.actors.dp_client import DPEngineCoreClient
+
+    llm = LLM(loopy_llama_path, data_parallel_size=2, block_size=8, num_kv_blocks=64,
+              max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        assert isinstance(llm.llm_engine.core, DPEngineCoreClient)
+        assert llm.llm_engine.engine_config.async_scheduling
+        rng = random.Random(2)
+        passages = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 11, 9, 14)]
+        prompts = [p * 3 for p in passages]  # lookup finds the passage again
+        max_tokens = [28, 21, 34, 17]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in max_tokens], use_tqdm=False)
+        oracle = hf_oracle(loopy_llama_path)
+        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(p, m)
+        metrics = llm.get_metrics()
+        assert metrics["dp_routed_requests"] == [2, 2], metrics
+        assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("draft", ["target", "near"])
+def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draft):
+    """A draft model with PP=2 (sync scheduling): every stage runs the whole draft model
+    from the same history, so both stages propose the same drafts. The draft equal to the
+    target has every draft accepted; a near copy of it (attention output halved) has part
+    of its drafts accepted, so each stage must roll its draft KV back to the accepted
+    tokens, or the first stage would run other drafts than the last one verifies. The
+    tokens equal transformers."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from raylm import LLM, SamplingParams
+
+    model = llama_path
+    if draft == "near":
+        model = str(tmp_path / "near")
+        shutil.copytree(llama_path, model)
+        weights = load_file(f"{model}/model.safetensors")
+        for name in weights:
+            if name.endswith("o_proj.weight"):
+                weights[name] = weights[name] * 0.5
+        save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+    # Near: positions priced high, so the gate closes after rejections and probes later
+    # (the draft KV past the accepted tokens must not be reused after such a pause).
+    overhead = 24.0 if draft == "target" else 0.2
+    llm = LLM(llama_path, pipeline_parallel_size=2, block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=8, speculative_config={
+                  "method": "draft_model", "model": model, "num_speculative_tokens": 3,
+                  "draft_step_overhead_tokens": overhead})
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33, 9)]
+        max_tokens = [20, 13, 16, 24]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in max_tokens], use_tqdm=False)
+        oracle = hf_oracle(llama_path)
+        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(p, m)
+        metrics = llm.get_metrics()
+        drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+        accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
+        if draft == "target":
+            assert accepted == drafted > 0, metrics
+        else:
+            assert 0 < accepted < drafted, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()

@@ -4,6 +4,7 @@ transformers and as no speculation, in both scheduling modes, with drafts really
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -30,7 +31,14 @@ def _ngram(k: int) -> dict:
 
 
 def _no_leak(llm: LLM) -> dict:
+    """Every block is back. Under async scheduling generate() can return while a step
+    booked for the finished request is still in flight: its blocks return (deferred
+    free) when that step does, so wait for it (a deadline turns a leak into a failure)."""
+    deadline = time.monotonic() + 30.0
     m = llm.get_metrics()
+    while m["raylm:kv_cache_usage_perc"] > 0.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        m = llm.get_metrics()
     assert m["raylm:num_requests_running"] == 0 and m["raylm:kv_cache_usage_perc"] == 0.0, m
     return m
 
@@ -209,4 +217,47 @@ def test_disable_by_batch_size_turns_drafting_off_for_large_batches(loopy_llama_
     assert alone.outputs[0].token_ids == outs[0].outputs[0].token_ids == oracle.greedy(
         prompts[0], 30)
     assert outs[1].outputs[0].token_ids == oracle.greedy(prompts[1], 30)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
+def test_abort_with_drafts_in_flight_frees_blocks_and_keeps_others_exact(
+        loopy_llama_path, hf_oracle, async_scheduling):
+    """Requests aborted right after a step that accepted drafts (so the next steps are
+    booked with drafts, two of them in flight under async) end with a prefix of their
+    greedy output; the other requests' tokens are unchanged and every block comes back."""
+    llm = LLM(loopy_llama_path, async_scheduling=async_scheduling, block_size=4,
+              num_kv_blocks=64, max_num_seqs=8, speculative_config=_ngram(3))
+    engine = llm.llm_engine
+    prompts = _copy_heavy(engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", {"prompt_token_ids": p}, params)
+    to_abort = {"a0", "a2"}  # copy-heavy prompts: their drafts are accepted
+    final: dict[str, object] = {}
+    seen: dict[str, int] = {}
+    while len(final) < len(prompts):
+        for out in engine.step(timeout=5.0):
+            rid, n = out.request_id, len(out.outputs[0].token_ids)
+            grew, seen[rid] = n - seen.get(rid, 0), n
+            if rid in to_abort and rid not in final and grew > 1 and n >= 3:
+                final[rid] = engine.abort_request(rid)
+            elif out.finished:
+                final[rid] = out
+    oracle = hf_oracle(loopy_llama_path)
+    for i, p in enumerate(prompts):
+        got = final[f"a{i}"].outputs[0]
+        if f"a{i}" in to_abort:
+            assert got.finish_reason == "abort", i
+            assert 3 <= len(got.token_ids) < 40, (i, len(got.token_ids))
+            assert got.token_ids == oracle.greedy(p, len(got.token_ids)), i
+        else:
+            assert got.token_ids == oracle.greedy(p, 40), i
+    for _ in range(50):  # the aborted requests' blocks return once their steps have
+        m = llm.get_metrics()
+        if m["raylm:num_requests_running"] == 0 and m["raylm:kv_cache_usage_perc"] == 0.0:
+            break
+        engine.step(timeout=0.1)
+    assert m["raylm:kv_cache_usage_perc"] == 0.0 and m["raylm:num_requests_running"] == 0, m
+    assert m["raylm:spec_decode_num_accepted_tokens"] > 0, m
     llm.shutdown()

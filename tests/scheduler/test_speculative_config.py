@@ -30,6 +30,10 @@ def test_ngram_defaults_and_values():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_step_overhead_tokens": 0},
+     "draft_step_overhead_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_step_overhead_tokens": "8"},
+     "draft_step_overhead_tokens"),
 ])
 def test_invalid_configs_name_the_field(config, field):
     with pytest.raises(ValueError, match=field):
