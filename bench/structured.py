@@ -11,9 +11,12 @@ request), each with:
 - regex: ``([a-z]{4,8} ){12,16}[a-z]{4,8}\\.``, up to 256 tokens.
 Output tok/s = output tokens produced / wall time (median of --repeats runs after one
 warm-up), async scheduling on and off. Constrained outputs stop when their grammar
-completes, so their token counts differ from the free runs; tok/s is the comparable
-figure. The last line compares, at batch 32 with async on, the JSON-schema rate to the
-unconstrained one.
+completes, each request at its own length, so a batch of them drains as they finish; the
+reference for each constrained run is therefore the same prompts unconstrained with each
+request's max_tokens set to the length its constrained run produced (ignore_eos, same
+detokenization): `free@json`, `free@regex`. The ratios are against those; `free` (96
+tokens each) is shown as well. The last line compares, at batch 32 with async on, the
+JSON-schema rate to `free@json`.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ SCHEMA = {
 REGEX = r"([a-z]{4,8} ){12,16}[a-z]{4,8}\."
 
 
-def _params(kind: str):
+def _params(kind: str, lengths: list[int] | None = None):
     from raylm import SamplingParams, StructuredOutputsParams
 
+    if lengths is not None:  # unconstrained, each request as long as a constrained run
+        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     if kind == "free":
         return SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, detokenize=False)
     so = (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if kind == "json"
@@ -50,24 +55,29 @@ def _params(kind: str):
     return SamplingParams(temperature=0.0, max_tokens=256, structured_outputs=so)
 
 
-def measure(llm, vocab: int, batch: int, kind: str, repeats: int) -> float:
+def measure(llm, vocab: int, batch: int, kind: str, repeats: int,
+            lengths: list[int] | None = None) -> tuple[float, list[int]]:
+    """(median tok/s, each request's output length in the last run)."""
     rng = random.Random(batch)
     prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(16)]}
                for _ in range(batch)]
-    params = _params(kind)
+    params = _params(kind, lengths)
     rates = []
     for i in range(repeats + 1):
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        if kind != "free":
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        tokens = sum(got)
+        if lengths is not None:
+            assert got == lengths, f"free@{kind} batch {batch}: {got} != {lengths}"
+        elif kind != "free":
             bad = [o.outputs[0].finish_reason for o in outs if o.outputs[0].finish_reason != "stop"]
             assert not bad, f"{kind} batch {batch}: unfinished outputs {bad}"
         if i:
             rates.append(tokens / seconds)
     rates.sort()
-    return rates[len(rates) // 2]
+    return rates[len(rates) // 2], got
 
 
 def main() -> None:
@@ -79,29 +89,33 @@ def main() -> None:
 
     path = checkpoint(args.size)
     rows: dict[tuple[bool, int, str], float] = {}
+    kinds = ("free", "json", "free@json", "regex", "free@regex")
     for async_scheduling in (True, False):
         llm = LLM(path, async_scheduling=async_scheduling, max_num_seqs=32,
                   max_model_len=512)
         vocab = llm.llm_engine.model_config.vocab_size
         try:
             for batch in (1, 32):
-                for kind in ("free", "json", "regex"):
-                    rate = measure(llm, vocab, batch, kind, args.repeats)
+                lengths: dict[str, list[int]] = {}
+                for kind in kinds:
+                    base = kind.removeprefix("free@")
+                    rate, lengths[kind] = measure(llm, vocab, batch, base, args.repeats,
+                                                  lengths[base] if "@" in kind else None)
                     rows[(async_scheduling, batch, kind)] = rate
                     print(f"async={'on' if async_scheduling else 'off'} batch={batch} "
                           f"{kind}: {rate:.1f} tok/s", flush=True)
         finally:
             llm.shutdown()
-    print(f"model {args.size}, greedy; output tok/s (median of {args.repeats}); ratio vs free")
-    print(f"| {'async':<5} | {'batch':>5} | {'free':>8} | {'json':>8} | {'regex':>8} | "
-          f"{'json/free':>9} | {'regex/free':>10} |")
-    print(f"|{'-' * 7}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 11}|{'-' * 12}|")
+    print(f"model {args.size}, greedy; output tok/s (median of {args.repeats})")
+    print("| async | batch | " + " | ".join(kinds) + " | json / free@json | regex / free@regex |")
+    print("|---" * (len(kinds) + 4) + "|")
     for async_scheduling in (True, False):
         for batch in (1, 32):
-            free, js, rx = (rows[(async_scheduling, batch, k)] for k in ("free", "json", "regex"))
-            print(f"| {'on' if async_scheduling else 'off':<5} | {batch:>5} | {free:>8.1f} | "
-                  f"{js:>8.1f} | {rx:>8.1f} | {js / free:>8.2f}x | {rx / free:>9.2f}x |")
-    free, js = rows[(True, 32, "free")], rows[(True, 32, "json")]
+            r = {k: rows[(async_scheduling, batch, k)] for k in kinds}
+            print(f"| {'on' if async_scheduling else 'off'} | {batch} | "
+                  + " | ".join(f"{r[k]:.1f}" for k in kinds)
+                  + f" | {r['json'] / r['free@json']:.2f}x | {r['regex'] / r['free@regex']:.2f}x |")
+    free, js = rows[(True, 32, "free@json")], rows[(True, 32, "json")]
     print(f"structured: batch32 free={free:.1f} json={js:.1f} ratio={js / free:.2f}")
 
 

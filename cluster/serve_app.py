@@ -5,11 +5,12 @@
 (``AsyncLLM`` unless a factory is injected) and reserves its placement group: bundle 0 for the
 replica (co-located with rank 0), then one bundle per TP x PP worker.
 
-With several models an ``OpenAIIngress`` deployment routes by ``model`` and tokens stream from
-the replica to it through a DeploymentHandle with ``stream=True``. With one model the
-LLMServer replica is the ingress itself (``LLMIngressServer``): every streamed chunk would
-otherwise cross one more process and be serialized twice, which on a small host costs as
-much CPU per token as the model's forward (docs/architecture.md §2).
+An ``OpenAIIngress`` deployment routes by ``model`` and tokens stream from the replica to it
+through a DeploymentHandle with ``stream=True``; when a replica dies mid-stream, the ingress
+ends its streams with an error event. With ``ingress_in_replica`` (one model; `raylm serve`
+sets it) the LLMServer replica is the ingress itself (``LLMIngressServer``): every streamed
+chunk would otherwise cross one more process and be serialized twice, which on a small host
+costs a large share of the CPU a token takes (docs/architecture.md §2).
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     if isinstance(config, list):
         config = {"llm_configs": config}
     app_config = load_app_config(config)
-    if len(app_config.llm_configs) == 1:
+    if app_config.ingress_in_replica:
         (llm_config,) = app_config.llm_configs
         server = serve.deployment(serve.ingress()(LLMIngressServer)).options(
             **llm_server_options(llm_config))

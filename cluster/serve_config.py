@@ -384,6 +384,11 @@ class OpenAIAppConfig(BaseModel):
     model_config = _STRICT
 
     llm_configs: list[LLMConfig] = Field(min_length=1)
+    # One model only: its LLMServer replicas answer HTTP themselves, with no ingress
+    # deployment. Each streamed chunk then crosses one Python process fewer (README,
+    # Serving, has the cost), but a replica that dies mid-stream cuts its streams: no
+    # process is left to end them with an error event, as the ingress does.
+    ingress_in_replica: bool = False
 
     @field_validator("llm_configs", mode="before")
     @classmethod
@@ -395,6 +400,9 @@ class OpenAIAppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _unique_model_ids(self) -> OpenAIAppConfig:
+        if self.ingress_in_replica and len(self.llm_configs) != 1:
+            raise ValueError(f"ingress_in_replica needs exactly one model in llm_configs, "
+                             f"got {len(self.llm_configs)}: the ingress routes between models.")
         ids = [c.model_id for c in self.llm_configs]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:

@@ -1,8 +1,9 @@
 """`raylm serve` end to end as a user runs it (a subprocess with its own local Ray), for each
-HTTP entry: Ray Serve's HAProxy ingress straight to the single model's replica (the default)
-and Serve's Python proxy. Both serve the app whose one deployment is the model's replica and
-its own HTTP ingress; served tokens must equal offline ones, a disconnect must abort the
-request and free its KV blocks, and 64 concurrent streams must get exact token counts."""
+HTTP entry: Ray Serve's HAProxy ingress (the default) and Serve's Python proxy, both in front
+of the model's replica answering HTTP itself (`ingress_in_replica`), and HAProxy in front of
+an ingress deployment (`--separate-ingress`). Served tokens must equal offline ones, a
+disconnect must abort the request and free its KV blocks, and 64 concurrent streams must
+get exact token counts."""
 
 from __future__ import annotations
 
@@ -54,20 +55,23 @@ def _descendants(root: int) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module", params=["haproxy", "ray"])
+@pytest.fixture(scope="module", params=[("haproxy", []), ("ray", []),
+                                        ("haproxy", ["--separate-ingress"])],
+                ids=["haproxy", "ray", "haproxy-separate-ingress"])
 def server(request, llama_path):
+    proxy, extra = request.param
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "raylm.cluster.cli", "serve", llama_path, "--port", str(port),
-         "--served-model-name", MODEL, "--proxy", request.param, "--max-num-seqs", "64",
-         "--max-ongoing-requests", "128"],
+         "--served-model-name", MODEL, "--proxy", proxy, "--max-num-seqs", "64",
+         "--max-ongoing-requests", "128", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(proc, base)
-        yield request.param, base, proc
+        yield proxy, base, proc
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0
     finally:

@@ -144,6 +144,10 @@ def test_cross_field_errors_name_the_values():
         PlacementGroupConfig(bundles=[{"CPU": 1}, {"GPU": 0}])
     with pytest.raises(ValidationError, match=r"model_id \['m'\] appears more than once"):
         OpenAIAppConfig(llm_configs=[MINIMAL, MINIMAL])
+    other = {**MINIMAL, "model_loading_config": {"model_id": "m2", "model_source": "/x"}}
+    with pytest.raises(ValidationError, match="ingress_in_replica needs exactly one model.*got 2"):
+        OpenAIAppConfig(llm_configs=[MINIMAL, other], ingress_in_replica=True)
+    assert OpenAIAppConfig(llm_configs=[MINIMAL], ingress_in_replica=True).ingress_in_replica
 
 
 def test_default_placement_group_tp2_pp2():
