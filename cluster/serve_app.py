@@ -143,8 +143,9 @@ class _ReplicaBackend:
 
 
 class LLMIngressServer(LLMServer):
-    """One model's replica answering HTTP itself: the app's only deployment when it serves
-    one model (no ingress hop, no handle between the HTTP route and the engine)."""
+    """One model's replica answering HTTP itself: the app's only deployment with
+    ``ingress_in_replica`` (no ingress hop, no handle between the HTTP route and the engine;
+    its streams are cut if it dies, as nothing is left to send them an error event)."""
 
     def __serve_build_asgi_app__(self) -> Any:
         model_id = self.llm_config.model_id
