@@ -92,7 +92,7 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
     """data_parallel_size=2: each rank's engine drafts and verifies its own requests (async
     scheduling, the default); the tokens equal transformers (so equal no speculation),
     drafts are accepted, and every block comes back."""
-    from raylm import LLM, SamplingParams
+    from raylm import LLM
     from raylm.actors.dp_client import DPEngineCoreClient
 
     llm = LLM(loopy_llama_path, data_parallel_size=2, block_size=8, num_kv_blocks=64,
@@ -104,18 +104,24 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
         passages = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 11, 9, 14)]
         prompts = [p * 3 for p in passages]  # lookup finds the passage again
         max_tokens = [28, 21, 34, 17]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                             for m in max_tokens], use_tqdm=False)
-        oracle = hf_oracle(loopy_llama_path)
-        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
-            assert out.outputs[0].token_ids == oracle.greedy(p, m)
-        metrics = llm.get_metrics()
+        metrics = _greedy_equals_hf(llm, hf_oracle(loopy_llama_path), prompts, max_tokens)
         assert metrics["dp_routed_requests"] == [2, 2], metrics
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
+
+
+def _greedy_equals_hf(llm, oracle, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    """Greedy generation of each prompt equals transformers'; returns the engine's metrics."""
+    from raylm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                         for m in max_tokens], use_tqdm=False)
+    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, m)
+    return llm.get_metrics()
 
 
 @pytest.mark.parametrize("draft", ["target", "near"])
@@ -130,7 +136,7 @@ def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draf
 
     from safetensors.torch import load_file, save_file
 
-    from raylm import LLM, SamplingParams
+    from raylm import LLM
 
     model = llama_path
     if draft == "near":
@@ -152,13 +158,7 @@ def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draf
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33, 9)]
         max_tokens = [20, 13, 16, 24]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                             for m in max_tokens], use_tqdm=False)
-        oracle = hf_oracle(llama_path)
-        for p, m, out in zip(prompts, max_tokens, outs, strict=True):
-            assert out.outputs[0].token_ids == oracle.greedy(p, m)
-        metrics = llm.get_metrics()
+        metrics = _greedy_equals_hf(llm, hf_oracle(llama_path), prompts, max_tokens)
         drafted = metrics["raylm:spec_decode_num_draft_tokens"]
         accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
         if draft == "target":
