@@ -227,3 +227,17 @@ def test_speculative_config_flag_reaches_the_serve_config(llama_path, monkeypatc
     assert config.engine_kwargs.to_llm_kwargs()["speculative_config"] == spec
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
+
+
+def test_proxy_applies_only_to_a_local_instance(llama_path, monkeypatch, capsys):
+    from raylm.cluster.local_serve import local_serve_env
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # refused before any connection
+    assert main(["serve", llama_path, "--proxy", "haproxy"]) == 2
+    assert "--proxy haproxy applies to the Ray instance" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="proxy 'nginx' is unknown"):
+        local_serve_env("nginx")
+    assert local_serve_env("ray") == {}
+    env = local_serve_env("haproxy")
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] != env["RAY_SERVE_HAPROXY_METRICS_PORT"]
