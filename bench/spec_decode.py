@@ -53,14 +53,10 @@ def copy_checkpoint() -> str:
     if not os.path.isfile(weights_file):
         import shutil
 
-        from safetensors.torch import load_file, save_file
+        from raylm.runner.checkpoint import scale_attention_output
 
         shutil.copytree(checkpoint("6m"), path, dirs_exist_ok=True)
-        weights = load_file(weights_file)
-        for name in weights:
-            if name.endswith("o_proj.weight"):
-                weights[name] = weights[name] * 0.004
-        save_file(weights, weights_file, metadata={"format": "pt"})
+        scale_attention_output(path, 0.004)
     return path
 
 

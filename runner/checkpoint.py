@@ -134,3 +134,18 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def scale_attention_output(path: str, factor: float) -> None:
+    """Multiply every layer's attention output projection (``o_proj``) of the checkpoint
+    at ``path`` by ``factor``, in place. A small factor makes the next token depend mostly
+    on the current one, so greedy text falls into loops (what prompt lookup predicts);
+    attention still contributes, so misplaced KV still changes the tokens."""
+    from safetensors.torch import load_file, save_file
+
+    weights_file = os.path.join(path, "model.safetensors")
+    weights = load_file(weights_file)
+    for name in weights:
+        if name.endswith("o_proj.weight"):
+            weights[name] = weights[name] * factor
+    save_file(weights, weights_file, metadata={"format": "pt"})

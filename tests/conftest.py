@@ -52,15 +52,10 @@ def loopy_llama_path(tmp_path_factory) -> str:
     (speculative decoding tests: a plain random model almost never repeats, so nearly
     every draft would be rejected). Attention still contributes, so misplaced KV still
     changes the tokens."""
-    from safetensors.torch import load_file, save_file
+    from raylm.runner.checkpoint import scale_attention_output
 
     path = _write(tmp_path_factory, "loopy_llama", CheckpointSpec(seed=6))
-    weights_file = f"{path}/model.safetensors"
-    weights = load_file(weights_file)
-    for name in weights:
-        if name.endswith("o_proj.weight"):
-            weights[name] = weights[name] * 0.004
-    save_file(weights, weights_file, metadata={"format": "pt"})
+    scale_attention_output(path, 0.004)
     return path
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+from local_ray import local_ray
 
 from raylm.actors.dp_client import DPEngineCoreClient
 from raylm.runner.uniproc_executor import UniProcExecutor
@@ -33,10 +34,8 @@ DEADLINE_S = 120.0  # turns a hang into a failure; nothing asserts on time
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 def _config(model: str, dp: int = 2, async_scheduling: bool | None = None,

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+from local_ray import local_ray
 
 from raylm.actors.placement import PlacementGroupError
 from raylm.actors.ray_engine_core_client import RayEngineCoreClient
@@ -35,12 +36,8 @@ MAX_TOKENS = [12, 7, 16, 5]
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    # tests/ is not importable in Ray workers: ship this module's helpers by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+    with local_ray(sys.modules[__name__]):
+        yield
 
 
 def _config(model: str, tp: int, backend: str, async_scheduling: bool | None = None,

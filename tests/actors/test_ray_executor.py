@@ -8,11 +8,11 @@ placement errors.
 from __future__ import annotations
 
 import re
-import sys
 import time
 
 import pytest
 import ray
+from local_ray import local_ray
 
 from raylm.actors.placement import PlacementGroupError
 from raylm.actors.ray_executor import RayExecutor
@@ -33,11 +33,8 @@ pytestmark = pytest.mark.ray
 def ray_cluster():
     import fake_worker
 
-    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[fake_worker.__name__])
-    yield fake_worker.FakeWorker
-    ray.shutdown()
+    with local_ray(fake_worker):
+        yield fake_worker.FakeWorker
 
 
 def _config(model: str, tp: int = 1, pp: int = 1) -> EngineConfig:

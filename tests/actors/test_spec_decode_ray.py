@@ -7,7 +7,7 @@ import random
 import sys
 
 import pytest
-import ray
+from local_ray import local_ray
 
 from raylm.actors.ray_executor import RayExecutor
 from raylm.scheduler.engine_config import (
@@ -27,11 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    # address="local": a Ray of our own, never a cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+    with local_ray(sys.modules[__name__]):
+        yield
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -134,19 +131,14 @@ def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draf
     tokens equal transformers."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
     from raylm import LLM
+    from raylm.runner.checkpoint import scale_attention_output
 
     model = llama_path
     if draft == "near":
         model = str(tmp_path / "near")
         shutil.copytree(llama_path, model)
-        weights = load_file(f"{model}/model.safetensors")
-        for name in weights:
-            if name.endswith("o_proj.weight"):
-                weights[name] = weights[name] * 0.5
-        save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+        scale_attention_output(model, 0.5)
     # Near: positions priced high, so the gate closes after rejections and probes later
     # (the draft KV past the accepted tokens must not be reused after such a pause).
     overhead = 24.0 if draft == "target" else 0.2
