@@ -21,15 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raylm.actors.placement import (
-    DEFAULT_PLACEMENT_TIMEOUT_S,
-    create_placement_group,
-    default_worker_resource,
-    ensure_ray_initialized,
-    get_within,
-    threads_for_cpus,
-    worker_bundles,
-)
+from raylm.actors import placement
 from raylm.actors.step_channel import StepChannel
 from raylm.actors.worker_actor import WorkerActor, new_token, output_rank
 from raylm.scheduler import envs
@@ -54,7 +46,7 @@ class RayExecutor:
     def __init__(self, config: EngineConfig, *, placement_group: PlacementGroup | None = None,
                  bundle_offset: int = 0, resource: str | None = None,
                  cpus_per_worker: float = 1.0, dispatch: str = "channel",
-                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+                 placement_timeout_s: float = placement.DEFAULT_PLACEMENT_TIMEOUT_S,
                  init_timeout_s: float = 600.0, dist_timeout_s: float = 300.0,
                  health_timeout_s: float = 30.0, worker_cls: type | None = None) -> None:
         """``placement_group``: use bundles ``[bundle_offset, bundle_offset + world_size)``
@@ -77,7 +69,7 @@ class RayExecutor:
         self._serving = False  # the workers' torch threads run the stream (first step on)
         self._seq = 0
         self._owns_pg = placement_group is None
-        ensure_ray_initialized(self.world_size * cpus_per_worker)
+        placement.ensure_ray_initialized(self.world_size * cpus_per_worker)
         try:
             self._init_placement(placement_group, bundle_offset, resource, cpus_per_worker,
                                  pc.placement_group_strategy, placement_timeout_s)
@@ -93,9 +85,9 @@ class RayExecutor:
     def _init_placement(self, pg, bundle_offset, resource, cpus_per_worker, strategy,
                         timeout_s) -> None:
         if pg is None:
-            bundles = worker_bundles(self.world_size, resource or default_worker_resource(),
-                                     cpus_per_worker)
-            pg = create_placement_group(bundles, strategy, timeout_s)
+            bundles = placement.worker_bundles(
+                self.world_size, resource or placement.default_worker_resource(), cpus_per_worker)
+            pg = placement.create_placement_group(bundles, strategy, timeout_s)
             bundle_offset = 0
         if bundle_offset + self.world_size > len(pg.bundle_specs):
             raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles, need "
@@ -112,7 +104,7 @@ class RayExecutor:
             bundle = self.placement_group.bundle_specs[bundle_index]
             cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
             # Torch intra-op threads follow the rank's CPU share of its bundle.
-            threads = threads_for_cpus(cpus)
+            threads = placement.threads_for_cpus(cpus)
             self.workers.append(WorkerActor.options(
                 num_cpus=cpus, num_gpus=gpus, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -147,7 +139,7 @@ class RayExecutor:
                                "threads are serving the step stream.")
 
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
-        return get_within(refs, timeout_s, what, on=f"{self.world_size} worker actors")
+        return placement.get_within(refs, timeout_s, what, on=f"{self.world_size} worker actors")
 
     def describe_worker(self, rank: int) -> str:
         info = self.worker_infos[rank] if rank < len(self.worker_infos) else {}

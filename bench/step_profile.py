@@ -34,23 +34,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=200)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
 
     import torch
 
+    from raylm.cluster.engine_args import EngineArgs
     from raylm.parallel.context import ParallelContext
     from raylm.runner.model_runner import ModelRunner
     from raylm.scheduler.core_outputs import CachedRequestData, NewRequestData, SchedulerOutput
-    from raylm.scheduler.engine_config import (
-        CacheConfig,
-        EngineConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-    )
     from raylm.scheduler.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
@@ -58,12 +52,10 @@ def main() -> None:
     bs = args.block_size
     path = checkpoint("6m")
     num_blocks = args.batch * (1024 // bs) + 1
-    config = EngineConfig(
-        ModelConfig(model=path, dtype=args.dtype, max_model_len=1024),
-        CacheConfig(block_size=bs, num_kv_blocks=num_blocks),
-        SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192,
-                        async_scheduling=False),
-        ParallelConfig())
+    config = EngineArgs(model=path, dtype=args.dtype, max_model_len=1024, block_size=bs,
+                        num_kv_blocks=num_blocks, max_num_seqs=args.batch,
+                        max_num_batched_tokens=8192,
+                        async_scheduling=False).create_engine_config()
     runner = ModelRunner(config, ParallelContext.single("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)

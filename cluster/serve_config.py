@@ -167,15 +167,19 @@ class AutoscalingConfig(BaseModel):
 
     model_config = _STRICT
 
-    min_replicas: NonNegativeInt = 1
-    max_replicas: PositiveInt = 1
-    # Ongoing requests per replica the autoscaler aims for; an LLM replica batches many.
-    target_ongoing_requests: PositiveFloat = 16
-    initial_replicas: NonNegativeInt | None = None
-    upscale_delay_s: NonNegativeFloat | None = None
-    downscale_delay_s: NonNegativeFloat | None = None
-    # The window Serve averages ongoing requests over (Serve: 30 s).
-    look_back_period_s: PositiveFloat | None = None
+    min_replicas: NonNegativeInt = Field(1, description="Fewest replicas (0: scale to zero).")
+    max_replicas: PositiveInt = Field(1, description="Most replicas.")
+    # An LLM replica batches many requests, so the target is far above Serve's default 2.
+    target_ongoing_requests: PositiveFloat = Field(
+        16, description="Ongoing requests per replica the autoscaler aims for.")
+    initial_replicas: NonNegativeInt | None = Field(
+        None, description="Replicas at deploy time (default: min_replicas).")
+    upscale_delay_s: NonNegativeFloat | None = Field(
+        None, description="How long demand must stay high before a replica is added.")
+    downscale_delay_s: NonNegativeFloat | None = Field(
+        None, description="How long demand must stay low before a replica is removed.")
+    look_back_period_s: PositiveFloat | None = Field(
+        None, description="The window Serve averages ongoing requests over (Serve: 30 s).")
 
     @model_validator(mode="after")
     def _check_range(self) -> AutoscalingConfig:

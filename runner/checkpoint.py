@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -32,18 +33,19 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    architecture: str = "LlamaForCausalLM"  # or Qwen2ForCausalLM, Qwen3ForCausalLM
+    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM",
+                          "Qwen3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int | None = None
     max_position_embeddings: int = 1024
-    tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
     initializer_range: float = 0.2  # peaky logits: greedy ties between engines stay unlikely
     seed: int = 0
 

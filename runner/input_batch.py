@@ -41,10 +41,6 @@ class CachedRequestState:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
@@ -88,7 +84,8 @@ class InputBatch:
             self._grow(2 * self._capacity)
         row = self.num_reqs
         self.num_reqs += 1
-        num_prompt, num_tokens = state.num_prompt_tokens, state.num_tokens
+        num_prompt = state.num_prompt_tokens
+        num_tokens = num_prompt + len(state.output_token_ids)
         if num_tokens > self.max_model_len:
             raise ValueError(f"request {state.req_id!r} has {num_tokens} tokens, more than "
                              f"max_model_len={self.max_model_len}.")

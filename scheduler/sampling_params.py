@@ -29,37 +29,45 @@ class RequestOutputKind(IntEnum):
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Frozen: a request's params never change in flight.
-
-    ``stop`` and ``stop_token_ids`` accept lists and are stored as tuples.
-    ``top_k`` of 0 or -1 disables top-k. ``logprobs=k`` returns the sampled token's
-    logprob plus the top-k (raw model logprobs, as vLLM's default ``raw_logprobs``);
-    ``prompt_logprobs=k`` the same for every prompt token after the first.
-    ``max_tokens=None`` means "up to max_model_len". ``output_kind`` shapes the
-    RequestOutputs (see RequestOutputKind); it changes nothing the engine computes.
-    """
+    Each field's note says what it does; ``_verify`` names the allowed values."""
 
     n: int = 1
+    """Completions to generate for the prompt (they share its prefix's KV blocks)."""
     presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output."""
     frequency_penalty: float = 0.0
+    """Subtracted from a token's logit per time it occurs in the output."""
     repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
     temperature: float = 1.0
+    """0 is greedy: the truncation knobs below are then reset to their no-op values."""
     top_p: float = 1.0
     top_k: int = 0
+    """0 or -1 disables top-k (stored as 0)."""
     min_p: float = 0.0
     seed: int | None = None
+    """Seeds the request's own stateless RNG: the same tokens in any batch and mode."""
     stop: tuple[str, ...] = field(default_factory=tuple)
+    """Strings that end the request (a list or one string is accepted, stored as a tuple)."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     max_tokens: int | None = 16
+    """None means up to max_model_len."""
     min_tokens: int = 0
+    """EOS and stop token ids are masked until this many tokens are out."""
     logprobs: int | None = None
+    """The sampled token's logprob plus the top k (raw model logprobs, as vLLM's default
+    ``raw_logprobs``)."""
     prompt_logprobs: int | None = None
+    """The same for every prompt token after the first."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each RequestOutput carries (see RequestOutputKind); the engine computes the
+    same either way."""
 
     def __post_init__(self) -> None:
         stop = self.stop
