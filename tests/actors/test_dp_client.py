@@ -13,15 +13,10 @@ import ray
 from local_ray import local_ray
 
 from raylm.actors.dp_client import DPEngineCoreClient
+from raylm.cluster.engine_args import EngineArgs
 from raylm.runner.uniproc_executor import UniProcExecutor
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.request import Request
@@ -41,12 +36,11 @@ def ray_cluster():
 def _config(model: str, dp: int = 2, async_scheduling: bool | None = None,
             num_kv_blocks: int | None = 128, max_num_batched_tokens: int = 2048,
             tp: int = 1) -> EngineConfig:
-    return EngineConfig(
-        ModelConfig(model=model), CacheConfig(block_size=8, num_kv_blocks=num_kv_blocks),
-        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
-                        async_scheduling=async_scheduling),
-        ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp,
-                       distributed_executor_backend="ray" if dp * tp > 1 else "uni"))
+    return EngineArgs(
+        model=model, block_size=8, num_kv_blocks=num_kv_blocks, max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+        data_parallel_size=dp, tensor_parallel_size=tp,
+        distributed_executor_backend="ray" if dp * tp > 1 else "uni").create_engine_config()
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 10, hi: int = 30) -> list[list[int]]:

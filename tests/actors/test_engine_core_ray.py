@@ -15,15 +15,10 @@ from local_ray import local_ray
 from raylm.actors.placement import PlacementGroupError
 from raylm.actors.ray_engine_core_client import RayEngineCoreClient
 from raylm.actors.ray_executor import RayExecutor
+from raylm.cluster.engine_args import EngineArgs
 from raylm.runner.uniproc_executor import UniProcExecutor
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.request import Request
@@ -42,9 +37,9 @@ def ray_cluster():
 
 def _config(model: str, tp: int, backend: str, async_scheduling: bool | None = None,
             **cache) -> EngineConfig:
-    return EngineConfig(ModelConfig(model=model), CacheConfig(block_size=8, **cache),
-                        SchedulerConfig(max_num_seqs=16, async_scheduling=async_scheduling),
-                        ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend))
+    return EngineArgs(model=model, block_size=8, max_num_seqs=16,
+                      async_scheduling=async_scheduling, tensor_parallel_size=tp,
+                      distributed_executor_backend=backend, **cache).create_engine_config()
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_openai_fakes import FakeEngine, running_server
+from test_openai_fakes import ENGINE_METRIC_NAMES, FakeEngine, running_server
 
 from raylm.cluster.openai_api import LocalBackend, build_openai_api
 from raylm.cluster.openai_serving import OpenAIServing
@@ -253,11 +253,9 @@ def test_models_and_health(client, url):
 def test_metrics_names_and_labels(client, url):
     client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4)
     text = httpx.get(f"{url}/metrics").text
-    for name in ("raylm:num_requests_running", "raylm:num_requests_waiting",
-                 "raylm:kv_cache_usage_perc", "raylm:prompt_tokens_total",
-                 "raylm:generation_tokens_total", "raylm:num_preemptions_total",
-                 "raylm:time_to_first_token_seconds_count", "raylm:inter_token_latency_seconds_count",
-                 "raylm:e2e_request_latency_seconds_count"):
+    for name in ENGINE_METRIC_NAMES + ("raylm:time_to_first_token_seconds_count",
+                                       "raylm:inter_token_latency_seconds_count",
+                                       "raylm:e2e_request_latency_seconds_count"):
         lines = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
         assert lines and all(f'model_name="{MODEL}"' in ln for ln in lines), name
     success = [ln for ln in text.splitlines() if ln.startswith("raylm:request_success_total{")]

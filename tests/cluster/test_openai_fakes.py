@@ -22,6 +22,11 @@ from raylm.scheduler.sampling_params import SamplingParams
 
 FIRST_TOKEN, NUM_PLAIN = 280, 230  # token ids the fake emits: BPE merges (valid UTF-8), no specials
 
+# The gauges and counters every /metrics exposition has, each labelled with the model.
+ENGINE_METRIC_NAMES = ("raylm:num_requests_running", "raylm:num_requests_waiting",
+                       "raylm:kv_cache_usage_perc", "raylm:prompt_tokens_total",
+                       "raylm:generation_tokens_total", "raylm:num_preemptions_total")
+
 
 class FakeEngine:
     """Token k of choice i is ``FIRST_TOKEN + (seed + 7k + 13i) % NUM_PLAIN``."""

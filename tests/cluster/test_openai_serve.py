@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from serve_helpers import concurrent_streams, running_serve_app
+from test_openai_fakes import ENGINE_METRIC_NAMES
 
 pytestmark = pytest.mark.ray
 
@@ -57,11 +58,10 @@ def test_models_health_and_metric_names(client, base_url):
     assert cards[MODEL]["max_model_len"] == 1024 and cards[MODEL]["owned_by"] == "raylm"
     client.completions.create(model=MODEL, prompt="warm up", max_tokens=2)
     text = httpx.get(f"{base_url}/metrics").text
-    for name in ("raylm:num_requests_running", "raylm:num_requests_waiting",
-                 "raylm:kv_cache_usage_perc", "raylm:prompt_tokens_total",
-                 "raylm:generation_tokens_total", "raylm:num_preemptions_total",
-                 "raylm:request_success_total", "raylm:time_to_first_token_seconds_bucket",
-                 "raylm:inter_token_latency_seconds_bucket", "raylm:e2e_request_latency_seconds_sum"):
+    for name in ENGINE_METRIC_NAMES + ("raylm:request_success_total",
+                                       "raylm:time_to_first_token_seconds_bucket",
+                                       "raylm:inter_token_latency_seconds_bucket",
+                                       "raylm:e2e_request_latency_seconds_sum"):
         assert f'{name}{{' in text, name
         assert f'model_name="{MODEL}"' in next(ln for ln in text.splitlines()
                                                 if ln.startswith(name + "{"))

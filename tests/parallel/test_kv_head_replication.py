@@ -3,13 +3,9 @@ and each rank holds the head its query heads use; greedy output equals transform
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
-
 import pytest
 import torch
-from tp_rank_main import rank_main
+from tp_rank_main import tp_ranks
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import QKVParallelLinear
@@ -52,35 +48,11 @@ def test_tp_not_a_multiple_of_kv_heads_is_refused():
         QKVParallelLinear(3, 2, 6, 2, False, ctx=_ctx(0, 3), params_dtype=F32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_with_one_kv_head_is_greedy_equal_to_transformers(tmp_path, hf_oracle):
     path = write_random_checkpoint(str(tmp_path / "mqa"), CheckpointSpec(
         num_attention_heads=4, num_key_value_heads=1, seed=7))
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
-    port = _free_port()
-    procs = [spawn.Process(target=rank_main, args=(r, 2, port, [path], results), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    expected = hf_oracle(path).greedy(PROMPT, 5)
-    outs = {}
-    try:
-        for _ in range(2):
-            out = results.get(timeout=120)
-            assert "error" not in out, out.get("error")
-            outs[out["rank"]] = out
-    except queue.Empty:
-        pytest.fail("a tensor-parallel rank did not report within 120 s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    with tp_ranks([path]) as collect:
+        expected = hf_oracle(path).greedy(PROMPT, 5)
+        outs = collect()
     for rank in (0, 1):
         assert outs[rank]["tokens"][path] == expected, (rank, outs[rank]["tokens"][path], expected)

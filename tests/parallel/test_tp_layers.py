@@ -3,25 +3,22 @@ logits equal the single-process model's."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
-
 import numpy as np
 import pytest
 import torch
-from tp_rank_main import greedy_tokens, rank_main, run_steps
+from tp_rank_main import greedy_tokens, run_steps, tp_ranks
 
-from raylm.parallel.communication import tp_all_gather, tp_all_reduce
-from raylm.parallel.context import ParallelContext
-from raylm.parallel.layers import (
+from raylm.parallel import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    ParallelContext,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_pp_layer_range,
+    tp_all_gather,
+    tp_all_reduce,
 )
 
 F32 = torch.float32
@@ -108,12 +105,6 @@ def test_collectives_are_noops_without_tp():
     assert tp_all_reduce(x, ctx) is x and tp_all_gather(x, ctx) is x
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensor_parallel_logits_equal_single_process(llama_path, qwen2_path, llama_mha_tied_path):
     """Two gloo ranks load each model with tp=2: logits equal tp=1 within 1e-5 (GQA with
     one KV head per rank, Qwen2 biases, tied vocab-parallel embedding) and greedy
@@ -130,36 +121,18 @@ def test_tensor_parallel_logits_equal_single_process(llama_path, qwen2_path, lla
     )
 
     paths = [llama_path, qwen2_path, llama_mha_tied_path]
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
-    port = _free_port()
-    procs = [spawn.Process(target=rank_main, args=(r, 2, port, paths, results), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    expected = {}
-    for path in paths:
-        model = get_model(ModelConfig(model=path), Ctx.single("cpu"))
-        logits = [t.numpy() for t in run_steps(model)]
-        config = EngineConfig(ModelConfig(model=path), CacheConfig(block_size=4),
-                              SchedulerConfig(async_scheduling=False), ParallelConfig())
-        runner = ModelRunner(config, Ctx.single("cpu"))
-        runner.load_model(model)
-        runner.initialize_kv_cache(8)
-        expected[path] = (logits, greedy_tokens(runner, [5, 9, 33, 70, 2, 41], 5))
-    outs = {}
-    try:
-        for _ in range(2):
-            out = results.get(timeout=120)
-            assert "error" not in out, out.get("error")
-            outs[out["rank"]] = out
-    except queue.Empty:
-        pytest.fail("a tensor-parallel rank did not report within 120 s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    with tp_ranks(paths) as collect:
+        expected = {}
+        for path in paths:
+            model = get_model(ModelConfig(model=path), Ctx.single("cpu"))
+            logits = [t.numpy() for t in run_steps(model)]
+            config = EngineConfig(ModelConfig(model=path), CacheConfig(block_size=4),
+                                  SchedulerConfig(async_scheduling=False), ParallelConfig())
+            runner = ModelRunner(config, Ctx.single("cpu"))
+            runner.load_model(model)
+            runner.initialize_kv_cache(8)
+            expected[path] = (logits, greedy_tokens(runner, [5, 9, 33, 70, 2, 41], 5))
+        outs = collect()
     for path in paths:
         logits, tokens = expected[path]
         for rank in (0, 1):

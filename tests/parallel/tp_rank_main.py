@@ -1,10 +1,16 @@
-"""One rank of the tensor-parallel test (imported by spawned processes)."""
+"""One rank of the tensor-parallel tests (imported by spawned processes), and the
+parent's side: start the ranks, collect their reports."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import multiprocessing as mp
 import os
+import queue
+import socket
 import traceback
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -110,3 +116,45 @@ def rank_main(rank: int, world: int, port: int, paths: list[str], results) -> No
         results.close()
         results.join_thread()
         os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tp_ranks(paths: list[str], world: int = 2,
+             timeout_s: float = 120) -> Iterator[Callable[[], dict[int, dict]]]:
+    """Start ``world`` spawned ranks running ``rank_main`` on ``paths``; yields a function
+    that waits for every rank's report and returns them by rank (a rank's error fails the
+    test with its traceback). The parent may compute its reference meanwhile."""
+    import pytest
+
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    port = _free_port()
+    procs = [spawn.Process(target=rank_main, args=(r, world, port, paths, results),
+                           daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+
+    def collect() -> dict[int, dict]:
+        outs = {}
+        for _ in range(world):
+            try:
+                out = results.get(timeout=timeout_s)
+            except queue.Empty:
+                pytest.fail(f"a tensor-parallel rank did not report within {timeout_s} s")
+            assert "error" not in out, out.get("error")
+            outs[out["rank"]] = out
+        return outs
+
+    try:
+        yield collect
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

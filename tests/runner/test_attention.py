@@ -31,39 +31,30 @@ def _reference(q, cache_k, cache_v, table, length, scale):
 def test_ragged_decode_and_a_prefill_chunk_match_the_reference(num_decode):
     rng = np.random.default_rng(num_decode)
     torch.manual_seed(num_decode)
-    attn = Attention(HQ, D, HKV, scale=D ** -0.5)
-    attn.kv_cache = allocate_kv_cache(NUM_BLOCKS, BS, HKV, D, torch.float32, "cpu")
-    for c in attn.kv_cache:
-        c.normal_()
     # Decode rows alternate short and long contexts; then a 4-token row (1 + 3 speculative
     # tokens) after 37 of context, a 5-token chunk after 9 (both ragged, causal inside the
     # row), a 12-token chunk after 30 and a 10-token prompt (both through sdpa).
     lens = [int(rng.integers(3, 12)) if i % 2 else int(rng.integers(60, 90))
             for i in range(num_decode)] + [41, 14, 42, 10]
     q_lens = [1] * num_decode + [4, 5, 12, 10]
-    free = iter(rng.permutation(NUM_BLOCKS).tolist())
-    tables = [[next(free) for _ in range(-(-n // BS))] for n in lens]
-    width = max(len(t) for t in tables)
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    slots = torch.cat([torch.tensor([tables[i][p // BS] * BS + p % BS
-                                     for p in range(n - ql, n)])
-                       for i, (n, ql) in enumerate(zip(lens, q_lens))])
-    qsl = np.concatenate([[0], np.cumsum(q_lens)])
-    meta = build_attention_metadata(qsl, np.array(lens), slots, block_table, BS)
+    attn, meta, tables, qsl, query, out = _step(rng, lens, q_lens, torch.float32)
     assert meta.ragged is not None and meta.ragged.bias is not None  # partial blocks masked
     assert meta.ragged.num_tokens == num_decode + 4 + 5
     assert [(p.start, p.end) for p in meta.prefills] == [(int(qsl[-3]), int(qsl[-2])),
                                                          (int(qsl[-2]), int(qsl[-1]))]
-    t = int(qsl[-1])
-    query, key, value = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
-    out = attn(query, key, value, meta)
-    cache_k, cache_v = attn.kv_cache  # now holding this step's keys and values too
+    _check(attn, tables, qsl, query, out, lens, q_lens, tol=1e-5)
+
+
+def _check(attn, tables, qsl, query, out, lens, q_lens, tol):
+    """Every query token's output against the float32 reference over the cache, which now
+    holds this step's keys and values too."""
+    cache_k, cache_v = (c.float() for c in attn.kv_cache)
     for i, (n, ql) in enumerate(zip(lens, q_lens)):
         for j in range(ql):
             tok = int(qsl[i]) + j
-            want = _reference(query[tok], cache_k, cache_v, tables[i], n - ql + j + 1,
+            want = _reference(query[tok].float(), cache_k, cache_v, tables[i], n - ql + j + 1,
                               D ** -0.5)
-            torch.testing.assert_close(out[tok], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[tok].float(), want, atol=tol, rtol=tol)
 
 
 def _step(rng, lens, q_lens, dtype):
@@ -107,10 +98,4 @@ def test_bfloat16_cache_accumulates_in_float32():
     lens, q_lens = [70, 5, 90, 33, 20], [1, 1, 3, 1, 20]
     attn, meta, tables, qsl, query, out = _step(rng, lens, q_lens, torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    cache_k, cache_v = (c.float() for c in attn.kv_cache)
-    for i, (n, ql) in enumerate(zip(lens, q_lens)):
-        for j in range(ql):
-            tok = int(qsl[i]) + j
-            want = _reference(query[tok].float(), cache_k, cache_v, tables[i], n - ql + j + 1,
-                              D ** -0.5)
-            torch.testing.assert_close(out[tok].float(), want, atol=2e-2, rtol=2e-2)
+    _check(attn, tables, qsl, query, out, lens, q_lens, tol=2e-2)

@@ -15,7 +15,8 @@ import random
 import threading
 import zlib
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.engine_config import (
@@ -207,30 +208,30 @@ class LazyFuture(Future):
         return super().result(timeout)
 
 
+@dataclass(eq=False)
 class FakeExecutor:
     """Executor protocol over FakeRunner. ``mode``: "lazy" (steps run in order when a
     result is demanded or ``resolve_next()`` is called) or "thread" (a background
     thread runs them in order, optionally sleeping ``step_time`` each)."""
 
-    supports_async_scheduling = True
+    supports_async_scheduling: ClassVar[bool] = True
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, mode: str = "lazy",
-                 eos_at: dict[str, int] | None = None, fail_at_step: int | None = None,
-                 step_time: float = 0.0, spec_rng: random.Random | None = None) -> None:
-        self.spec_rng = spec_rng
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.mode = mode
-        self.eos_at = eos_at
-        self.fail_at_step = fail_at_step
-        self.step_time = step_time
-        self.runner: FakeRunner | None = None
-        self.pending: collections.deque[tuple[Future, SchedulerOutput]] = collections.deque()
-        self.history: list[SchedulerOutput] = []
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self.shut_down = False
+    num_blocks: int = 64
+    block_size: int = 4
+    mode: str = "lazy"
+    eos_at: dict[str, int] | None = None
+    fail_at_step: int | None = None
+    step_time: float = 0.0
+    spec_rng: random.Random | None = None
+    # Run state, not options.
+    runner: FakeRunner | None = field(default=None, init=False)
+    pending: collections.deque[tuple[Future, SchedulerOutput]] = field(
+        default_factory=collections.deque, init=False)
+    history: list[SchedulerOutput] = field(default_factory=list, init=False)
+    shut_down: bool = field(default=False, init=False)
+    _cv: threading.Condition = field(default_factory=threading.Condition, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _stop: bool = field(default=False, init=False)
 
     def determine_num_kv_blocks(self) -> int:
         return self.num_blocks
@@ -277,8 +278,7 @@ class FakeExecutor:
         import time
         while True:
             with self._cv:
-                while not self.pending and not self._stop:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: self.pending or self._stop)
                 if self._stop:
                     return
                 fut, so = self.pending.popleft()
