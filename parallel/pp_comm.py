@@ -8,7 +8,8 @@ vLLM layout, ``rank = pp_rank * tp + tp_rank``):
   p + 1. Every rank holds the same SchedulerOutput, so the receiver allocates the shape
   itself and no shape message travels; empty steps send nothing on either side.
 - the last stage's sampled ids, on a broadcast group of their own (async scheduling): one
-  ``[num_scheduled_reqs]`` int64 broadcast per step that ran the model, which the other
+  ``[num_scheduled_reqs, width]`` int64 broadcast per step that ran the model (width 1, or
+  with speculative decoding each row's count and accepted run), which the other
   stages consume pp_size steps later (``raylm.runner.pp_ring``). On its own group it never
   queues behind hidden states: gloo gives the group its own pairs and worker threads, NCCL
   its own communicator and stream, so neither side's compute stream waits for it.
@@ -131,15 +132,15 @@ class PPCommunicator:
     def broadcast_sampled_token_ids(self, sampled_token_ids: torch.Tensor) -> None:
         if self.next_rank is not None:
             raise RuntimeError("only the last pipeline stage broadcasts sampled ids.")
-        ids = sampled_token_ids.reshape(-1).to(torch.int64).contiguous()
+        ids = sampled_token_ids.to(torch.int64).contiguous()
         work = dist.broadcast(ids, src=self.last_rank, group=self.broadcast_group,
                               async_op=True)
         self._broadcasts.add([work], (ids,))
 
-    def recv_sampled_token_ids(self, num_rows: int) -> PendingBroadcast:
+    def recv_sampled_token_ids(self, num_rows: int, width: int = 1) -> PendingBroadcast:
         if self.next_rank is None:
             raise RuntimeError("the last pipeline stage samples; it receives no ids.")
-        buffer = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        buffer = torch.empty((num_rows, width), dtype=torch.int64, device=self.device)
         work = dist.broadcast(buffer, src=self.last_rank, group=self.broadcast_group,
                               async_op=True)
         return PendingBroadcast(work, buffer)

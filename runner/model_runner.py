@@ -11,8 +11,11 @@ Async pipeline parallelism (docs/architecture.md §4): the last stage broadcasts
 ids over the ``SampledTokenTransport`` it is handed; every other stage keeps a
 ``SampledTokenRing`` and, before preparing step s, takes the broadcast of step s - pp_size
 as ``prev_sampled_token_ids`` (with the ``sampled_req_id_to_index`` it booked for that
-step), so the first stage writes those ids into its inputs on the device. Sync PP needs no
-ring: the scheduler already knows every input and sends it in ``new_token_ids``.
+step), so the first stage writes those ids into its inputs on the device. With
+speculative decoding the broadcast carries each request's accepted run instead (count and
+tokens), which the earlier stages write into their host history (they draft from it).
+Sync PP needs no ring: the scheduler already knows every input and sends it in
+``new_token_ids``.
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ class ModelRunner:
                         if self.use_async_scheduling and ctx.pp_size > 1
                         and not ctx.is_last_pp_rank else None)
         self.speculator = (Speculator(engine_config, self.input_batch, self.device,
-                                      is_last_pp_rank=ctx.is_last_pp_rank)
+                                      is_last_pp_rank=ctx.is_last_pp_rank,
+                                      learns_from_ring=self.pp_ring is not None)
                            if engine_config.speculative_config is not None else None)
         self.model: nn.Module | None = None
         self.sampler: Sampler | None = None
@@ -183,12 +187,15 @@ class ModelRunner:
                              "no speculative_config.")
         self._settle_placeholders(block=False)
         self._update_states(so)
-        if self.speculator is not None:
-            so = self.speculator.begin_step(so)  # drafts in, positions from this rank
         ring = self.pp_ring if pp_transport is not None else None
-        if ring is not None:
-            # After _update_states: a request that left this step drops its tokens.
-            self._receive_sampled_token_ids(ring.take())
+        # After _update_states: a request that left this step drops its tokens.
+        delivery = ring.take() if ring is not None else None
+        if self.speculator is not None:
+            if ring is not None:  # the runs accepted pp_size steps ago, before drafting
+                self.speculator.receive_verified(delivery)
+            so = self.speculator.begin_step(so)  # drafts in, positions from this rank
+        elif ring is not None:
+            self._receive_sampled_token_ids(delivery)
         if so.total_num_scheduled_tokens == 0:
             if ring is not None:
                 ring.put(None)  # the ring advances on empty steps too
@@ -200,10 +207,16 @@ class ModelRunner:
                             intermediate_tensors)
         if not self.ctx.is_last_pp_rank:
             if self.speculator is not None:
+                # The accepted runs come back whole through the ring: no placeholders.
                 self.speculator.end_step_non_last(batch)
-            placeholders = self._bookkeeping_non_last(batch)
+                placeholders = None
+                self.sampled_req_id_to_index = {
+                    batch.req_ids[i]: i for i in np.flatnonzero(batch.sample_mask).tolist()}
+            else:
+                placeholders = self._bookkeeping_non_last(batch)
             if ring is not None:
-                ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs),
+                ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs,
+                                                             self._broadcast_width),
                          self.sampled_req_id_to_index, placeholders)
             return hidden
         if self.speculator is not None:
@@ -216,6 +229,7 @@ class ModelRunner:
                 return self.speculator.take_draft_token_ids(so.structured_output_request_ids)
             result = self.speculator.verify(batch, hidden, self.model, self.sampler)
             result.prompt_logprobs_dict = prompt_logprobs
+            self._broadcast_verified(result, pp_transport)
             return result
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
@@ -237,6 +251,7 @@ class ModelRunner:
             result = self.speculator.verify(state.batch, state.logits, self.model, self.sampler,
                                             grammar_output)
             result.prompt_logprobs_dict = state.prompt_logprobs
+            self._broadcast_verified(result, state.pp_transport)
             return result
         apply_grammar_bitmask(state.logits, state.batch.req_ids, grammar_output)
         return self._sample(state.batch, state.logits, state.pp_transport,
@@ -254,6 +269,25 @@ class ModelRunner:
             # receive), non-final prefill chunks' rows included: its size is the batch's.
             pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
         return self._bookkeeping(batch, out, prompt_logprobs)
+
+    @property
+    def _broadcast_width(self) -> int:
+        """Columns of a step's broadcast: the sampled id, or with speculative decoding the
+        count of emitted tokens and up to 1 + k of them."""
+        k = self.engine_config.num_spec_tokens
+        return 2 + k if self.speculator is not None else 1
+
+    def _broadcast_verified(self, result: ModelRunnerOutput,
+                            pp_transport: SampledTokenTransport | None) -> None:
+        """Async PP with speculative decoding: send every row's accepted run (the earlier
+        stages need it in their history to draft and place the request's next step)."""
+        if pp_transport is None or not self.use_async_scheduling or self.ctx.pp_size == 1:
+            return
+        runs = np.full((len(result.req_ids), self._broadcast_width), -1, np.int64)
+        for i, tokens in enumerate(result.sampled_token_ids):
+            runs[i, 0] = len(tokens)
+            runs[i, 1:1 + len(tokens)] = tokens
+        pp_transport.broadcast_sampled_token_ids(torch.from_numpy(runs).to(self.device))
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor
                          ) -> dict[str, PromptLogprobsChunk]:

@@ -36,7 +36,8 @@ class PendingSampledTokenIds(Protocol):
     """A posted receive of one step's broadcast of sampled ids."""
 
     def wait(self) -> Any:
-        """The ids as a ``[num_rows]`` int64 device tensor (rows in the step's batch order)."""
+        """The ids as a ``[num_rows, width]`` int64 device tensor (rows in the step's batch
+        order)."""
         ...
 
 
@@ -44,11 +45,12 @@ class SampledTokenTransport(Protocol):
     """The PP layer's side of the ring (``raylm.parallel.pp_comm`` implements it)."""
 
     def broadcast_sampled_token_ids(self, sampled_token_ids: Any) -> None:
-        """Last stage: send one step's ``[num_rows, 1]`` sampled ids to the other stages,
-        without waiting for them."""
+        """Last stage: send one step's ``[num_rows, width]`` ids to the other stages,
+        without waiting for them. Width 1: the sampled id of each row. With speculative
+        decoding: each row's count of emitted tokens, then the tokens (-1 padded)."""
         ...
 
-    def recv_sampled_token_ids(self, num_rows: int) -> PendingSampledTokenIds:
+    def recv_sampled_token_ids(self, num_rows: int, width: int = 1) -> PendingSampledTokenIds:
         """Other stages: post the receive of the current step's broadcast."""
         ...
 

@@ -231,11 +231,8 @@ class EngineConfig:
 
     def async_scheduling_incompatibility(self) -> str | None:
         """The option that rules out async scheduling, or None. Both executor backends
-        execute non-blocking; an engine argument that cannot overlap names itself here."""
-        pp = self.parallel_config.pipeline_parallel_size
-        if self.speculative_config is not None and pp > 1:
-            # The PP ring carries one sampled token per request, not an accepted run.
-            return f"speculative_config and pipeline_parallel_size={pp}"
+        execute non-blocking and every engine argument today can overlap (speculation with
+        PP included: the PP ring carries accepted runs); one that cannot names itself here."""
         return None
 
     @property

@@ -40,6 +40,7 @@ from torch import nn
 from raylm.parallel.context import ParallelContext
 from raylm.runner.grammar_bitmask import apply_grammar_bitmask
 from raylm.runner.input_batch import InputBatch
+from raylm.runner.pp_ring import RingDelivery
 from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.rejection_sampler import num_accepted_drafts
 from raylm.runner.sampler import Sampler
@@ -59,7 +60,8 @@ from raylm.scheduler.structured_output import GrammarOutput
 
 class Speculator:
     def __init__(self, engine_config: EngineConfig, input_batch: InputBatch,
-                 device: torch.device, is_last_pp_rank: bool = True) -> None:
+                 device: torch.device, is_last_pp_rank: bool = True,
+                 learns_from_ring: bool = False) -> None:
         config = engine_config.speculative_config
         assert config is not None
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -76,11 +78,15 @@ class Speculator:
         # This rank's computed-token count per request (may trail the scheduler's).
         self.num_computed: dict[str, int] = {}
         self._drafts: dict[str, np.ndarray] = {}  # this step's proposed drafts
-        # Sync PP, a stage that does not sample: it drafts from the same history as the
-        # last stage (the scheduler sends it the accepted tokens), so both propose the
-        # same drafts and run the same query lengths; it learns a request's acceptance
-        # when the request's next tokens arrive: (history length, drafts) per request.
+        # PP, a stage that does not sample: it drafts from the same history as the last
+        # stage, so both propose the same drafts and run the same query lengths. It learns
+        # a request's accepted run later: in sync mode from the scheduler (the next step's
+        # new_token_ids), under async scheduling from the last stage's broadcast, which
+        # the ring delivers pp_size steps later (``learns_from_ring``), before the
+        # request's next decode (the decode cadence). Meanwhile: (history length less
+        # the drafts, drafts placed) per request.
         self.is_last_pp_rank = is_last_pp_rank
+        self.learns_from_ring = learns_from_ring
         self._unverified: dict[str, tuple[int, int]] = {}
 
     # A draft model lives beside the target: loaded, sized and given blocks with it.
@@ -120,7 +126,7 @@ class Speculator:
         for rid, n in so.num_scheduled_tokens.items():
             row = ib.req_id_to_index[rid]
             booked = int(ib.num_computed_tokens[row])
-            if not self.is_last_pp_rank:
+            if not self.is_last_pp_rank and not self.learns_from_ring:
                 self.num_computed[rid] = booked  # sync PP: the scheduler's count is exact
                 self._observe_unverified(rid, int(ib.num_tokens[row]))
             computed = self.num_computed[rid]
@@ -151,14 +157,45 @@ class Speculator:
                        total_num_scheduled_tokens=sum(num_scheduled.values()))
 
     def end_step_non_last(self, batch: StepBatch) -> None:
-        """A stage that does not sample: drop this step's drafts from the history."""
+        """A stage that does not sample: drop this step's drafts from the history. Under
+        async scheduling its own count assumes every draft rejected until the request's
+        accepted run arrives (``receive_verified``)."""
         ib = self.input_batch
         for i, rid in enumerate(batch.req_ids):
             drafts = self._drafts.get(rid)
-            if drafts is not None:
-                row = int(batch.rows[i])
-                ib.num_tokens[row] -= drafts.size
-                self._unverified[rid] = (int(ib.num_tokens[row]), int(drafts.size))
+            placed = 0 if drafts is None else int(drafts.size)
+            row = int(batch.rows[i])
+            ib.num_tokens[row] -= placed
+            if self.learns_from_ring:
+                self.num_computed[rid] = int(batch.seq_lens[i]) - placed
+                if batch.sample_mask[i]:
+                    self._unverified[rid] = (int(ib.num_tokens[row]), placed)
+            elif drafts is not None:
+                self._unverified[rid] = (int(ib.num_tokens[row]), placed)
+
+    def receive_verified(self, delivery: RingDelivery | None) -> None:
+        """Async PP, a stage that does not sample: the runs the last stage emitted
+        pp_size steps ago (``[rows, 1 + 1 + k]``: count, then the tokens) go into the
+        history, and each request's count, gate and draft KV follow them as they did on
+        the last stage at verification."""
+        if delivery is None:
+            return
+        runs = delivery.pending.wait().cpu().numpy()
+        ib = self.input_batch
+        for rid, index in delivery.req_id_to_index.items():
+            before, placed = self._unverified.pop(rid)
+            count = int(runs[index, 0])
+            assert 1 <= count <= placed + 1, f"{rid}: {count} tokens for {placed} drafts"
+            tokens = runs[index, 1:1 + count]
+            row = ib.req_id_to_index[rid]
+            ib.token_ids[row, before:before + count] = tokens
+            ib.num_tokens[row] = before + count
+            ib.last_sampled_pos[row] = before + count - 1
+            ib.states[row].output_token_ids.extend(tokens.tolist())
+            self.num_computed[rid] = before + count - 1  # the bonus token is not computed
+            self.gate.observe(rid, placed, count - 1)
+            if self.draft_model is not None:
+                self.draft_model.on_verified(rid, before + count)
 
     def _observe_unverified(self, rid: str, num_tokens: int) -> None:
         """The gate update the last stage made at verification, once the tokens are in."""

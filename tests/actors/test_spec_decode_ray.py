@@ -1,5 +1,6 @@
-"""Speculative decoding (ngram) with TP=2 worker actors on Ray: every rank drafts from its
-own history and verifies alike, and the tokens equal transformers, sync and async."""
+"""Speculative decoding on Ray: TP=2 and PP=2 worker actors, DP=2 engines, ngram and a
+draft model. Every rank drafts from its own history and verifies alike, and the tokens
+equal transformers, sync and async."""
 
 from __future__ import annotations
 
@@ -60,13 +61,15 @@ def test_tp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle, async_scheduli
     assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
 
 
-def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
-    """Sync PP (the default with speculation): both stages draft from the same history,
-    the scheduler sends the first stage the accepted tokens; chunking and preemption on."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle, async_scheduling):
+    """Both stages draft from the same history. Sync: the scheduler sends the first stage
+    the accepted tokens; async: the last stage broadcasts them and the ring delivers them
+    two steps later, before the request's next decode. Chunking and preemption on."""
     from raylm import LLM, SamplingParams
 
     llm = LLM(loopy_llama_path, pipeline_parallel_size=2, block_size=4, num_kv_blocks=40,
-              max_num_batched_tokens=24, max_num_seqs=8,
+              max_num_batched_tokens=24, max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
         rng = random.Random(1)
@@ -79,7 +82,9 @@ def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
         for p, m, out in zip(prompts, max_tokens, outs, strict=True):
             assert out.outputs[0].token_ids == oracle.greedy(p, m)
         metrics = llm.get_metrics()
+        assert llm.llm_engine.engine_config.async_scheduling is async_scheduling
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+        assert metrics["raylm:num_preemptions"] > 0, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
@@ -123,8 +128,8 @@ def _greedy_equals_hf(llm, oracle, prompts: list[list[int]], max_tokens: list[in
 
 @pytest.mark.parametrize("draft", ["target", "near"])
 def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draft):
-    """A draft model with PP=2 (sync scheduling): every stage runs the whole draft model
-    from the same history, so both stages propose the same drafts. The draft equal to the
+    """A draft model with PP=2 (async scheduling, the default): every stage runs the whole
+    draft model from the same history, so both stages propose the same drafts. The draft equal to the
     target has every draft accepted; a near copy of it (attention output halved) has part
     of its drafts accepted, so each stage must roll its draft KV back to the accepted
     tokens, or the first stage would run other drafts than the last one verifies. The

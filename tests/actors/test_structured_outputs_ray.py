@@ -62,13 +62,14 @@ def test_constrained_greedy_on_ray_equals_single_process(llama_path, reference, 
         llm.shutdown()
 
 
-@pytest.mark.parametrize(("tp", "pp", "async_scheduling"), [(2, 1, True), (1, 2, False)],
-                         ids=["tp2-async", "pp2-sync"])
+@pytest.mark.parametrize(("tp", "pp", "async_scheduling"), [(2, 1, True), (1, 2, True)],
+                         ids=["tp2-async", "pp2-async"])
 def test_constrained_with_speculation_on_ray_equals_single_process(
         llama_path, reference, tp, pp, async_scheduling):
     """With ngram drafts the step's execute result (the drafts of its constrained requests)
     comes back over the step stream from the last stage's driver, and every TP rank of
-    that stage verifies with the bitmask; PP with speculation runs sync scheduling."""
+    that stage verifies with the bitmask; with PP the accepted runs go back to the first
+    stage through the ring (async scheduling)."""
     llm = LLM(llama_path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               async_scheduling=async_scheduling,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)

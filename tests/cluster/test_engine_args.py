@@ -225,16 +225,14 @@ def test_speculative_config_reaches_the_engine_config(llama_path):
             "method": "medusa", "num_speculative_tokens": 3}).create_engine_config()
 
 
-def test_speculation_with_pp_resolves_async_off(llama_path):
-    """The PP ring carries one token per request: with speculation PP runs sync."""
+def test_speculation_with_pp_runs_async_by_default(llama_path):
+    """The PP ring carries accepted runs: speculation with PP schedules asynchronously
+    (pp_size + 1 batches in flight) unless asked not to."""
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     config = EngineArgs(model=llama_path, pipeline_parallel_size=2,
                         speculative_config=spec).create_engine_config()
-    assert config.async_scheduling is False
-    with pytest.raises(ValueError, match="async_scheduling=True .*speculative_config"):
-        EngineArgs(model=llama_path, pipeline_parallel_size=2, async_scheduling=True,
-                   speculative_config=spec).create_engine_config()
-    draft = EngineArgs(model=llama_path, pipeline_parallel_size=2, speculative_config={
-        "method": "draft_model", "model": llama_path,
-        "num_speculative_tokens": 2}).create_engine_config()  # every stage drafts
-    assert draft.async_scheduling is False
+    assert config.async_scheduling is True and config.max_concurrent_batches == 3
+    draft = EngineArgs(model=llama_path, pipeline_parallel_size=2, async_scheduling=False,
+                       speculative_config={"method": "draft_model", "model": llama_path,
+                                           "num_speculative_tokens": 2}).create_engine_config()
+    assert draft.async_scheduling is False and draft.max_concurrent_batches == 2

@@ -7,6 +7,7 @@ batches in flight), greedy output against transformers with preemption and chunk
 from __future__ import annotations
 
 import random
+import shutil
 from concurrent.futures import Future
 
 import pytest
@@ -27,6 +28,7 @@ from raylm.scheduler.engine_config import (
 from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.speculative_config import SpeculativeConfig
 
 
 class _Recv:
@@ -127,9 +129,9 @@ class _LoopbackTransport:
         self.hub.hidden[self.pp_rank].append(tensors)
 
     def broadcast_sampled_token_ids(self, sampled):
-        self.hub.broadcasts.append(sampled.reshape(-1).clone())
+        self.hub.broadcasts.append(sampled.clone())
 
-    def recv_sampled_token_ids(self, num_rows):
+    def recv_sampled_token_ids(self, num_rows, width=1):
         seq, hub, transport = self.num_posted, self.hub, self
         self.num_posted += 1
 
@@ -138,7 +140,7 @@ class _LoopbackTransport:
                 # The stages run back to back: the broadcast must have happened already
                 # (a ring that consumed early would fail here).
                 assert seq < len(hub.broadcasts), f"broadcast #{seq} consumed before sent"
-                assert hub.broadcasts[seq].shape == (num_rows,)
+                assert hub.broadcasts[seq].shape == (num_rows, width)
                 transport.num_waits += 1
                 return hub.broadcasts[seq]
 
@@ -285,3 +287,92 @@ def test_ring_is_only_built_where_ids_must_come_back(llama_path):
     assert runner(0, True).pp_ring is not None
     assert runner(1, True).pp_ring is None  # the last stage samples
     assert runner(0, False).pp_ring is None  # sync: new_token_ids carry the inputs
+
+
+def _spec_config(path, pp_size, async_scheduling, spec):
+    return EngineConfig(ModelConfig(model=path), CacheConfig(block_size=4, num_kv_blocks=24),
+                        SchedulerConfig(async_scheduling=async_scheduling, max_num_seqs=6,
+                                        max_num_batched_tokens=16),
+                        ParallelConfig(pipeline_parallel_size=pp_size),
+                        speculative_config=SpeculativeConfig.from_dict(spec))
+
+
+@pytest.mark.parametrize("method,pp_size", [("ngram", 2), ("ngram", 3), ("draft_model", 2),
+                                            ("draft_model", 3)])
+def test_speculation_with_async_pp_matches_transformers(loopy_llama_path, tmp_path, method,
+                                                        pp_size):
+    """Async PP with speculative decoding: the last stage broadcasts each request's accepted
+    run, the ring delivers it pp_size steps later, and the earlier stages write it into
+    their history before drafting the request's next step, so every stage proposes the
+    same drafts and places them alike. Greedy tokens equal transformers and the sync run,
+    with preemption, chunked prefill, and drafts both accepted and rejected."""
+    from raylm.runner.checkpoint import scale_attention_output
+
+    path = loopy_llama_path
+    if pp_size == 3:  # a stage per layer needs three layers
+        path = write_random_checkpoint(str(tmp_path / "loopy3"),
+                                       CheckpointSpec(num_hidden_layers=3, seed=2))
+        scale_attention_output(path, 0.004)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        # A near copy: some drafts accepted, some rejected; positions priced high, so the
+        # gate pauses after rejections (the draft KV past the accepted tokens must then
+        # have been rolled back on every stage, or stage 0 would run other drafts).
+        spec["draft_step_overhead_tokens"] = 0.2
+        spec["model"] = str(tmp_path / "near")
+        shutil.copytree(path, spec["model"])
+        scale_attention_output(spec["model"], 4.0)
+    rng = random.Random(5)
+    passages = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 8, 5, 11, 4, 6)]
+    prompts = [p * 3 for p in passages]
+    max_tokens = [18, 12, 24, 10, 20, 16]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    runs = {}
+    for async_scheduling in (False, True):
+        config = _spec_config(path, pp_size, async_scheduling, spec)
+        assert config.async_scheduling is async_scheduling
+        executor = _BackToBackPipeline(config, pp_size)
+        core = EngineCore(config, executor)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            core.add_request(Request(f"r{i}", p, sp, frozenset(),
+                                     config.model_config.max_model_len, sampling_seed=i))
+        tokens: dict[str, list[int]] = {}
+        for out in core.run_until_idle():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        metrics = core.get_metrics()
+        runs[async_scheduling] = tokens
+        assert core.scheduler.counters.num_preemptions > 0
+        drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+        assert 0 < metrics["raylm:spec_decode_num_accepted_tokens"] < drafted, {
+            k: v for k, v in metrics.items() if "spec" in k}
+        if async_scheduling:  # the runs came through the ring, 1 + 1 + k ids per row
+            assert executor.hub.broadcasts and all(
+                b.shape[1] == 5 for b in executor.hub.broadcasts)
+            assert any((b[:, 0] > 1).any() for b in executor.hub.broadcasts)
+        else:
+            assert executor.hub.broadcasts == []
+        core.shutdown()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        assert runs[True][f"r{i}"] == hf_greedy(path, p, m), f"r{i}"
+    assert runs[False] == runs[True]
+
+
+def test_seeded_sampling_with_speculation_is_the_same_with_pp_async_or_sync(loopy_llama_path):
+    """Sampled requests verify drafts by rejection sampling on the request's stateless
+    RNG: with PP=2, async or sync, they give the tokens a single process gives."""
+    from raylm.runner.uniproc_executor import UniProcExecutor
+
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] * 3 for n in (4, 9, 6, 3)]
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.5, repetition_penalty=1.2, max_tokens=14,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    single_config = _spec_config(loopy_llama_path, 1, False, spec)
+    single = _run_engine(single_config, UniProcExecutor(single_config), prompts, params)
+    for async_scheduling in (False, True):
+        config = _spec_config(loopy_llama_path, 2, async_scheduling, spec)
+        got = _run_engine(config, _BackToBackPipeline(config, 2), prompts, params)
+        assert got == single, f"async_scheduling={async_scheduling}"

@@ -85,9 +85,7 @@ def _check_step(engine: EngineCore, fenced: dict[int, set[int]]) -> None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_engine_loop_invariants(sc):
-    # Speculation with PP runs sync (the engine refuses async PP with drafts).
-    async_scheduling = sc["async"] and not (sc["pp"] > 1 and sc["k"])
-    config = make_config(async_scheduling=async_scheduling, block_size=BLOCK,
+    config = make_config(async_scheduling=sc["async"], block_size=BLOCK,
                          num_kv_blocks=sc["num_blocks"], max_num_batched_tokens=sc["budget"],
                          max_num_seqs=sc["max_num_seqs"], enable_prefix_caching=sc["caching"],
                          pipeline_parallel_size=sc["pp"], num_spec_tokens=sc["k"])
