@@ -32,7 +32,7 @@ from raylm.actors.placement import (
     threads_for_cpus,
     worker_bundles,
 )
-from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
+from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
@@ -178,7 +178,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
         try:
             # Synchronous: the rank's ValueError reaches the caller, and a later abort
             # cannot overtake the add on the (threaded, so unordered) actor.
-            self._call(self.ranks[rank].add_request.remote(request), "add_request")
+            self._call(submit(self.ranks[rank].add_request, request), "add_request")
         except BaseException:
             self.balancer.finish(request.request_id)
             raise
@@ -191,7 +191,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
             rank = self.balancer.owner(rid)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
-        refs = [self.ranks[rank].abort_requests.remote(ids) for rank, ids in by_rank.items()]
+        refs = [submit(self.ranks[rank].abort_requests, ids) for rank, ids in by_rank.items()]
         if refs:
             self._call(refs, "abort_requests")
 
@@ -215,7 +215,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
         return merged
 
     def get_metrics(self) -> dict[str, Any]:
-        per_rank = self._call([r.get_metrics.remote() for r in self.ranks], "get_metrics")
+        per_rank = self._call([submit(r.get_metrics) for r in self.ranks], "get_metrics")
         merged = merge_metrics(per_rank)
         merged["raylm:dp_num_waves"] = per_rank[0]["dp"]["num_waves_completed"]
         merged["dp_unfinished_requests"] = self.balancer.num_unfinished()
@@ -231,7 +231,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
 
     def check_health(self) -> None:
         self._check_not_dead()
-        self._call([r.check_health.remote() for r in self.ranks], "check_health")
+        self._call([submit(r.check_health) for r in self.ranks], "check_health")
 
     def shutdown(self) -> None:
         """Idempotent; after Ray itself has shut down (interpreter exit) there is nothing

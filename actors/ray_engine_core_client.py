@@ -26,7 +26,7 @@ from raylm.actors.placement import (
     ensure_ray_initialized,
     worker_bundles,
 )
-from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead
+from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
 from raylm.scheduler import envs
 from raylm.scheduler.core_outputs import EngineCoreOutputs
 from raylm.scheduler.engine_config import EngineConfig
@@ -88,21 +88,21 @@ class RayEngineCoreClient(RemoteEngineCalls):
     def add_request(self, request: Request) -> None:
         """Raises ValueError when the request can never be served, EngineDeadError if dead."""
         self._check_not_dead()
-        self._call(self.actor.add_request.remote(request), "add_request")
+        self._call(submit(self.actor.add_request, request), "add_request")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._check_not_dead()
-        self._call(self.actor.abort_requests.remote(list(request_ids)), "abort_requests")
+        self._call(submit(self.actor.abort_requests, list(request_ids)), "abort_requests")
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         return next_output(self._outputs, timeout)
 
     def get_metrics(self) -> dict[str, Any]:
-        return self._call(self.actor.get_metrics.remote(), "get_metrics")
+        return self._call(submit(self.actor.get_metrics), "get_metrics")
 
     def check_health(self) -> None:
         self._check_not_dead()
-        self._call(self.actor.check_health.remote(), "check_health")
+        self._call(submit(self.actor.check_health), "check_health")
 
     def shutdown(self) -> None:
         """Idempotent; after Ray itself has shut down (interpreter exit) there is nothing

@@ -3,6 +3,7 @@ failures turn into one EngineDeadError that every later caller and reader sees."
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -13,6 +14,17 @@ import ray
 from raylm.scheduler.executor_base import EngineDeadError
 
 logger = logging.getLogger(__name__)
+
+
+def submit(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)`` outside the calling Ray task's context. A Serve replica
+    serves each request in a task of its own; when the client leaves, Serve cancels that
+    task and Ray cancels, recursively, the tasks it submitted (an async actor's current task,
+    a context variable, is the parent of what it submits). The engine's calls belong to the
+    engine, not to a request: the abort of that very request, made as its stream closes,
+    would be cancelled and read as the engine's death. Submitted from an empty context,
+    they have no parent to be cancelled with."""
+    return contextvars.Context().run(method.remote, *args)
 
 
 def as_engine_dead(e: BaseException, who: str, what: str) -> EngineDeadError:
