@@ -51,6 +51,12 @@ def test_serve_flags_build_the_llm_config(llama_path, monkeypatch):
     assert cfg.engine_kwargs.max_num_seqs == 16 and cfg.api_key == "k"
     auto = cfg.deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 4)
+    # The engine runs in actors of its own: a bundle for the replica, one for the worker.
+    assert cfg.engine_kwargs.distributed_executor_backend == "ray"
+    assert cfg.get_placement_group().bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+    in_replica = build_llm_config(build_parser().parse_args(
+        ["serve", llama_path, "--distributed-executor-backend", "uni"]))
+    assert in_replica.engine_kwargs.distributed_executor_backend == "uni"
 
 
 def test_bad_values_exit_2_before_ray_starts(llama_path, capsys):
