@@ -5,9 +5,11 @@ with seed ``s`` is a pure hash of ``(s, p, v)``. Nothing advances: the same requ
 the same token alone or in any batch, at any timing, with any parallelism, and tokens
 sampled for discarded prefill chunks consume nothing.
 
-The hash is a 32-bit integer mixer (two xor-shift-multiply rounds) evaluated on int64
-tensors holding values below 2**32; the multiplier is below 2**27, so no product
-overflows int64 and the same integers come out on every device.
+The hash is a 32-bit integer mixer (two xor-shift-multiply rounds). Per-row and
+per-vocabulary keys are evaluated on int64 tensors holding values below 2**32 (the
+multiplier is below 2**27, so no product overflows int64); the [B, V] part runs on int32
+tensors with the same bits (products wrap modulo 2**32, shifts masked to logical ones).
+The same integers come out on every device.
 """
 
 from __future__ import annotations
@@ -51,10 +53,26 @@ def vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _mix32((ids * _GOLDEN) & _MASK32)
 
 
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """``_mix32`` on int32 tensors holding the same 32 bits (in place): half the memory
+    traffic of int64 on the [B, V] noise, which is most of a sampled step's host work at a
+    large vocabulary. Products wrap modulo 2**32 as the int64 form's mask does; shifts on
+    int32 are arithmetic, so each one is masked back to a logical shift."""
+    t = torch.bitwise_right_shift(x, 16).bitwise_and_(0xFFFF)
+    x ^= t
+    x.mul_(_MUL)
+    x ^= torch.bitwise_right_shift(x, 16, out=t).bitwise_and_(0xFFFF)
+    x.mul_(_MUL)
+    x ^= torch.bitwise_right_shift(x, 16, out=t).bitwise_and_(0xFFFF)
+    return x
+
+
 def uniform(row_key: torch.Tensor, vocab_key: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), float32 [B, V]: 24 hash bits, offset by half a step."""
-    x = _mix32(row_key[:, None] ^ vocab_key[None, :])
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    """Uniforms in (0, 1), float32 [B, V]: 24 hash bits, offset by half a step. The keys
+    (int64 below 2**32) are cast to int32, which keeps their 32 bits."""
+    x = _mix32_int32(row_key.to(torch.int32)[:, None] ^ vocab_key.to(torch.int32)[None, :])
+    bits = x.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def gumbel_noise(row_key: torch.Tensor, vocab_key: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,28 @@ def test_logprobs_are_raw_and_ranked():
     assert not math.isnan(float(lp.logprobs.sum()))
 
 
+def _reference_uniform(row_key: int, vocab_key: int) -> float:
+    """The documented hash in plain Python integers."""
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x045D9F3B) & 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x045D9F3B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    return ((mix(row_key ^ vocab_key) >> 8) + 0.5) / (1 << 24)
+
+
+def test_uniform_equals_the_hash_in_python_integers():
+    """The [B, V] noise runs on int32 with wrapping products; keys with the top bit set
+    (negative as int32) must give the same bits as the unsigned hash."""
+    row = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 0x9E3779B1], dtype=torch.int64)
+    vocab = torch.tensor([0, 5, 2**31 + 7, 2**32 - 2, 0x7FFFFFFF], dtype=torch.int64)
+    got = rng.uniform(row, vocab)
+    want = torch.tensor([[_reference_uniform(r, v) for v in vocab.tolist()]
+                         for r in row.tolist()], dtype=torch.float32)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("seed", [0, 2**40 + 3, -5])
 def test_row_keys_are_deterministic_across_calls(seed):
     s = torch.tensor([rng.to_int64_seed(seed)] * 2)
