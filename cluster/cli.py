@@ -141,7 +141,7 @@ def build_llm_config(args: argparse.Namespace) -> Any:
     if args.stream_batching_interval_ms is not None:
         experimental["stream_batching_interval_ms"] = args.stream_batching_interval_ms
     engine_kwargs = cli_engine_kwargs(args)
-    if os.cpu_count() and os.cpu_count() >= 2:
+    if (os.cpu_count() or 1) >= 2:
         engine_kwargs.setdefault("distributed_executor_backend", SERVE_EXECUTOR_BACKEND)
     return LLMConfig.from_engine_kwargs(
         engine_kwargs, model_id=name, model_source=source,

@@ -181,30 +181,42 @@ class Speculator:
         if delivery is None:
             return
         runs = delivery.pending.wait().cpu().numpy()
-        ib = self.input_batch
         for rid, index in delivery.req_id_to_index.items():
             before, placed = self._unverified.pop(rid)
             count = int(runs[index, 0])
             assert 1 <= count <= placed + 1, f"{rid}: {count} tokens for {placed} drafts"
-            tokens = runs[index, 1:1 + count]
-            row = ib.req_id_to_index[rid]
-            ib.token_ids[row, before:before + count] = tokens
-            ib.num_tokens[row] = before + count
-            ib.last_sampled_pos[row] = before + count - 1
-            ib.states[row].output_token_ids.extend(tokens.tolist())
+            self._append_run(rid, self.input_batch.req_id_to_index[rid], before,
+                             runs[index, 1:1 + count], placed)
             self.num_computed[rid] = before + count - 1  # the bonus token is not computed
-            self.gate.observe(rid, placed, count - 1)
-            if self.draft_model is not None:
-                self.draft_model.on_verified(rid, before + count)
 
     def _observe_unverified(self, rid: str, num_tokens: int) -> None:
         """The gate update the last stage made at verification, once the tokens are in."""
         entry = self._unverified.pop(rid, None)
         if entry is not None:
             before, num_drafts = entry
-            self.gate.observe(rid, num_drafts, num_tokens - before - 1)
-            if self.draft_model is not None:
-                self.draft_model.on_verified(rid, num_tokens)
+            self._observe(rid, num_drafts, num_tokens - before - 1, num_tokens)
+
+    def _observe(self, rid: str, placed: int, accepted: int, num_tokens: int) -> None:
+        """A verification's outcome: ``accepted`` of the ``placed`` drafts (a draft the
+        grammar dropped cost its forward position like a rejected one), the history now
+        ``num_tokens`` long; the draft KV past it is not the request's."""
+        self.gate.observe(rid, placed, accepted)
+        if self.draft_model is not None:
+            self.draft_model.on_verified(rid, num_tokens)
+
+    def _append_run(self, rid: str, row: int, length: int, tokens: np.ndarray,
+                    placed: int) -> list[int]:
+        """The run a verification emitted (accepted drafts and the bonus token) goes into
+        the history after its first ``length`` tokens; returns it as a list."""
+        ib = self.input_batch
+        end = length + tokens.size
+        ib.token_ids[row, length:end] = tokens
+        ib.num_tokens[row] = end
+        ib.last_sampled_pos[row] = end - 1
+        run = tokens.tolist()
+        ib.states[row].output_token_ids.extend(run)
+        self._observe(rid, placed, tokens.size - 1, end)
+        return run
 
     def _propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
         if not wanted:
@@ -296,18 +308,9 @@ class Speculator:
         logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
         for k, i in enumerate(sampling.tolist()):
             row, length, a = int(batch.rows[i]), int(base_len[k]), int(accepted[k])
-            # A draft the grammar dropped cost its forward position like a rejected one.
-            self.gate.observe(batch.req_ids[i], int(placed[i]), a)
-            if self.draft_model is not None:
-                self.draft_model.on_verified(batch.req_ids[i], length + a + 1)
             start = int(seg_starts[k])
-            emitted = sampled[start:start + a + 1]
-            ib.token_ids[row, length:length + a + 1] = emitted
-            ib.num_tokens[row] = length + a + 1
-            ib.last_sampled_pos[row] = length + a
-            tokens = emitted.tolist()
-            ib.states[row].output_token_ids.extend(tokens)
-            sampled_token_ids[i] = tokens
+            sampled_token_ids[i] = self._append_run(batch.req_ids[i], row, length,
+                                                    sampled[start:start + a + 1], int(placed[i]))
             n = int(ib.num_logprobs[row])
             if logprob_arrays is not None and n >= 0:
                 ids, values, ranks = (a_[start:start + a + 1] for a_ in logprob_arrays)
