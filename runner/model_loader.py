@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
+from raylm.parallel.layers import process_weights_after_loading
 from raylm.runner.default_model import ensure_local_model
 from raylm.runner.gguf_checkpoint import find_gguf_file, iterate_gguf_weights
 from raylm.runner.models.decoder_config import DecoderConfig
@@ -100,4 +101,5 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext) -> nn.Module:
                                                 wanted=model.needs_weight))
     else:
         model.load_weights(iterate_weights(model_config.model, wanted=model.needs_weight))
+    process_weights_after_loading(model, envs.cpu_pack_linears())
     return model.eval()

@@ -62,6 +62,11 @@ def cpu_auto_bfloat16() -> bool:
     return os.environ.get("RAYLM_CPU_AUTO_BFLOAT16", "1") not in ("0", "false", "False")
 
 
+def cpu_pack_linears() -> bool:
+    """Whether CPU linears run over oneDNN-packed weights (RAYLM_CPU_PACK_LINEARS, default on)."""
+    return os.environ.get("RAYLM_CPU_PACK_LINEARS", "1") not in ("0", "false", "False")
+
+
 def allow_cpu_fallback() -> bool:
     """Run on CPU even in a process Ray gave a GPU whose torch has no CUDA. Off: such a
     rank fails at start. On: for testing GPU placement with fake GPUs on CPU machines."""

@@ -178,3 +178,34 @@ def test_sharded_checkpoint_loads_through_its_index(llama_path, tmp_path):
     single = get_model(ModelConfig(model=llama_path), CPU)
     for (name, a), (_, b) in zip(sharded.named_parameters(), single.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@torch.inference_mode()
+def test_cpu_linears_run_packed_and_match_the_dense_product(llama_path, monkeypatch):
+    """On CPU every linear (qkv, o, gate_up, down, the LM head) gets a oneDNN-packed weight
+    after loading and its forward reads it; the logits equal the dense (MKL) model's up to
+    rounding. RAYLM_CPU_PACK_LINEARS=0 leaves the linears dense."""
+    packed = get_model(ModelConfig(model=llama_path), CPU)
+    monkeypatch.setenv("RAYLM_CPU_PACK_LINEARS", "0")
+    dense = get_model(ModelConfig(model=llama_path), CPU)
+    layer = packed.model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj, packed.lm_head]
+    assert all(m.packed_weight is not None and m.packed_weight.is_mkldnn for m in linears)
+    assert all(m.packed_weight is None for m in dense.modules() if hasattr(m, "packed_weight"))
+    # The forward reads the packed copy: zeroing it (the dense weight untouched) zeroes
+    # the projection's output.
+    x = torch.randn(5, layer.self_attn.o_proj.weight.shape[1])
+    saved = layer.self_attn.o_proj.packed_weight
+    layer.self_attn.o_proj.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+        torch.zeros_like(layer.self_attn.o_proj.weight))
+    assert layer.self_attn.o_proj(x).abs().max().item() == 0.0
+    layer.self_attn.o_proj.packed_weight = saved
+    tokens = _tokens({"x": 37}, packed.config.vocab_size, seed=5)
+    logits = {}
+    for name, model in (("packed", packed), ("dense", dense)):
+        paged = PagedSequences([model], {"x": 37})
+        ids, pos, meta = paged.step(tokens, [("x", 0, 37)])
+        logits[name] = model.compute_logits(model(ids, pos, meta))
+    torch.testing.assert_close(logits["packed"], logits["dense"], atol=1e-4, rtol=0)
+    assert logits["packed"].argmax(-1).tolist() == logits["dense"].argmax(-1).tolist()
