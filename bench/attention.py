@@ -1,5 +1,5 @@
-"""Decode attention alone: raylm's ragged paged attention vs padded sdpa, and what doubling
-one row's context costs each.
+"""Decode attention alone: raylm's ragged paged attention (the CPU C++ kernel and the torch
+one) vs padded sdpa, and what doubling one row's context costs each.
 
     python bench/attention.py [--batch 64] [--dtype float32,bfloat16] [--block-size 16]
 
@@ -7,8 +7,9 @@ Workload: one layer of the 6m model's attention shape (8 query heads, 4 KV heads
 32), a batch of decode rows whose contexts are drawn uniformly from 16-768 (seeded), K/V
 in a block-major paged cache with the blocks shuffled. "padded sdpa" gathers every row's
 blocks up to the longest context and runs one masked ``scaled_dot_product_attention`` (the
-previous decode path); "ragged" is ``raylm.runner.attention`` (metadata built once, as in a
-step, outside the timing). Then the longest row's context is doubled: a kernel whose cost
+previous decode path); "ragged C++" and "ragged torch" are ``raylm.runner.attention`` with
+the CPU kernel and with the torch kernel (metadata built once, as in a step, outside the
+timing). Then the longest row's context is doubled: a kernel whose cost
 follows the sum of contexts barely moves; a padded one pays for every row. Times are the
 minimum of interleaved runs (the 2-core box is shared), so the ratios compare like with
 like. Single-threaded by default and timed in thread CPU time (``--threads`` > 1 times
@@ -29,7 +30,7 @@ from raylm.runner.attention import Attention, build_attention_metadata
 HQ, HKV, D = 8, 4, 32
 
 
-def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int):
+def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int, cpu_kernel: bool):
     rng = np.random.default_rng(seed)
     nblk = -(-lens // bs)
     num_blocks = int(nblk.sum()) + 1
@@ -51,7 +52,8 @@ def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int):
     qsl = np.arange(len(lens) + 1)
     attn = Attention(HQ, D, HKV, scale=D ** -0.5)
     attn.kv_cache = (k_cache, v_cache)
-    meta = build_attention_metadata(qsl, lens, slots, table, bs)
+    meta = build_attention_metadata(qsl, lens, slots, table, bs, cpu_kernel)
+    assert (meta.ragged.kv_len is not None) == cpu_kernel, "the C++ kernel did not load"
 
     def ragged() -> torch.Tensor:
         # The cache write of a step is part of attention; keys/values are the cache's own.
@@ -111,12 +113,17 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.dtype.split(","):
             dtype = getattr(torch, name)
-            r0, p0 = _case(lens, args.block_size, dtype, 1)
-            r1, p1 = _case(doubled, args.block_size, dtype, 1)
-            torch.testing.assert_close(r0().float(), p0().float(), atol=2e-2, rtol=2e-2)
-            tr0, tp0, tr1, tp1 = _min_times([r0, p0, r1, p1], args.rounds, clock)
-            for kernel, a, b in (("ragged", tr0, tr1), ("padded sdpa", tp0, tp1)):
-                vs = f"{tp0 / tr0:.2f}x faster" if kernel == "ragged" else "-"
+            c0, p0 = _case(lens, args.block_size, dtype, 1, True)
+            c1, p1 = _case(doubled, args.block_size, dtype, 1, True)
+            r0, _ = _case(lens, args.block_size, dtype, 1, False)
+            r1, _ = _case(doubled, args.block_size, dtype, 1, False)
+            for fn in (c0, r0):
+                torch.testing.assert_close(fn().float(), p0().float(), atol=2e-2, rtol=2e-2)
+            tc0, tr0, tp0, tc1, tr1, tp1 = _min_times([c0, r0, p0, c1, r1, p1], args.rounds,
+                                                      clock)
+            for kernel, a, b in (("ragged C++", tc0, tc1), ("ragged torch", tr0, tr1),
+                                 ("padded sdpa", tp0, tp1)):
+                vs = f"{tp0 / a:.2f}x faster" if kernel != "padded sdpa" else "-"
                 print(f"| {name:<9} | {kernel:<12} | {a * 1e3:>9.3f} | {b * 1e3:>12.3f} "
                       f"| {100 * (b / a - 1):>+13.1f}% | {vs:>16} |", flush=True)
 

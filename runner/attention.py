@@ -10,8 +10,9 @@ causal inside the row (a query at position ``p`` sees keys ``0..p`` of its seque
 - short rows (at most ``RAGGED_MAX_QUERY_LEN`` tokens: decodes, speculative rows of
   1 + k tokens, short chunks) go through the ragged kernel (``ragged_attention.py``) token
   by token: one (query token, KV block) pair per block the token can see, a partial
-  softmax per pair, the partials combined per token. Its cost is the sum of the tokens'
-  contexts rounded up to a block, not ``batch x longest context``.
+  softmax per pair, the partials combined per token; on CPU, a C++ kernel
+  (``cpu_attention.py``) that walks each token's blocks in place. Either way the cost is
+  the sum of the tokens' contexts rounded up to a block, not ``batch x longest context``.
 - long rows (prompts and prefill chunks) run one ``scaled_dot_product_attention`` each; a
   chunk with earlier context reads that context from the cache with a causal mask shifted
   by its offset.
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.runner.cpu_attention import load_cpu_attention_kernel
 from raylm.runner.ragged_attention import (
     RaggedTokens,
     build_ragged_tokens,
@@ -121,8 +123,13 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor,  # [T] on the device
     block_table: np.ndarray | torch.Tensor,  # [B, nb] host block ids (a CPU tensor is taken)
     block_size: int,
+    cpu_kernel: bool | None = None,
 ) -> AttentionMetadata:
+    """``cpu_kernel``: whether the short rows may take the C++ kernel (default: on CPU);
+    they do when it is available."""
     device = slot_mapping.device
+    cpu_kernel = (device.type == "cpu" if cpu_kernel is None else cpu_kernel) and \
+        load_cpu_attention_kernel()
     table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -135,7 +142,7 @@ def build_attention_metadata(
     finish_ragged = None
     if short.size:
         finish_ragged = build_ragged_tokens(query_start_loc, seq_lens, table, short,
-                                            block_size, num_tokens, pack)
+                                            block_size, num_tokens, pack, pairs=not cpu_kernel)
     # Long rows: few per step (bounded by the token budget), one sdpa each.
     spans: list[tuple[PrefillSpan, tuple[int, int] | None]] = []
     for row in np.flatnonzero(query_lens > RAGGED_MAX_QUERY_LEN).tolist():

@@ -12,6 +12,7 @@ from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import process_weights_after_loading
+from raylm.runner.cpu_attention import load_cpu_attention_kernel
 from raylm.runner.default_model import ensure_local_model
 from raylm.runner.gguf_checkpoint import find_gguf_file, iterate_gguf_weights
 from raylm.runner.models.decoder_config import DecoderConfig
@@ -102,4 +103,6 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext) -> nn.Module:
     else:
         model.load_weights(iterate_weights(model_config.model, wanted=model.needs_weight))
     process_weights_after_loading(model, envs.cpu_pack_linears())
+    if ctx.device.type == "cpu":
+        load_cpu_attention_kernel()  # built now (first use on this machine), not mid-step
     return model.eval()

@@ -23,6 +23,10 @@ non-blocking copy).
 
 Precision: scores, softmax and the combine are float32 whatever the model dtype; bf16
 models multiply in bf16 (as transformers' eager attention does) and accumulate in float32.
+
+On CPU the same tokens go to a C++ kernel instead when it is available (cpu_attention.py):
+it needs no pairs, only each token's block-table row and key count, and reads the blocks
+in place.
 """
 
 from __future__ import annotations
@@ -41,25 +45,32 @@ class _Upload(Protocol):
 
 @dataclass
 class RaggedTokens:
-    """The ragged kernel's inputs for one step, shared by every layer."""
+    """The ragged kernel's inputs for one step, shared by every layer: the (token, block)
+    pairs for the torch kernel, or the tokens' block-table rows for the C++ one."""
 
     num_tokens: int  # N query tokens taking the kernel
     token_index: torch.Tensor | None  # [N] their rows in the step's flat batch; None when
     # they are the whole batch in order (then the output needs no scatter)
-    pair_token: torch.Tensor  # [P] token of each (token, block) pair, non-decreasing
-    pair_block: torch.Tensor  # [P] cache block of each pair
-    bias: torch.Tensor | None  # [P, 1, 1, bs] float32: 0 for visible keys, -inf past the
-    # token's last key; None when every pair's block is fully visible
-    single_pair: bool  # every token has one pair: no combine needed
+    # Torch kernel (None for the C++ one):
+    pair_token: torch.Tensor | None = None  # [P] token of each pair, non-decreasing
+    pair_block: torch.Tensor | None = None  # [P] cache block of each pair
+    bias: torch.Tensor | None = None  # [P, 1, 1, bs] float32: 0 for visible keys, -inf past
+    # the token's last key; None when every pair's block is fully visible
+    single_pair: bool = False  # every token has one pair: no combine needed
+    # C++ kernel (None for the torch one):
+    block_table: torch.Tensor | None = None  # [R, nb] the block tables of the tokens' rows
+    token_row: torch.Tensor | None = None  # [N] each token's row of ``block_table``
+    kv_len: torch.Tensor | None = None  # [N] keys each token sees
 
 
 def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                         block_table: np.ndarray, rows: np.ndarray, block_size: int,
-                        num_batch_tokens: int, upload: _Upload
+                        num_batch_tokens: int, upload: _Upload, pairs: bool = True
                         ) -> Callable[[torch.Tensor], RaggedTokens]:
-    """Pairs for the query tokens of ``rows`` (host numpy, vectorised). Their index arrays
-    are added to ``upload``; the returned function takes the uploaded tensor and slices
-    them out."""
+    """Metadata for the query tokens of ``rows`` (host numpy, vectorised): their pairs
+    when ``pairs`` (the torch kernel), else their rows and key counts (the C++ kernel).
+    The index arrays are added to ``upload``; the returned function takes the uploaded
+    tensor and slices them out."""
     bs = block_size
     qlens = query_start_loc[rows + 1] - query_start_loc[rows]
     num_tokens = int(qlens.sum())
@@ -72,20 +83,34 @@ def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     kv_len = seq_lens[tok_row] - query_start_loc[tok_row + 1] + tok + 1
     assert (kv_len >= 1).all(), f"a query token sees no keys: kv_len={kv_len.tolist()}"
     nblk = -(-kv_len // bs)
+    max_blocks = block_table.shape[1]
+    assert int(nblk.max()) <= max_blocks, (
+        f"a token needs {int(nblk.max())} blocks but the block table has {max_blocks}")
+    all_in_order = num_tokens == num_batch_tokens
+    at_index = None if all_in_order else upload.add(tok)
+    if not pairs:
+        width = int(nblk.max())
+        at_table = upload.add(block_table[rows, :width])
+        at_row = upload.add(np.repeat(np.arange(rows.size), qlens))
+        at_len = upload.add(kv_len)
+
+        def finish_rows(uploaded: torch.Tensor) -> RaggedTokens:
+            return RaggedTokens(
+                num_tokens=num_tokens,
+                token_index=None if at_index is None else uploaded[at_index[0]:at_index[1]],
+                block_table=uploaded[at_table[0]:at_table[1]].view(rows.size, width),
+                token_row=uploaded[at_row[0]:at_row[1]], kv_len=uploaded[at_len[0]:at_len[1]])
+
+        return finish_rows
     num_pairs = int(nblk.sum())
     pair_token = np.repeat(np.arange(num_tokens), nblk)
     pair_pos = np.arange(num_pairs) - np.repeat(np.cumsum(nblk) - nblk, nblk)
-    max_blocks = block_table.shape[1]
-    assert int(pair_pos.max()) < max_blocks, (
-        f"a token needs block {int(pair_pos.max())} but the block table has {max_blocks}")
     pair_block = block_table[tok_row[pair_token], pair_pos]
     visible = kv_len[pair_token] - pair_pos * bs  # keys of the block the token sees (>= 1)
     masked = bool((visible < bs).any())
-    all_in_order = num_tokens == num_batch_tokens
     at_token = upload.add(pair_token)
     at_block = upload.add(pair_block)
     at_visible = upload.add(visible) if masked else None
-    at_index = None if all_in_order else upload.add(tok)
     single_pair = bool((nblk == 1).all())
 
     def finish(uploaded: torch.Tensor) -> RaggedTokens:
@@ -116,6 +141,10 @@ def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
     num_kv_heads = key_cache.shape[1]
     assert num_tokens == meta.num_tokens, (
         f"query has {num_tokens} tokens, the metadata {meta.num_tokens}")
+    if meta.pair_token is None:  # the C++ kernel's metadata
+        return torch.ops.raylm.paged_attention(query, key_cache, value_cache, meta.block_table,
+                                               meta.token_row, meta.kv_len, scale)
+    assert meta.pair_block is not None
     group = num_heads // num_kv_heads
     q = query.view(num_tokens, num_kv_heads, group, head_dim).index_select(0, meta.pair_token)
     k = key_cache.index_select(0, meta.pair_block)  # [P, Hkv, bs, D]

@@ -67,6 +67,11 @@ def cpu_pack_linears() -> bool:
     return os.environ.get("RAYLM_CPU_PACK_LINEARS", "1") not in ("0", "false", "False")
 
 
+def cpu_attention_kernel() -> bool:
+    """Whether CPU attention uses the C++ paged kernel (RAYLM_CPU_ATTENTION_KERNEL, default on)."""
+    return os.environ.get("RAYLM_CPU_ATTENTION_KERNEL", "1") not in ("0", "false", "False")
+
+
 def allow_cpu_fallback() -> bool:
     """Run on CPU even in a process Ray gave a GPU whose torch has no CUDA. Off: such a
     rank fails at start. On: for testing GPU placement with fake GPUs on CPU machines."""

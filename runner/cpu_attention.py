@@ -1,0 +1,69 @@
+"""The CPU paged-attention kernel (``csrc/paged_attention.cpp``), built on first use.
+
+The torch ragged kernel (ragged_attention.py) gathers every (token, KV block) pair's K/V
+into new tensors and runs softmax passes over them; on CPU that copy and those passes
+were most of the attention's time. The C++ kernel reads each block in place, one task per
+(token, KV head) with an online softmax, parallel over the torch thread team. It is
+compiled with the machine's compiler the first time a process asks for it (about a
+minute; torch caches the build under ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``, and reuses it while the source is unchanged). Where it
+cannot be built, or with RAYLM_CPU_ATTENTION_KERNEL=0, the torch kernel runs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+from raylm.scheduler import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
+                       "paged_attention.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _put_ninja_on_path() -> None:
+    """torch finds ninja on PATH; the ninja wheel's binary sits in the environment's bin
+    folder, which is not on PATH unless the environment is activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+@functools.cache
+def load_cpu_attention_kernel() -> bool:
+    """Build (or load the cached build of) the kernel into this process; whether
+    ``torch.ops.raylm.paged_attention`` is there to call. The build is tuned for this
+    CPU (-march=native), so its name carries a hash of the CPU's flags: a cache folder
+    shared by different machines never hands one the other's build."""
+    if not envs.cpu_attention_kernel():
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
+        cpp_extension.load(name=f"raylm_paged_attention_{tag}", sources=[_SOURCE],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, an unsupported platform
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch "
+                       "kernel.", exc)
+        return False
+    return True
+
