@@ -12,6 +12,7 @@ from typing import Any
 
 from raylm.cluster.engine_args import add_cli_args, cli_engine_kwargs
 from raylm.cluster.local_serve import PROXIES, default_proxy, local_serve_env
+from raylm.runner.cpu_budget import usable_cpus
 from raylm.scheduler import envs
 
 logger = logging.getLogger("raylm.cli")
@@ -122,6 +123,17 @@ def model_loading(args: argparse.Namespace) -> tuple[str | None, str]:
 SERVE_EXECUTOR_BACKEND = "ray"
 
 
+def owns_its_node(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> bool:
+    """Whether the app runs one single-rank engine on a local Ray instance `raylm serve`
+    starts itself: the node's CPUs are then all this engine's, and its worker may take
+    them for a wave of prompts while the replica and the EngineCore idle (the rank keeps
+    its own one thread for the other steps; cpu_burst_threads)."""
+    one_replica = (args.num_replicas in (None, 1) and args.max_replicas in (None, 1))
+    one_rank = all(engine_kwargs.get(k, 1) == 1 for k in (
+        "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    return envs.ray_address() is None and one_replica and one_rank and usable_cpus() >= 2
+
+
 def build_llm_config(args: argparse.Namespace) -> Any:
     from raylm.cluster.serve_config import LLMConfig
 
@@ -141,8 +153,11 @@ def build_llm_config(args: argparse.Namespace) -> Any:
     if args.stream_batching_interval_ms is not None:
         experimental["stream_batching_interval_ms"] = args.stream_batching_interval_ms
     engine_kwargs = cli_engine_kwargs(args)
-    if (os.cpu_count() or 1) >= 2:
+    num_cpus = os.cpu_count() or 1
+    if num_cpus >= 2:
         engine_kwargs.setdefault("distributed_executor_backend", SERVE_EXECUTOR_BACKEND)
+    if owns_its_node(args, engine_kwargs):
+        engine_kwargs.setdefault("cpu_burst_threads", usable_cpus())
     return LLMConfig.from_engine_kwargs(
         engine_kwargs, model_id=name, model_source=source,
         deployment_config=deployment, api_key=args.api_key, experimental_configs=experimental)

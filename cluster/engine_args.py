@@ -87,6 +87,12 @@ class EngineArgs:
                                                                "strategy of the workers")
     dp_sync_interval: int = _arg(16, "steps between the DP ranks' wave syncs",
                                  bounds=_AT_LEAST_1)
+    cpu_burst_threads: int | None = _arg(
+        None, "CPU: torch threads of a step of at least 64 tokens (a wave of prompts); other "
+              "steps keep the rank's own threads (its reserved CPUs). For an engine with a "
+              "node to itself, whose other processes idle while prompts run (`raylm serve` "
+              "on the local Ray instance it starts uses the node's CPUs). Default: the "
+              "rank's own", bounds=_AT_LEAST_1)
     max_queued_requests: int | None = _arg(None, "serving: refuse requests beyond this many "
                                                  "waiting (HTTP 503)", bounds=_AT_LEAST_1)
     speculative_config: dict[str, Any] | None = _arg(
@@ -153,6 +159,7 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             placement_group_strategy=self.placement_group_strategy,
             dp_sync_interval=self.dp_sync_interval,
+            cpu_burst_threads=self.cpu_burst_threads,
         )
 
     def check_without_checkpoint(self) -> None:

@@ -65,11 +65,25 @@ def default_intra_op_threads() -> int:
     return usable_cpus() if override is None else override
 
 
+# A CPU step of at least this many tokens takes ParallelConfig.cpu_burst_threads. The 6m
+# model's forward, one thread against two: a 2048-token prefill 148 vs 82 ms, a 32-row
+# decode 4.2 vs 3.0 ms; under `raylm serve` on two cores, bursts from 64 tokens on gave
+# the lowest time to first token (256: mixed workload 211 ms, 64: 190 ms; README, Serving).
+CPU_BURST_MIN_TOKENS = 64
+
+
+def step_threads(num_tokens: int, own_threads: int, burst_threads: int | None) -> int:
+    """Torch threads of a CPU step of ``num_tokens`` tokens."""
+    if burst_threads is not None and num_tokens >= CPU_BURST_MIN_TOKENS:
+        return burst_threads
+    return own_threads
+
+
 def set_intra_op_threads(num_threads: int) -> None:
-    """torch.set_num_threads, skipped when torch already uses that many: on torch 2.13 CPU
-    the call itself, even with the current count, makes the sdpa kernel several times
-    slower from then on (linear unchanged; README, offline throughput), and decode
-    attention is a large share of a small model's step."""
+    """torch.set_num_threads, skipped when torch already uses that many (the call is not
+    free: libgomp resizes its team). An earlier torch made the CPU sdpa kernel several
+    times slower after any such call; on torch 2.13 here a prefill with its sdpa ran as
+    fast after switching between one and two threads every step as on two throughout."""
     if num_threads != torch.get_num_threads():
         torch.set_num_threads(num_threads)
 
@@ -118,6 +132,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.pp_transport: PPTransport | None = None
         self._dead: BaseException | None = None
+        self.num_threads = 1  # torch threads of this rank's steps, set by init_device
 
     def init_device(self, ctx: ParallelContext | None = None, num_threads: int | None = None,
                     expect_cuda: bool = False) -> None:
@@ -133,7 +148,8 @@ class Worker:
             torch.cuda.set_device(ctx.device)
         elif envs.cpu_keep_freed_memory():
             keep_freed_host_memory()
-        set_intra_op_threads(num_threads or default_intra_op_threads())
+        self.num_threads = num_threads or default_intra_op_threads()
+        set_intra_op_threads(self.num_threads)
         self.ctx = ctx
         self.model_runner = ModelRunner(self.engine_config, ctx)
 
@@ -172,6 +188,10 @@ class Worker:
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
         """Run one step; only the driver rank (TP rank 0 of the last stage) returns output
         (DraftTokenIds when its sampling waits for a bitmask that checks them)."""
+        if self.ctx.device.type == "cpu":
+            set_intra_op_threads(step_threads(
+                scheduler_output.total_num_scheduled_tokens, self.num_threads,
+                self.engine_config.parallel_config.cpu_burst_threads))
         intermediate = recv = None
         if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
             if self.model_runner.speculator is None:

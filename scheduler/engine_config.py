@@ -160,10 +160,13 @@ class ParallelConfig:
     distributed_executor_backend: ExecutorBackend | None = None
     placement_group_strategy: PlacementStrategy = "PACK"
     dp_sync_interval: int = 16
+    # CPU ranks: torch threads of a step of at least CPU_BURST_MIN_TOKENS tokens (None:
+    # the rank's own threads for every step).
+    cpu_burst_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check_at_least_1(self, "tensor_parallel_size", "pipeline_parallel_size",
-                          "data_parallel_size", "dp_sync_interval")
+                          "data_parallel_size", "dp_sync_interval", "cpu_burst_threads")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise _bad("distributed_executor_backend", self.distributed_executor_backend,
                        f"must be one of {EXECUTOR_BACKENDS} or None")

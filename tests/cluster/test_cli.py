@@ -59,6 +59,33 @@ def test_serve_flags_build_the_llm_config(llama_path, monkeypatch):
     assert in_replica.engine_kwargs.distributed_executor_backend == "uni"
 
 
+def test_serve_lends_the_node_to_prompt_waves_only_when_it_owns_the_node(llama_path,
+                                                                         monkeypatch):
+    """One single-rank replica on the local Ray instance `raylm serve` starts: steps of a
+    wave of prompts take every usable CPU (cpu_burst_threads); with autoscaling to several
+    replicas, several ranks, a cluster it joins, or the flag given, the rank keeps its own."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("raylm.cluster.cli.usable_cpus", lambda: 4)
+
+    def burst(*flags: str, address: str | None = None) -> int | None:
+        if address is None:
+            monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        else:
+            monkeypatch.setenv("RAY_ADDRESS", address)
+        args = build_parser().parse_args(["serve", llama_path, *flags])
+        return build_llm_config(args).engine_kwargs.cpu_burst_threads
+
+    assert burst() == 4
+    assert burst("--num-replicas", "1") == 4
+    assert burst("--cpu-burst-threads", "3") == 3
+    assert burst("--max-replicas", "2") is None
+    assert burst("--num-replicas", "2") is None
+    assert burst("-tp", "2") is None
+    assert burst(address="ray://head:10001") is None
+    monkeypatch.setattr("raylm.cluster.cli.usable_cpus", lambda: 1)
+    assert burst() is None
+
+
 def test_bad_values_exit_2_before_ray_starts(llama_path, capsys):
     assert main(["serve", llama_path, "--max-num-seqs", "0"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err

@@ -164,3 +164,44 @@ def test_worker_sizes_the_kv_cache(llama_path):
     tiny.load_model()
     with pytest.raises(ValueError, match="holds no block"):
         tiny.determine_num_kv_blocks()
+
+
+def test_cpu_steps_of_a_prompt_wave_take_the_burst_threads(llama_path):
+    """cpu_burst_threads: a step of at least CPU_BURST_MIN_TOKENS tokens runs on that many
+    torch threads, every other step on the rank's own; the tokens stay HF's."""
+    import torch
+
+    from raylm.runner.worker import CPU_BURST_MIN_TOKENS, step_threads
+
+    assert step_threads(CPU_BURST_MIN_TOKENS, 1, 2) == 2
+    assert step_threads(CPU_BURST_MIN_TOKENS - 1, 1, 2) == 1
+    assert step_threads(10_000, 3, None) == 3
+    config = engine_config(llama_path, False)
+    config = replace(config, parallel_config=replace(config.parallel_config,
+                                                     cpu_burst_threads=2))
+    worker = Worker(config)
+    worker.init_device(num_threads=1)
+    worker.load_model()
+    worker.initialize_kv_cache(NUM_BLOCKS)
+    seen: list[tuple[int, int]] = []  # (tokens of the step, torch threads it ran on)
+    before = torch.get_num_threads()
+
+    class Recording:  # StepDriver calls execute_model(so)
+        def execute_model(self, so):
+            out = worker.execute_model(so)
+            seen.append((so.total_num_scheduled_tokens, torch.get_num_threads()))
+            return out
+
+    try:
+        driver = StepDriver(Recording(), BLOCK_SIZE, NUM_BLOCKS, async_mode=False)
+        prompts = random_prompts([70, 5, 9], 500, seed=3)
+        for i, p in enumerate(prompts):
+            driver.add(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=5))
+        outputs = driver.run()
+    finally:
+        torch.set_num_threads(before)
+    for i, p in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(llama_path, p, 5)
+    assert seen[0][0] >= CPU_BURST_MIN_TOKENS and seen[0][1] == 2
+    small = [threads for tokens, threads in seen if tokens < CPU_BURST_MIN_TOKENS]
+    assert small and set(small) == {1}
