@@ -45,25 +45,40 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
 @functools.cache
 def load_cpu_attention_kernel() -> bool:
     """Build (or load the cached build of) the kernel into this process; whether
     ``torch.ops.raylm.paged_attention`` is there to call. The build is tuned for this
-    CPU (-march=native), so its name carries a hash of the CPU's flags: a cache folder
-    shared by different machines never hands one the other's build."""
+    CPU (-march=native), so its name carries a hash of the CPU's flags, the source and the
+    compiler flags: a cache folder shared by different machines never hands one the
+    other's build, and a build of that name is always the current one. So once it exists
+    it is loaded directly, without torch's build step, which takes a lock file in the
+    build folder that a process killed while holding it would leave behind for every
+    later process to wait on."""
     if not envs.cpu_attention_kernel():
         return False
     try:
+        import torch
         from torch.utils import cpp_extension
 
-        _put_ninja_on_path()
-        tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:10]
-        cpp_extension.load(name=f"raylm_paged_attention_{tag}", sources=[_SOURCE],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with open(_SOURCE, "rb") as f:
+            source = f.read()
+        tag = hashlib.sha1(_cpu_flags().encode() + source + " ".join(_CFLAGS).encode())
+        name = f"raylm_paged_attention_{tag.hexdigest()[:12]}"
+        built = os.path.join(cpp_extension._get_build_directory(name, verbose=False),
+                             f"{name}.so")
+        if os.path.isfile(built):
+            torch.ops.load_library(built)
+        else:
+            _put_ninja_on_path()
+            cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS,
+                               extra_ldflags=["-fopenmp"], is_python_module=False,
+                               verbose=False)
     except Exception as exc:  # no compiler, no ninja, an unsupported platform
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch "
                        "kernel.", exc)
         return False
     return True
-

@@ -163,9 +163,10 @@ def test_cpp_kernel_at_model_head_sizes_matches_the_torch_kernel(head_dim, group
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def test_kernel_build_failure_or_opt_out_falls_back_to_the_torch_kernel(monkeypatch, caplog):
-    """No compiler (the build raises) or RAYLM_CPU_ATTENTION_KERNEL=0: the metadata is
-    the torch kernel's (pairs), and a failed build says why in a warning."""
+def test_kernel_build_failure_or_opt_out_falls_back_to_the_torch_kernel(monkeypatch, caplog,
+                                                                         tmp_path):
+    """No compiler (no cached build, and the build raises) or RAYLM_CPU_ATTENTION_KERNEL=0:
+    the metadata is the torch kernel's (pairs), and a failed build says why in a warning."""
     from torch.utils import cpp_extension
 
     from raylm.runner import cpu_attention
@@ -177,6 +178,7 @@ def test_kernel_build_failure_or_opt_out_falls_back_to_the_torch_kernel(monkeypa
     table, slots = np.array([[0, 1, 2], [3, 4, 5]]), torch.tensor([4, 12])
     try:
         cpu_attention.load_cpu_attention_kernel.cache_clear()
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no build cached there
         monkeypatch.setattr(cpp_extension, "load", no_compiler)
         meta = build_attention_metadata(qsl, lens, slots, table, BS)
         assert meta.ragged.pair_token is not None and meta.ragged.kv_len is None
