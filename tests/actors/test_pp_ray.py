@@ -11,6 +11,7 @@ import random
 
 import pytest
 import ray
+from engine_idle import idle_metrics
 
 from raylm import LLM, SamplingParams
 
@@ -73,7 +74,7 @@ def test_pipeline_parallel_greedy_matches_hf(llama_path, reference, tp, async_sc
     try:
         assert llm.llm_engine.engine_config.parallel_config.distributed_executor_backend == "ray"
         assert _generate(llm) == reference
-        metrics = llm.get_metrics()
+        metrics = idle_metrics(llm)
         assert metrics["raylm:num_preemptions"] > 0, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
         stats = _worker_pp_stats(llm)
@@ -123,7 +124,7 @@ def test_tensor_parallel_under_preemption_and_chunking_matches_hf(llama_path, re
     llm = LLM(llama_path, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE)
     try:
         assert _generate(llm) == reference
-        metrics = llm.get_metrics()
+        metrics = idle_metrics(llm)
         assert metrics["raylm:num_preemptions"] > 0, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:

@@ -8,6 +8,7 @@ import random
 import sys
 
 import pytest
+from engine_idle import idle_metrics
 from local_ray import local_ray
 
 from raylm.actors.ray_executor import RayExecutor
@@ -81,7 +82,7 @@ def test_pp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle, async_scheduli
         oracle = hf_oracle(loopy_llama_path)
         for p, m, out in zip(prompts, max_tokens, outs, strict=True):
             assert out.outputs[0].token_ids == oracle.greedy(p, m)
-        metrics = llm.get_metrics()
+        metrics = idle_metrics(llm)
         assert llm.llm_engine.engine_config.async_scheduling is async_scheduling
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
         assert metrics["raylm:num_preemptions"] > 0, metrics
@@ -115,7 +116,8 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
 
 
 def _greedy_equals_hf(llm, oracle, prompts: list[list[int]], max_tokens: list[int]) -> dict:
-    """Greedy generation of each prompt equals transformers'; returns the engine's metrics."""
+    """Greedy generation of each prompt equals transformers'; returns the engine's metrics
+    once it is idle."""
     from raylm import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -123,7 +125,7 @@ def _greedy_equals_hf(llm, oracle, prompts: list[list[int]], max_tokens: list[in
                          for m in max_tokens], use_tqdm=False)
     for p, m, out in zip(prompts, max_tokens, outs, strict=True):
         assert out.outputs[0].token_ids == oracle.greedy(p, m)
-    return llm.get_metrics()
+    return idle_metrics(llm)
 
 
 @pytest.mark.parametrize("draft", ["target", "near"])
