@@ -181,6 +181,19 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
           const int64_t offset = blocks[start / block_size] * block_stride + h * block_size * D;
           const T* k = key_cache + offset;
           const T* v = value_cache + offset;
+          if (g == 0 && start + block_size < len) {
+            // The next block is elsewhere in the cache: no hardware prefetcher guesses
+            // it, so ask for its lines while this block is computed (the first query
+            // head's pass reads the row from memory, the others find it in L2).
+            const int64_t next = blocks[start / block_size + 1] * block_stride + h * block_size * D;
+            const int64_t m = std::min(block_size, len - start - block_size) * D;
+            const char* kn = reinterpret_cast<const char*>(key_cache + next);
+            const char* vn = reinterpret_cast<const char*>(value_cache + next);
+            for (int64_t b = 0; b < m * static_cast<int64_t>(sizeof(T)); b += 64) {
+              _mm_prefetch(kn + b, _MM_HINT_T0);
+              _mm_prefetch(vn + b, _MM_HINT_T0);
+            }
+          }
           for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
             __m512 dots[16];
