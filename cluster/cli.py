@@ -153,8 +153,7 @@ def build_llm_config(args: argparse.Namespace) -> Any:
     if args.stream_batching_interval_ms is not None:
         experimental["stream_batching_interval_ms"] = args.stream_batching_interval_ms
     engine_kwargs = cli_engine_kwargs(args)
-    num_cpus = os.cpu_count() or 1
-    if num_cpus >= 2:
+    if (os.cpu_count() or 1) >= 2:
         engine_kwargs.setdefault("distributed_executor_backend", SERVE_EXECUTOR_BACKEND)
     if owns_its_node(args, engine_kwargs):
         engine_kwargs.setdefault("cpu_burst_threads", usable_cpus())

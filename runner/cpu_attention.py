@@ -4,10 +4,10 @@ The torch ragged kernel (ragged_attention.py) gathers every (token, KV block) pa
 into new tensors and runs softmax passes over them; on CPU that copy and those passes
 were most of the attention's time. The C++ kernel reads each block in place, one task per
 (token, KV head) with an online softmax, parallel over the torch thread team. It is
-compiled with the machine's compiler the first time a process asks for it (about a
-minute; torch caches the build under ``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``, and reuses it while the source is unchanged). Where it
-cannot be built, or with RAYLM_CPU_ATTENTION_KERNEL=0, the torch kernel runs instead.
+compiled with the machine's compiler the first time it is asked for on a machine (about
+10 s here) into ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later
+processes load that build. Where it cannot be built, or with
+RAYLM_CPU_ATTENTION_KERNEL=0, the torch kernel runs instead.
 """
 
 from __future__ import annotations

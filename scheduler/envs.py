@@ -52,24 +52,29 @@ def num_threads_override() -> int | None:
     return _positive_int("RAYLM_NUM_THREADS")
 
 
+def _on_unless_off(name: str) -> bool:
+    """A switch that is on unless the variable says 0 or false."""
+    return os.environ.get(name, "1") not in ("0", "false", "False")
+
+
 def cpu_keep_freed_memory() -> bool:
     """CPU workers keep freed heap memory mapped (see raylm.runner.host_memory)."""
-    return os.environ.get("RAYLM_CPU_KEEP_FREED_MEMORY", "1") not in ("0", "false", "False")
+    return _on_unless_off("RAYLM_CPU_KEEP_FREED_MEMORY")
 
 
 def cpu_auto_bfloat16() -> bool:
     """dtype="auto" runs a float32 checkpoint in bfloat16 on a CPU with native bf16."""
-    return os.environ.get("RAYLM_CPU_AUTO_BFLOAT16", "1") not in ("0", "false", "False")
+    return _on_unless_off("RAYLM_CPU_AUTO_BFLOAT16")
 
 
 def cpu_pack_linears() -> bool:
-    """Whether CPU linears run over oneDNN-packed weights (RAYLM_CPU_PACK_LINEARS, default on)."""
-    return os.environ.get("RAYLM_CPU_PACK_LINEARS", "1") not in ("0", "false", "False")
+    """CPU linears run over oneDNN-packed weights (RAYLM_CPU_PACK_LINEARS)."""
+    return _on_unless_off("RAYLM_CPU_PACK_LINEARS")
 
 
 def cpu_attention_kernel() -> bool:
-    """Whether CPU attention uses the C++ paged kernel (RAYLM_CPU_ATTENTION_KERNEL, default on)."""
-    return os.environ.get("RAYLM_CPU_ATTENTION_KERNEL", "1") not in ("0", "false", "False")
+    """CPU attention uses the C++ paged kernel (RAYLM_CPU_ATTENTION_KERNEL)."""
+    return _on_unless_off("RAYLM_CPU_ATTENTION_KERNEL")
 
 
 def allow_cpu_fallback() -> bool:
