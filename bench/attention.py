@@ -11,9 +11,9 @@ blocks up to the longest context and runs one masked ``scaled_dot_product_attent
 previous decode path); "ragged C++" and "ragged torch" are ``raylm.runner.attention`` with
 the CPU kernel and with the torch kernel (metadata built once, as in a step, outside the
 timing). Then the longest row's context is doubled: a kernel whose cost
-follows the sum of contexts barely moves; a padded one pays for every row. Times are the
-minimum of interleaved runs (the 2-core box is shared), so the ratios compare like with
-like. Single-threaded by default and timed in thread CPU time (``--threads`` > 1 times
+follows the sum of contexts barely moves; a padded one pays for every row. The variants
+run interleaved, round after round (the 2-core box is shared); times are each variant's
+minimum, the doubling cost the median over rounds of the doubled / base ratio. Single-threaded by default and timed in thread CPU time (``--threads`` > 1 times
 wall clock instead): on a shared 2-core box wall time mostly measures the neighbours.
 """
 
@@ -26,21 +26,35 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raylm.runner.attention import Attention, build_attention_metadata
+from raylm.runner.attention import Attention, allocate_kv_cache, build_attention_metadata
 from raylm.runner.host_memory import keep_freed_host_memory
 
 HQ, HKV, D = 8, 4, 32
 
 
-def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int, cpu_kernel: bool,
-          pool_tokens: int, base_lens: np.ndarray):
+def _kv_pool(num_blocks: int, bs: int, dtype: torch.dtype, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K/V pool, allocated as the engine does (huge pages on Linux) and filled
+    with seeded noise."""
+    k_cache, v_cache = allocate_kv_cache(num_blocks, bs, HKV, D, dtype, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for cache in (k_cache, v_cache):
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return k_cache, v_cache
+
+
+def _case(lens: np.ndarray, bs: int, seed: int, cpu_kernel: bool,
+          kv: tuple[torch.Tensor, torch.Tensor], base_lens: np.ndarray):
     """``lens`` >= ``base_lens`` row by row: every row keeps the blocks it has at its base
     length, and the blocks a longer row needs beyond them come from the rest of the pool,
     so the base and the doubled batch differ in that one row alone (not in where every
-    later row's blocks landed, which moved either kernel by several percent)."""
+    later row's blocks landed, which moved either kernel by several percent). Every case
+    reads the same pool ``kv``: separate allocations would differ in page placement."""
     rng = np.random.default_rng(seed)
     nblk, base = -(-lens // bs), -(-base_lens // bs)
-    num_blocks = max(int(nblk.sum()) + 1, pool_tokens // bs)
+    k_cache, v_cache = kv
+    num_blocks = k_cache.shape[0]
+    assert num_blocks > int(nblk.sum()), "the pool is smaller than the batch"
     perm = rng.permutation(num_blocks)
     tables, start, extra = [], 0, int(base.sum())
     for n, b in zip(nblk.tolist(), base.tolist(), strict=True):
@@ -52,10 +66,7 @@ def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int, cpu_kernel: 
     for i, t in enumerate(tables):
         table[i, :len(t)] = t
     gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, HKV, bs, D)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    query = torch.randn(len(lens), HQ, D, generator=gen).to(dtype)
+    query = torch.randn(len(lens), HQ, D, generator=gen).to(k_cache.dtype)
     slots = torch.from_numpy(table[np.arange(len(lens)), (lens - 1) // bs] * bs + (lens - 1) % bs)
     qsl = np.arange(len(lens) + 1)
     attn = Attention(HQ, D, HKV, scale=D ** -0.5)
@@ -84,21 +95,22 @@ def _case(lens: np.ndarray, bs: int, dtype: torch.dtype, seed: int, cpu_kernel: 
     return ragged, padded
 
 
-def _min_times(fns: list, rounds: int, clock) -> list[float]:
-    best = [float("inf")] * len(fns)
+def _timings(fns: list, rounds: int, clock) -> np.ndarray:
+    """``[rounds, len(fns)]`` seconds, the variants interleaved within each round."""
+    times = np.zeros((rounds, len(fns)))
     # Every timed call starts from the same cache state: after a pass over a buffer twice
     # the size of the CPU's last-level cache (otherwise a call inherits whatever the
     # previous variant left there, and the batch's K/V fit in a 32 MiB L3 or not).
     flush = torch.zeros(16 << 20)
     for fn in fns:
         fn()  # warm-up
-    for _ in range(rounds):
+    for r in range(rounds):
         for i, fn in enumerate(fns):  # interleaved: a noisy moment hits every variant
             flush.add_(1.0)
             t = clock()
             fn()
-            best[i] = min(best[i], clock() - t)
-    return best
+            times[r, i] = clock() - t
+    return times
 
 
 def main() -> None:
@@ -111,7 +123,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pool-tokens", type=int, default=1 << 17,
                     help="KV pool size in tokens, the same for both batches (default 131072: "
-                         "256 MiB of fp32 K/V, far beyond the CPU's caches, as in a serving "
+                         "128 MiB of fp32 K/V, far beyond the CPU's caches, as in a serving "
                          "engine; a pool sized to the batch fits a 32 MiB L3 at the base "
                          "batch and not when doubled)")
     args = ap.parse_args()
@@ -131,22 +143,30 @@ def main() -> None:
     print(f"| {'dtype':<9} | {'kernel':<12} | {'ms (base)':>9} | {'ms (doubled)':>12} "
           f"| {'doubling costs':>14} | {'ragged vs padded':>16} |")
     print(f"|{'-' * 11}|{'-' * 14}|{'-' * 11}|{'-' * 14}|{'-' * 16}|{'-' * 18}|")
+    bs = args.block_size
     with torch.inference_mode():
         for name in args.dtype.split(","):
-            dtype = getattr(torch, name)
-            c0, p0 = _case(lens, args.block_size, dtype, 1, True, args.pool_tokens, lens)
-            c1, p1 = _case(doubled, args.block_size, dtype, 1, True, args.pool_tokens, lens)
-            r0, _ = _case(lens, args.block_size, dtype, 1, False, args.pool_tokens, lens)
-            r1, _ = _case(doubled, args.block_size, dtype, 1, False, args.pool_tokens, lens)
+            # Every row's partial last block may take a block of its own.
+            num_blocks = max(args.pool_tokens // bs, -(-int(doubled.sum()) // bs) + len(lens))
+            kv = _kv_pool(num_blocks, bs, getattr(torch, name), 1)
+            c0, p0 = _case(lens, bs, 1, True, kv, lens)
+            c1, p1 = _case(doubled, bs, 1, True, kv, lens)
+            r0, _ = _case(lens, bs, 1, False, kv, lens)
+            r1, _ = _case(doubled, bs, 1, False, kv, lens)
             for fn in (c0, r0):
                 torch.testing.assert_close(fn().float(), p0().float(), atol=2e-2, rtol=2e-2)
-            tc0, tr0, tp0, tc1, tr1, tp1 = _min_times([c0, r0, p0, c1, r1, p1], args.rounds,
-                                                      clock)
-            for kernel, a, b in (("ragged C++", tc0, tc1), ("ragged torch", tr0, tr1),
-                                 ("padded sdpa", tp0, tp1)):
-                vs = f"{tp0 / a:.2f}x faster" if kernel != "padded sdpa" else "-"
-                print(f"| {name:<9} | {kernel:<12} | {a * 1e3:>9.3f} | {b * 1e3:>12.3f} "
-                      f"| {100 * (b / a - 1):>+13.1f}% | {vs:>16} |", flush=True)
+            # Columns: base C++, torch, padded, then the doubled batch's in the same order.
+            times = _timings([c0, r0, p0, c1, r1, p1], args.rounds, clock)
+            best = times.min(axis=0)
+            for i, kernel in enumerate(("ragged C++", "ragged torch", "padded sdpa")):
+                # The doubling cost is the median of each round's doubled / base ratio:
+                # the two calls of a round ran moments apart, under the same neighbours,
+                # where the minima of two columns may come from different moments.
+                cost = float(np.median(times[:, i + 3] / times[:, i])) - 1
+                vs = f"{best[2] / best[i]:.2f}x faster" if i < 2 else "-"
+                print(f"| {name:<9} | {kernel:<12} | {best[i] * 1e3:>9.3f} "
+                      f"| {best[i + 3] * 1e3:>12.3f} | {100 * cost:>+13.1f}% | {vs:>16} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

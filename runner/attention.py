@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.runner.cpu_attention import load_cpu_attention_kernel
+from raylm.runner.host_memory import huge_page_zeros
 from raylm.runner.ragged_attention import (
     RaggedTokens,
     build_ragged_tokens,
@@ -87,8 +88,11 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (key, value) cache ``[num_blocks, num_kv_heads, block_size, head_dim]``.
     Zeros, not empty: masked positions of a partly filled block are still multiplied (by a
-    zero weight), and 0 * NaN garbage would poison the attention output."""
+    zero weight), and 0 * NaN garbage would poison the attention output. On the CPU in
+    huge pages (see ``huge_page_zeros``): decode reads scattered blocks."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if torch.device(device).type == "cpu":
+        return huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)
     return (torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device))
 

@@ -38,3 +38,48 @@ def _placement(model_path: str, keep: str) -> str:
 def test_cpu_worker_keeps_large_blocks_on_the_heap(llama_path):
     assert _placement(llama_path, "0") == "mmap"
     assert _placement(llama_path, "1") == "heap"
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (always / madvise / never), "" without THP."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _huge_kib_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_kv_cache_is_zeroed_writable_and_in_huge_pages():
+    import gc
+
+    import torch
+
+    from raylm.runner.attention import allocate_kv_cache
+
+    # 64 MiB per tensor: 32 blocks of 2 MiB, most of them whole huge pages.
+    key, value = allocate_kv_cache(2048, 32, 8, 64, torch.float32, "cpu")
+    assert key.shape == value.shape == (2048, 8, 32, 64) and key.dtype == torch.float32
+    assert key.is_contiguous() and int(key.count_nonzero()) == int(value.count_nonzero()) == 0
+    assert key.data_ptr() != value.data_ptr()
+    if _thp_mode() in ("always", "madvise"):
+        assert _huge_kib_at(key.data_ptr()) >= 32 << 10, "the KV cache got no huge pages"
+    # The tensor keeps its mapping alive: views outlive every other reference.
+    rows = key.view(-1, 64)
+    del key
+    gc.collect()
+    rows[-1].fill_(3.0)
+    assert float(rows.sum()) == 3.0 * 64
