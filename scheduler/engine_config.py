@@ -251,6 +251,18 @@ class EngineConfig:
         return 0 if spec is None else spec.num_speculative_tokens
 
     @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots booked past each step's tokens for a request: a draft model without
+        PP drafts the next step right after verification, writing its own KV up to k
+        positions beyond the step's (runner/spec_decode/speculator.py). Under PP the
+        stages draft at the start of the step instead, inside its booking."""
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return 0
+        return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
+            else 0
+
+    @property
     def max_concurrent_batches(self) -> int:
         # PP needs pp_size batches in flight to fill the pipeline; async needs one more
         # so the scheduler plans step t+1 while step t runs.

@@ -81,26 +81,31 @@ class KVCacheManager:
 
     def _num_new_blocks(
         self, request: Request, num_new_tokens: int, new_computed: list[KVCacheBlock],
+        num_lookahead_tokens: int,
     ) -> int:
         num_held = len(self.req_to_blocks.get(request.request_id, ()))
         num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens,
+                            self.block_size)
         return max(num_required - num_held - len(new_computed), 0)
 
     def get_num_blocks_to_allocate(
         self, request: Request, num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0,
     ) -> int:
         """Free blocks the allocation would consume (new ones plus evictable prefix hits)."""
         new_computed = new_computed_blocks or []
         num_evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
-        return self._num_new_blocks(request, num_new_tokens, new_computed) + num_evictable
+        return self._num_new_blocks(request, num_new_tokens, new_computed,
+                                    num_lookahead_tokens) + num_evictable
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None when the pool is too short.
+        """Make room for ``num_new_tokens`` more tokens, and ``num_lookahead_tokens`` slots
+        past them that a draft model writes before they are scheduled; None when the pool
+        is too short.
 
         Returns the blocks appended to the request's block table (prefix hits first).
         """
@@ -108,7 +113,8 @@ class KVCacheManager:
         held = self.req_to_blocks.get(rid)
         if held is not None and not new_computed_blocks:
             # Hot path (a running request, once per step): usually no new block at all.
-            num_new = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(held)
+            num_new = cdiv(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                           self.block_size) - len(held)
             if num_new > 0:
                 if num_new > self.block_pool.get_num_free_blocks():
                     return None
@@ -121,7 +127,8 @@ class KVCacheManager:
         new_computed = new_computed_blocks or []
         assert not (new_computed and held), (
             f"prefix hits for {rid} that already holds {len(held or ())} blocks")
-        num_new = self._num_new_blocks(request, num_new_tokens, new_computed)
+        num_new = self._num_new_blocks(request, num_new_tokens, new_computed,
+                                       num_lookahead_tokens)
         num_evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new + num_evictable > self.block_pool.get_num_free_blocks():
             return None

@@ -73,6 +73,7 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
         # in both modes; the workers propose the drafts and write them over these
         # (shared, read-only list).
         self.num_spec_tokens = config.num_spec_tokens
+        self.num_lookahead_tokens = config.num_lookahead_tokens
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
         self._stats_snapshot = (0, 0, 0)
@@ -88,12 +89,14 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
             raise ValueError(
                 f"request {request.request_id!r}: prompt {request.num_prompt_tokens} + "
                 f"max_tokens {request.max_tokens} exceeds max_model_len={self.max_model_len}.")
-        needed = cdiv(total, self.block_size)
+        needed = cdiv(min(total + self.num_lookahead_tokens, self.max_model_len), self.block_size)
         if needed > self.kv_cache_manager.num_blocks:
+            drafts = (f" + {self.num_lookahead_tokens} draft slots" if self.num_lookahead_tokens
+                      else "")
             raise InvalidRequestError(
                 f"request {request.request_id!r} needs {needed} KV blocks (prompt "
-                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens) but the "
-                f"pool holds only {self.kv_cache_manager.num_blocks}.")
+                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens{drafts}) "
+                f"but the pool holds only {self.kv_cache_manager.num_blocks}.")
         self._validate_structured_output(request)
 
     def add_request(self, request: Request) -> None:
@@ -215,9 +218,11 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
         freed behind an in-flight step's fence will cover it soon)."""
         kv = self.kv_cache_manager
         running = self.running
-        new_blocks = kv.allocate_slots(request, num_new)
+        lookahead = self._lookahead(request.num_computed_tokens, num_new)
+        new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
         while new_blocks is None:
-            if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(request, num_new) <= (
+            if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(
+                    request, num_new, num_lookahead_tokens=lookahead) <= (
                     kv.block_pool.get_num_free_blocks() + kv.num_deferred_blocks):
                 # Blocks freed behind an in-flight step's fence will cover it: wait
                 # for them instead of preempting (preempted blocks would be deferred too).
@@ -228,8 +233,13 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
             plan.preempted.append(victim)
             if victim is request:
                 return None
-            new_blocks = kv.allocate_slots(request, num_new)
+            new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
         return new_blocks
+
+    def _lookahead(self, num_computed: int, num_new: int) -> int:
+        """Slots a draft model writes past a step's tokens (``num_lookahead_tokens``),
+        within max_model_len."""
+        return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed - num_new), 0)
 
     def _make_scheduler_output(self, step: int, plan: _StepPlan,
                                new_reqs: list[Request]) -> SchedulerOutput:
@@ -259,7 +269,8 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
             request = self.waiting[0]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)  # chunked prefill
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks,
+                                 self._lookahead(num_hit, num_new)) is None:
                 break
             self.waiting.popleft()
             kv.record_prefix_cache_query(request.num_tokens, num_hit)

@@ -59,6 +59,18 @@ def loopy_llama_path(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def loopy_draft_path(tmp_path_factory) -> str:
+    """A draft model for ``loopy_llama_path``: the same weights with attention scaled down
+    5x less, so it proposes what the target would often but not always (speculative
+    decoding tests: partial acceptance, rollbacks)."""
+    from raylm.runner.checkpoint import scale_attention_output
+
+    path = _write(tmp_path_factory, "loopy_draft", CheckpointSpec(seed=6))
+    scale_attention_output(path, 0.02)
+    return path
+
+
 @pytest.fixture(scope="session", params=["llama", "llama_mha_tied", "qwen2", "qwen3"])
 def any_model_path(request) -> str:
     return request.getfixturevalue(f"{request.param}_path")

@@ -84,14 +84,30 @@ class DraftGate:
             return 0
         if st.probe:  # p = cost: exactly one draft pays
             st.successes, st.trials, st.probe = cost, 1.0, False
-        p = st.successes / st.trials
-        n, pj = 0, p
-        while n < k and pj >= cost:
-            n, pj = n + 1, pj * p
+        n = self._num_paying(st.successes / st.trials, k, cost)
         if n == 0:
             st.backoff = min(2 * st.backoff, self.max_backoff) if st.backoff else \
                 self.min_backoff
             st.closed_for = st.backoff
+        return n
+
+    def peek(self, req_id: str, k: int, position_cost: float | None = None) -> int:
+        """What ``num_drafts`` would answer now, without counting a decode step."""
+        cost = self.position_cost if position_cost is None else position_cost
+        st = self._state.get(req_id)
+        if st is None:
+            successes, trials = self._prior()
+            return self._num_paying(successes / trials, k, cost)
+        if st.closed_for > 0:
+            return 0
+        return self._num_paying(cost if st.probe else st.successes / st.trials, k, cost)
+
+    @staticmethod
+    def _num_paying(p: float, k: int, cost: float) -> int:
+        """The largest n <= k with p**n >= cost (draft j pays iff p**j >= cost)."""
+        n, pj = 0, p
+        while n < k and pj >= cost:
+            n, pj = n + 1, pj * p
         return n
 
     def observe(self, req_id: str, num_proposed: int, num_accepted: int) -> None:

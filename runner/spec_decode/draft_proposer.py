@@ -6,8 +6,9 @@ for both), so it needs no allocator. Each request's draft KV is valid for its fi
 ``num_computed[req]`` positions. To propose, the draft model first catches up on the
 tokens it has not seen (the target's accepted tokens since its last proposal, or the whole
 prompt at the first decode), then drafts greedily one token at a time; all requests that
-draft in a step share each forward. Greedy drafts are point masses, which is what the
-verification (rejection_sampler.py) expects. KV written for drafts that the target then
+draft in a step share each forward, and each forward's argmax feeds the next on the
+device (no host copy until the caller takes the drafts). Greedy drafts are point masses,
+which is what the verification (rejection_sampler.py) expects. KV written for drafts that the target then
 rejects lies past ``num_computed`` and is overwritten later.
 """
 
@@ -79,35 +80,49 @@ class DraftModelProposer:
             self.num_computed[req_id] = min(self.num_computed[req_id], num_tokens - 1)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[DraftRequest]) -> dict[str, np.ndarray]:
+    def propose(self, reqs: list[DraftRequest]) -> torch.Tensor:
+        """Greedy drafts ``[len(reqs), max(max_drafts)]`` on the device: row i holds
+        ``reqs[i]``'s first ``max_drafts`` drafts (the rest of the row is 0). Each draft
+        forward feeds the previous one's argmax straight back, so the loop never waits
+        for the host; the caller copies the drafts out when it needs them."""
         ib = self.input_batch
-        drafts: dict[str, list[int]] = {r.req_id: [] for r in reqs}
+        width = max((r.max_drafts for r in reqs), default=0)
+        drafts = torch.zeros((len(reqs), width), dtype=torch.int64, device=self.device)
         # Step 0 catches up on the unseen known tokens; step j > 0 feeds draft j - 1.
-        active = [r for r in reqs if r.max_drafts > 0]
-        inputs = []
-        for r in active:
-            start = min(self.num_computed.get(r.req_id, 0), r.num_tokens - 1)
-            inputs.append((r, start, ib.token_ids[r.row, start:r.num_tokens].astype(np.int64)))
+        active = np.array([i for i, r in enumerate(reqs) if r.max_drafts > 0], np.int64)
+        if active.size == 0:
+            return drafts
+        starts = np.array([min(self.num_computed.get(reqs[i].req_id, 0), reqs[i].num_tokens - 1)
+                           for i in active.tolist()], np.int64)
+        rows = np.array([reqs[i].row for i in active.tolist()], np.int64)
+        q_lens = np.array([reqs[i].num_tokens for i in active.tolist()], np.int64) - starts
+        token_ids = self._dev(np.concatenate([ib.token_ids[r, s:s + n] for r, s, n in
+                                              zip(rows.tolist(), starts.tolist(),
+                                                  q_lens.tolist())]).astype(np.int64))
         step = 0
-        while active:
-            tokens = self._forward(inputs)
-            for r, token in zip(active, tokens, strict=True):
-                drafts[r.req_id].append(token)
+        while active.size:
+            token_ids = self._forward(rows, starts, q_lens, token_ids)
+            drafts[self._dev(active), step] = token_ids
+            for i, end in zip(active.tolist(), (starts + q_lens).tolist()):
+                self.num_computed[reqs[i].req_id] = end
             step += 1
-            for r, s, t in inputs:
-                self.num_computed[r.req_id] = s + len(t)
-            active = [r for r in active if len(drafts[r.req_id]) < r.max_drafts]
-            inputs = [(r, r.num_tokens + step - 1, np.array([drafts[r.req_id][-1]], np.int64))
-                      for r in active]
-        return {rid: np.array(d, np.int64) for rid, d in drafts.items()}
+            keep = np.array([reqs[i].max_drafts > step for i in active.tolist()], bool)
+            active, rows = active[keep], rows[keep]
+            token_ids = token_ids[self._dev(np.flatnonzero(keep))]
+            starts = np.array([reqs[i].num_tokens + step - 1 for i in active.tolist()], np.int64)
+            q_lens = np.ones(active.size, np.int64)
+        return drafts
 
-    def _forward(self, inputs: list[tuple[DraftRequest, int, np.ndarray]]) -> list[int]:
-        """One draft forward over ``(request, start position, token ids)`` rows; the greedy
-        next token of each row."""
+    def _dev(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _forward(self, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
+                 token_ids: torch.Tensor) -> torch.Tensor:
+        """One draft forward: row i (InputBatch row ``rows[i]``) feeds ``q_lens[i]`` of
+        ``token_ids`` at positions from ``starts[i]``; the greedy next token of each row,
+        on the device."""
         ib = self.input_batch
-        q_lens = np.array([len(t) for _, _, t in inputs], np.int64)
-        starts = np.array([s for _, s, _ in inputs], np.int64)
-        rows = np.array([r.row for r, _, _ in inputs], np.int64)
         cu = np.concatenate(([0], np.cumsum(q_lens)))
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
         token_rows = np.repeat(rows, q_lens)
@@ -115,15 +130,10 @@ class DraftModelProposer:
         slots = block_ids * self.block_size + positions % self.block_size
         seq_lens = starts + q_lens
         max_blocks = -(-int(seq_lens.max()) // self.block_size)
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
-        meta = build_attention_metadata(cu, seq_lens, dev(slots),
-                                        dev(ib.block_table[rows, :max_blocks].astype(np.int64)),
+        meta = build_attention_metadata(cu, seq_lens, self._dev(slots),
+                                        self._dev(ib.block_table[rows, :max_blocks]
+                                                  .astype(np.int64)),
                                         self.block_size)
-        hidden = self.model(dev(np.concatenate([t for _, _, t in inputs])), dev(positions),
-                            meta, None)
-        logits = self.model.compute_logits(hidden.index_select(0, dev(cu[1:] - 1)))
-        return logits.argmax(dim=-1).cpu().tolist()
-
+        hidden = self.model(token_ids, self._dev(positions), meta, None)
+        logits = self.model.compute_logits(hidden.index_select(0, self._dev(cu[1:] - 1)))
+        return logits.argmax(dim=-1)

@@ -19,9 +19,19 @@ estimated acceptance pays for their verification, and none for a growing back-of
 not even one pays, so speculation switches itself off where it cannot pay; and with
 ``disable_by_batch_size`` a step that runs more requests than that drafts nothing.
 
-The drafts need the previous step's tokens on the host, so with speculative decoding a
-step's output is copied to the host before it returns (no -1 history placeholders); the
-scheduler still plans the next step while this one runs.
+The drafts are placed in the host history, so with speculative decoding a step's output
+is copied to the host before it returns (no -1 history placeholders); the scheduler still
+plans the next step while this one runs.
+
+A draft model without PP drafts step t+1 inside step t, right after verification
+(``_draft_after_verification``): its forwards are queued on the device behind the
+verification's, from the history the verification has just extended, and their drafts
+stay on the device until step t+1 takes them (``_take_or_propose``, one copy). The
+scheduler books k KV slots past each step for the draft KV this writes
+(``EngineConfig.num_lookahead_tokens``). A request without ready drafts (the gate's
+answer at step t+1 exceeds what was drafted at step t's position cost, a preemption)
+proposes at the start of its step, as PP stages always do: they need the drafts before
+their forward and only the last stage verifies.
 
 Structured outputs: a step with grammar-constrained requests returns their drafts from
 the forward (``take_draft_token_ids``) and verifies only at ``sample_tokens``, whose
@@ -31,7 +41,7 @@ the dropped ones ran in the forward and count as rejected.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -56,6 +66,17 @@ from raylm.scheduler.core_outputs import (
 )
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.structured_output import GrammarOutput
+
+
+@dataclass(frozen=True)
+class _ReadyDrafts:
+    """A request's drafts computed at its last verification: row ``index`` of ``drafts``
+    (on the device), ``count`` of them, following a history ``num_tokens`` long."""
+
+    num_tokens: int
+    drafts: torch.Tensor
+    index: int
+    count: int
 
 
 class Speculator:
@@ -88,6 +109,13 @@ class Speculator:
         self.is_last_pp_rank = is_last_pp_rank
         self.learns_from_ring = learns_from_ring
         self._unverified: dict[str, tuple[int, int]] = {}
+        # A draft model without PP drafts step t+1 right after step t's verification
+        # (the scheduler books its KV slots ahead, ``num_lookahead_tokens``).
+        self.drafts_after_verification = (self.draft_model is not None
+                                          and engine_config.num_lookahead_tokens > 0)
+        self.num_spec_tokens = config.num_speculative_tokens
+        self.max_model_len = engine_config.model_config.max_model_len
+        self._next_drafts: dict[str, _ReadyDrafts] = {}
 
     # A draft model lives beside the target: loaded, sized and given blocks with it.
     def load_model(self, ctx: ParallelContext) -> None:
@@ -114,6 +142,7 @@ class Speculator:
             self.num_computed.pop(rid, None)
             self.gate.forget(rid)
             self._unverified.pop(rid, None)
+            self._next_drafts.pop(rid, None)
             if self.draft_model is not None:
                 self.draft_model.forget(rid)
         for new in so.scheduled_new_reqs:
@@ -147,7 +176,7 @@ class Speculator:
                 wanted.append(DraftRequest(rid, row, num_tokens, num_wanted))
         if self.disable_by_batch_size and len(num_scheduled) > self.disable_by_batch_size:
             wanted = []  # a large batch: verifying drafts costs more than it saves
-        for r, drafts in self._propose(wanted).items():
+        for r, drafts in self._take_or_propose(wanted).items():
             if drafts.size:
                 ib.token_ids[r.row, r.num_tokens:r.num_tokens + drafts.size] = drafts
                 ib.num_tokens[r.row] = r.num_tokens + drafts.size  # scratch, until verified
@@ -218,6 +247,47 @@ class Speculator:
         self._observe(rid, placed, tokens.size - 1, end)
         return run
 
+    def _take_or_propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
+        """The drafts the previous step's verification computed for these requests where
+        they follow the request's history as it is now; the others are proposed here."""
+        ready: dict[DraftRequest, np.ndarray] = {}
+        on_host: dict[int, np.ndarray] = {}  # one copy per verification's drafts
+        for r in wanted:
+            entry = self._next_drafts.pop(r.req_id, None)
+            if entry is not None and entry.num_tokens == r.num_tokens:
+                key = id(entry.drafts)
+                if key not in on_host:
+                    on_host[key] = entry.drafts.cpu().numpy()
+                ready[r] = on_host[key][entry.index, :min(entry.count, r.max_drafts)]
+        ready.update(self._propose([r for r in wanted if r not in ready]))
+        return ready
+
+    def _draft_after_verification(self, batch: StepBatch, sampling: np.ndarray) -> None:
+        """Draft the next step of every request that sampled here, now: the history holds
+        the emitted runs, the draft model's forwards go to the device behind the
+        verification's, and their argmaxes stay there until the next step places them.
+        The gate is asked what it will allow then (``peek``), at this step's position
+        cost; the next step's own answer may take fewer of them."""
+        ib = self.input_batch
+        position_cost = step_position_cost(len(batch.req_ids), self.step_overhead_tokens)
+        wanted = []
+        for i in sampling.tolist():
+            rid, row = batch.req_ids[i], int(batch.rows[i])
+            num_tokens = int(ib.num_tokens[row])
+            # Draft positions stop at max_model_len: the slots end there.
+            room = self.max_model_len - num_tokens
+            n = min(self.gate.peek(rid, self.num_spec_tokens, position_cost), room)
+            if n > 0:
+                wanted.append(DraftRequest(rid, row, num_tokens, n))
+        if self.disable_by_batch_size and len(batch.req_ids) > self.disable_by_batch_size:
+            wanted = []
+        if not wanted:
+            return
+        assert self.draft_model is not None
+        drafts = self.draft_model.propose(wanted)
+        for i, r in enumerate(wanted):
+            self._next_drafts[r.req_id] = _ReadyDrafts(r.num_tokens, drafts, i, r.max_drafts)
+
     def _propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
         if not wanted:
             return {}
@@ -226,8 +296,8 @@ class Speculator:
             return {r: self.ngram.propose(ib.token_ids[r.row, :r.num_tokens], r.max_drafts).copy()
                     for r in wanted}
         assert self.draft_model is not None
-        drafts = self.draft_model.propose(wanted)
-        return {r: drafts[r.req_id] for r in wanted}
+        drafts = self.draft_model.propose(wanted).cpu().numpy()
+        return {r: drafts[i, :r.max_drafts] for i, r in enumerate(wanted)}
 
     def take_draft_token_ids(self, req_ids: list[str]) -> DraftTokenIds:
         """This step's drafts of ``req_ids`` (grammar-constrained requests: the grammar
@@ -292,8 +362,11 @@ class Speculator:
         sampled = host[0][:, 0]
         drafts = [self._drafts.get(batch.req_ids[i], empty) for i in sampling.tolist()]
         accepted = num_accepted_drafts(sampled, np.concatenate(drafts) if drafts else empty, nd)
-        return self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
-                                 placed, sampled, host[1:] if lp is not None else None)
+        result = self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
+                                   placed, sampled, host[1:] if lp is not None else None)
+        if self.drafts_after_verification:
+            self._draft_after_verification(batch, sampling)
+        return result
 
     def _bookkeeping(self, batch: StepBatch, sampling: np.ndarray, seg_starts: np.ndarray,
                      base_len: np.ndarray, accepted: np.ndarray, num_drafts: np.ndarray,

@@ -44,14 +44,19 @@ def _no_leak(llm: LLM) -> dict:
 
 
 @pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
-@pytest.mark.parametrize("model, k", [("loopy", 1), ("loopy", 3), ("loopy", 5), ("llama", 3)])
+@pytest.mark.parametrize("model, k", [("loopy", 1), ("loopy", 3), ("loopy", 5), ("llama", 3),
+                                      ("loopy+draft", 3)])
 def test_greedy_equals_hf_with_chunks_prefix_hits_and_preemption(
-        loopy_llama_path, llama_path, hf_oracle, model, k, async_scheduling):
-    path = loopy_llama_path if model == "loopy" else llama_path
+        loopy_llama_path, llama_path, loopy_draft_path, hf_oracle, model, k, async_scheduling):
+    path = llama_path if model == "llama" else loopy_llama_path
+    # "+draft": a draft model that agrees with the target often, not always (its drafts
+    # run right after verification, into KV slots booked ahead of the step).
+    spec = ({"method": "draft_model", "model": loopy_draft_path, "num_speculative_tokens": k}
+            if model.endswith("+draft") else _ngram(k))
     # A 24-token budget chunks the long prompts; 36 blocks of 4 tokens cannot hold every
     # request at full length, so the scheduler preempts with drafts in flight.
     llm = LLM(path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=36,
-              max_num_batched_tokens=24, max_num_seqs=8, speculative_config=_ngram(k))
+              max_num_batched_tokens=24, max_num_seqs=8, speculative_config=spec)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = _copy_heavy(vocab)
     prompts += [prompts[0][:20] + p for p in _prompts(vocab, [3, 8], seed=5)]  # prefix hits
@@ -66,6 +71,8 @@ def test_greedy_equals_hf_with_chunks_prefix_hits_and_preemption(
     assert m["raylm:num_preemptions"] > 0 and m["raylm:prefix_cache_hits"] > 0, m
     assert m["raylm:spec_decode_num_accepted_tokens"] > 0, m
     assert m["raylm:spec_decode_num_draft_tokens"] >= m["raylm:spec_decode_num_accepted_tokens"]
+    if model.endswith("+draft"):  # some drafts rejected: the rollbacks ran
+        assert m["raylm:spec_decode_num_draft_tokens"] > m["raylm:spec_decode_num_accepted_tokens"]
     per_pos = [m[f'raylm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}']
                for i in range(k)]
     assert sum(per_pos) == m["raylm:spec_decode_num_accepted_tokens"]
@@ -260,4 +267,41 @@ def test_abort_with_drafts_in_flight_frees_blocks_and_keeps_others_exact(
         engine.step(timeout=0.1)
     assert m["raylm:kv_cache_usage_perc"] == 0.0 and m["raylm:num_requests_running"] == 0, m
     assert m["raylm:spec_decode_num_accepted_tokens"] > 0, m
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC_MODES)
+def test_draft_model_drafts_right_after_verification(llama_path, hf_oracle, monkeypatch,
+                                                     async_scheduling):
+    """Without PP the draft model proposes step t+1's drafts inside step t, right after
+    its verification, and step t+1 places them: no decode proposes at its own start."""
+    from raylm.runner.spec_decode.speculator import Speculator
+
+    calls = {"after_verification": 0, "at_step_start": 0}
+    after, at_start = Speculator._draft_after_verification, Speculator._propose
+
+    def counted_after(self, *args):
+        calls["after_verification"] += 1
+        return after(self, *args)
+
+    def counted_at_start(self, wanted):
+        calls["at_step_start"] += len(wanted)
+        return at_start(self, wanted)
+
+    monkeypatch.setattr(Speculator, "_draft_after_verification", counted_after)
+    monkeypatch.setattr(Speculator, "_propose", counted_at_start)
+    llm = LLM(llama_path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=64,
+              speculative_config={"method": "draft_model", "model": llama_path,
+                                  "num_speculative_tokens": 3})
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = _prompts(vocab, [5, 17, 33, 9], seed=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True))
+    oracle = hf_oracle(llama_path)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, 21)
+    m = _no_leak(llm)
+    assert m["raylm:spec_decode_num_accepted_tokens"] == m["raylm:spec_decode_num_draft_tokens"]
+    assert m["raylm:spec_decode_num_draft_tokens"] > 0, m
+    assert calls["after_verification"] > 0 and calls["at_step_start"] == 0, calls
     llm.shutdown()

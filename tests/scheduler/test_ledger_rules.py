@@ -270,3 +270,50 @@ def test_pp_new_token_ids_only_in_sync_mode(async_scheduling):
         assert all(ids == [] for ids in sent)
     else:
         assert [t for ids in sent for t in ids] == tokens["a"][:-1]  # each input once
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_draft_model_books_kv_slots_ahead_within_max_model_len(tmp_path, async_scheduling):
+    """A draft model (no PP) writes its KV for the next step's drafts right after
+    verification, up to k positions past the step's tokens: the scheduler books those
+    slots with the step, never past max_model_len, and counts them when it checks that a
+    request can fit the pool at all."""
+    from dataclasses import replace
+
+    from raylm.scheduler.engine_config import ParallelConfig
+    from raylm.scheduler.request import InvalidRequestError
+    from raylm.scheduler.speculative_config import SpeculativeConfig
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 1000}')
+    k, bs, max_model_len = 3, 4, 20
+    config = replace(make_config(async_scheduling=async_scheduling, block_size=bs,
+                                 max_model_len=max_model_len),
+                     speculative_config=SpeculativeConfig("draft_model", k, model=str(tmp_path)))
+    assert config.num_lookahead_tokens == k
+    assert replace(config, parallel_config=ParallelConfig(pipeline_parallel_size=2)
+                   ).num_lookahead_tokens == 0  # PP stages draft inside the step's booking
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    sched, runner = cls(config, 64), FakeRunner(64, bs)
+    r = make_request("a", 6, max_tokens=12, max_model_len=max_model_len)
+    sched.add_request(r)
+    held = []
+    in_flight = []
+    while sched.has_unfinished_requests() or in_flight:
+        if sched.has_unfinished_requests():
+            so = sched.schedule()
+            if so.total_num_scheduled_tokens:
+                held.append(len(sched.kv_cache_manager.req_to_blocks["a"]))
+                in_flight.append((so, runner.execute(so)))
+        if in_flight and (not async_scheduling or len(in_flight) > 1
+                          or not sched.has_unfinished_requests()):
+            sched.update_from_output(*in_flight.pop(0))
+    assert held[0] == -(-(6 + k) // bs)  # the prompt's 2 blocks and one ahead
+    assert max(held) == max_model_len // bs  # 6 + 12 tokens + 3 ahead, capped at 20
+    assert r.num_output_tokens == 12
+    sched.check_integrity(no_steps_in_flight=True)
+    # 6 + 10 tokens fit 4 blocks of 4; with the draft slots past them they need 5.
+    cls(replace(config, speculative_config=None), 4).add_request(
+        make_request("b", 6, max_tokens=10, max_model_len=max_model_len))
+    with pytest.raises(InvalidRequestError, match=f"{k} draft slots"):
+        cls(config, 4).add_request(make_request("b", 6, max_tokens=10,
+                                                max_model_len=max_model_len))
