@@ -203,6 +203,8 @@ class ModelRunner:
         if recv_intermediate is not None:
             intermediate_tensors = recv_intermediate(so)
         batch = self.input_preparer.prepare(so, self._settle_placeholders)
+        if self.speculator is not None:
+            self.speculator.place_device_drafts(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             intermediate_tensors)
         if not self.ctx.is_last_pp_rank:

@@ -26,7 +26,9 @@ plans the next step while this one runs.
 A draft model without PP drafts step t+1 inside step t, right after verification
 (``_draft_after_verification``): its forwards are queued on the device behind the
 verification's, from the history the verification has just extended, and their drafts
-stay on the device until step t+1 takes them (``_take_or_propose``, one copy). The
+stay on the device: step t+1 writes them into its input ids there
+(``place_device_drafts``) and copies them to the host only at its own verification,
+after the forward that used them (``_drafts_to_host``). The
 scheduler books k KV slots past each step for the draft KV this writes
 (``EngineConfig.num_lookahead_tokens``). A request without ready drafts (the gate's
 answer at step t+1 exceeds what was drafted at step t's position cost, a preemption)
@@ -116,6 +118,9 @@ class Speculator:
         self.num_spec_tokens = config.num_speculative_tokens
         self.max_model_len = engine_config.model_config.max_model_len
         self._next_drafts: dict[str, _ReadyDrafts] = {}
+        # This step's drafts taken from ``_next_drafts``, placed on the device only:
+        # (drafts, count, InputBatch row, their first position).
+        self._on_device: dict[str, tuple[_ReadyDrafts, int, int, int]] = {}
 
     # A draft model lives beside the target: loaded, sized and given blocks with it.
     def load_model(self, ctx: ParallelContext) -> None:
@@ -176,12 +181,21 @@ class Speculator:
                 wanted.append(DraftRequest(rid, row, num_tokens, num_wanted))
         if self.disable_by_batch_size and len(num_scheduled) > self.disable_by_batch_size:
             wanted = []  # a large batch: verifying drafts costs more than it saves
-        for r, drafts in self._take_or_propose(wanted).items():
+        ready = self._take_ready(wanted, num_scheduled)
+        for r, drafts in self._propose([r for r in wanted if r not in ready]).items():
             if drafts.size:
                 ib.token_ids[r.row, r.num_tokens:r.num_tokens + drafts.size] = drafts
                 ib.num_tokens[r.row] = r.num_tokens + drafts.size  # scratch, until verified
                 self._drafts[r.req_id] = drafts
                 num_scheduled[r.req_id] += drafts.size
+        self._on_device = {}
+        for r, (entry, count) in ready.items():
+            # The host history gets a stand-in (any valid id) until the verification
+            # copies the drafts out; the inputs get the drafts on the device.
+            ib.token_ids[r.row, r.num_tokens:r.num_tokens + count] = 0
+            ib.num_tokens[r.row] = r.num_tokens + count
+            self._on_device[r.req_id] = (entry, count, r.row, r.num_tokens)
+            num_scheduled[r.req_id] += count
         return replace(so, num_scheduled_tokens=num_scheduled,
                        total_num_scheduled_tokens=sum(num_scheduled.values()))
 
@@ -247,20 +261,58 @@ class Speculator:
         self._observe(rid, placed, tokens.size - 1, end)
         return run
 
-    def _take_or_propose(self, wanted: list[DraftRequest]) -> dict[DraftRequest, np.ndarray]:
-        """The drafts the previous step's verification computed for these requests where
-        they follow the request's history as it is now; the others are proposed here."""
-        ready: dict[DraftRequest, np.ndarray] = {}
-        on_host: dict[int, np.ndarray] = {}  # one copy per verification's drafts
+    def _take_ready(self, wanted: list[DraftRequest], scheduled: dict[str, int]
+                    ) -> dict[DraftRequest, tuple[_ReadyDrafts, int]]:
+        """The drafts the previous verification computed for the ``wanted`` requests,
+        where they follow the request's history as it is now, and how many of them to use.
+        Those of every other ``scheduled`` request are dropped: they were for this step."""
+        ready = {}
         for r in wanted:
             entry = self._next_drafts.pop(r.req_id, None)
             if entry is not None and entry.num_tokens == r.num_tokens:
-                key = id(entry.drafts)
-                if key not in on_host:
-                    on_host[key] = entry.drafts.cpu().numpy()
-                ready[r] = on_host[key][entry.index, :min(entry.count, r.max_drafts)]
-        ready.update(self._propose([r for r in wanted if r not in ready]))
+                ready[r] = (entry, min(entry.count, r.max_drafts))
+        if self._next_drafts:
+            for rid in scheduled:
+                self._next_drafts.pop(rid, None)
         return ready
+
+    def place_device_drafts(self, batch: StepBatch) -> None:
+        """Write the drafts that stayed on the device into the step's input ids (after
+        ``InputPreparer.prepare`` uploaded the host's stand-ins): the drafts never cross
+        to the host before the forward."""
+        if not self._on_device:
+            return
+        index = {rid: i for i, rid in enumerate(batch.req_ids)}
+        ends = np.cumsum(batch.num_scheduled)
+        by_source: dict[int, tuple[torch.Tensor, list[np.ndarray], list[np.ndarray],
+                                   list[np.ndarray]]] = {}
+        for rid, (entry, count, _, _) in self._on_device.items():
+            end = int(ends[index[rid]])  # the drafts are the row's last ``count`` inputs
+            _, flat, rows, cols = by_source.setdefault(id(entry.drafts),
+                                                       (entry.drafts, [], [], []))
+            flat.append(np.arange(end - count, end))
+            rows.append(np.full(count, entry.index))
+            cols.append(np.arange(count))
+        for drafts, flat, rows, cols in by_source.values():
+            batch.input_ids.index_put_(
+                (self._to_device(np.concatenate(flat).astype(np.int64)),),
+                drafts[self._to_device(np.concatenate(rows).astype(np.int64)),
+                       self._to_device(np.concatenate(cols).astype(np.int64))])
+
+    def _drafts_to_host(self) -> None:
+        """The drafts placed on the device this step, into the host history and
+        ``_drafts`` (verification and the grammar read them there): one copy per
+        verification that computed them, after the forward that used them."""
+        on_host: dict[int, np.ndarray] = {}
+        ib = self.input_batch
+        for rid, (entry, count, row, start) in self._on_device.items():
+            key = id(entry.drafts)
+            if key not in on_host:
+                on_host[key] = entry.drafts.cpu().numpy()
+            drafts = on_host[key][entry.index, :count]
+            ib.token_ids[row, start:start + count] = drafts
+            self._drafts[rid] = drafts
+        self._on_device = {}
 
     def _draft_after_verification(self, batch: StepBatch, sampling: np.ndarray) -> None:
         """Draft the next step of every request that sampled here, now: the history holds
@@ -302,6 +354,7 @@ class Speculator:
     def take_draft_token_ids(self, req_ids: list[str]) -> DraftTokenIds:
         """This step's drafts of ``req_ids`` (grammar-constrained requests: the grammar
         checks them before ``verify``)."""
+        self._drafts_to_host()
         return DraftTokenIds(list(req_ids), [
             self._drafts[r].tolist() if r in self._drafts else [] for r in req_ids])
 
@@ -323,6 +376,7 @@ class Speculator:
                ) -> ModelRunnerOutput:
         """Sample every verified position and accept the drafts. ``grammar_output``: the
         bitmask of the step's constrained requests, a row per position they verify."""
+        self._drafts_to_host()
         ib = self.input_batch
         empty = np.zeros(0, np.int64)
         placed = np.array([len(self._drafts.get(r, empty)) for r in batch.req_ids], np.int64)
