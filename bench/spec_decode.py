@@ -5,12 +5,14 @@ vs a draft model.
         [--workloads copy,miss] [--methods ngram,draft_model] [--disable-by-batch-size 8]
 
 Workloads (6m-size random-weight Llama checkpoints written locally, greedy, ignore_eos):
-- copy: a checkpoint whose attention output is scaled down 250x, so its next token
-  depends mostly on the current one and its text soon repeats itself; a random model
-  never quotes its prompt, so this one stands in for requests that quote or edit a
-  passage. Each prompt is 32 random tokens followed by 96 tokens this model generated from
-  them (generated once, before timing), so the continuation quotes the prompt and prompt
-  lookup finds it. 128 output tokens.
+- copy: requests that quote a passage of their prompt. A random model never quotes, so
+  this one is the 6m checkpoint with its attention output scaled down 10^5x: its next
+  token is a function of the current one, so it continues a passage the way it continued
+  it before. Each prompt is 32 random tokens S, the 128 tokens P this model generated
+  from S (once, before timing), and S again: the output quotes P, and prompt lookup finds
+  it from the repeated S on. 128 output tokens. (An earlier version scaled attention by
+  1/250 and quoted nothing explicitly, relying on the text falling into loops; whether it
+  did turned on float rounding, which the CPU kernels changed.)
 - miss: the plain random checkpoint (text that almost never repeats): drafts miss, and
   the per-request draft gate turns speculation off for the requests it cannot help.
   32-token prompts, 64 output tokens.
@@ -48,7 +50,7 @@ KV_BYTES = 64 << 20  # per engine: the engines of one row live side by side
 
 def copy_checkpoint() -> str:
     """The 6m checkpoint with attention output scaled down (see the module docstring)."""
-    path = os.path.join(CACHE, "llama-6m-copy")
+    path = os.path.join(CACHE, "llama-6m-quote")
     weights_file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(weights_file):
         import shutil
@@ -56,7 +58,7 @@ def copy_checkpoint() -> str:
         from raylm.runner.checkpoint import scale_attention_output
 
         shutil.copytree(checkpoint("6m"), path, dirs_exist_ok=True)
-        scale_attention_output(path, 0.004)
+        scale_attention_output(path, 1e-5)
     return path
 
 
@@ -80,11 +82,12 @@ def make_prompts(path: str, batch: int, prompt_len: int, quote_len: int) -> list
         vocab = llm.llm_engine.model_config.vocab_size
         prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(prompt_len)]}
                    for _ in range(batch)]
-        if quote_len:  # the model's own continuation becomes part of the prompt
+        if quote_len:  # S, the model's continuation of S, S again: the output quotes it
             quoted = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=quote_len,
                                                           ignore_eos=True, detokenize=False),
                                   use_tqdm=False)
-            prompts = [{"prompt_token_ids": p["prompt_token_ids"] + q.outputs[0].token_ids}
+            prompts = [{"prompt_token_ids": (p["prompt_token_ids"] + q.outputs[0].token_ids
+                                             + p["prompt_token_ids"])}
                        for p, q in zip(prompts, quoted, strict=True)]
     return prompts
 
@@ -156,7 +159,7 @@ def main() -> None:
              "model": draft_checkpoint() if "draft_model" in methods else None,
              "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size,
              **gate}
-    workloads = [w for w in [("copy", copy_checkpoint, 32, 96, 128),
+    workloads = [w for w in [("copy", copy_checkpoint, 32, 128, 128),
                              ("miss", lambda: checkpoint("6m"), 32, 0, 64)]
                  if w[0] in args.workloads.split(",")]
     print(f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} | {'ngram tok/s':>11} | "
