@@ -45,7 +45,11 @@ def prompt_tokens(seed: str, n: int) -> list[int]:
 def make_config(*, async_scheduling: bool, block_size: int = 4, num_kv_blocks: int | None = None,
                 max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
                 max_model_len: int = 256, enable_prefix_caching: bool = True,
-                pipeline_parallel_size: int = 1, num_spec_tokens: int = 0) -> EngineConfig:
+                pipeline_parallel_size: int = 1, num_spec_tokens: int = 0,
+                draft_model_dir: str | None = None) -> EngineConfig:
+    """``draft_model_dir``: speculate with method draft_model (a folder whose config.json
+    has this fake's vocab_size; the fake runner proposes the drafts either way), which
+    books KV slots ahead of each step without PP."""
     model = ModelConfig(model="fake", max_model_len=max_model_len, hf_config={
         "architectures": ["LlamaForCausalLM"], "max_position_embeddings": max_model_len,
         "vocab_size": VOCAB, "eos_token_id": EOS})
@@ -57,10 +61,23 @@ def make_config(*, async_scheduling: bool, block_size: int = 4, num_kv_blocks: i
                                          max_num_batched_tokens=max_num_batched_tokens,
                                          async_scheduling=async_scheduling),
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
-        speculative_config=(SpeculativeConfig("ngram", num_spec_tokens)
-                            if num_spec_tokens else None),
+        speculative_config=(None if not num_spec_tokens else
+                            SpeculativeConfig("ngram", num_spec_tokens) if draft_model_dir is None
+                            else SpeculativeConfig("draft_model", num_spec_tokens,
+                                                   model=draft_model_dir)),
     )
     return config
+
+
+def write_draft_model_config(folder: str) -> str:
+    """A stand-in draft model folder for ``make_config(draft_model_dir=...)``."""
+    import json
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"vocab_size": VOCAB}, f)
+    return folder
 
 
 def make_request(req_id: str, prompt: list[int] | int, max_tokens: int | None = 8,

@@ -4,6 +4,7 @@ EngineCore loops (async mostly), with the ledger invariants checked after every 
 from __future__ import annotations
 
 import random
+import tempfile
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from sched_fake_executor import (
     make_config,
     make_request,
     prompt_tokens,
+    write_draft_model_config,
 )
 
 from raylm.scheduler.core_outputs import FinishReason
@@ -46,6 +48,8 @@ def scenarios(draw):
         # random counts of them (or all).
         "k": draw(st.sampled_from([0, 0, 1, 3])),
         "accept_all": draw(st.booleans()),
+        # method draft_model: without PP every step books k KV slots ahead.
+        "draft_model": draw(st.booleans()),
     }
 
 
@@ -82,13 +86,20 @@ def _check_step(engine: EngineCore, fenced: dict[int, set[int]]) -> None:
             assert r.num_output_placeholders == 0 and r.num_stale_output_tokens == 0, r
 
 
+_DRAFT_MODEL_DIR = write_draft_model_config(tempfile.mkdtemp(prefix="raylm-fake-draft-"))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_engine_loop_invariants(sc):
     config = make_config(async_scheduling=sc["async"], block_size=BLOCK,
                          num_kv_blocks=sc["num_blocks"], max_num_batched_tokens=sc["budget"],
                          max_num_seqs=sc["max_num_seqs"], enable_prefix_caching=sc["caching"],
-                         pipeline_parallel_size=sc["pp"], num_spec_tokens=sc["k"])
+                         pipeline_parallel_size=sc["pp"], num_spec_tokens=sc["k"],
+                         draft_model_dir=_DRAFT_MODEL_DIR if sc["draft_model"] else None)
+    lookahead = config.num_lookahead_tokens
+    if lookahead:
+        event("draft slots booked ahead")
     eos_at: dict[str, int] = {}
     spec_rng = None if sc["accept_all"] else random.Random(sc["seed"] + 1)
     executor = FakeExecutor(num_blocks=sc["num_blocks"], block_size=BLOCK, eos_at=eos_at,
@@ -102,8 +113,9 @@ def test_engine_loop_invariants(sc):
         rid = f"r{i}"
         prompt = (shared if use_shared else []) + prompt_tokens(rid, plen)
         # Fit the pool (else add_request rightly refuses it).
-        max_tokens = max(1, min(max_tokens, sc["num_blocks"] * BLOCK - len(prompt)))
-        if max_tokens + len(prompt) > 256 or len(prompt) >= sc["num_blocks"] * BLOCK:
+        room = sc["num_blocks"] * BLOCK - lookahead  # the draft slots must fit too
+        max_tokens = max(1, min(max_tokens, room - len(prompt)))
+        if max_tokens + len(prompt) > 256 or len(prompt) >= room:
             continue
         req = make_request(rid, prompt, max_tokens=max_tokens, ignore_eos=eos is None)
         if eos is not None:
