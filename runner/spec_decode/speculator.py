@@ -30,10 +30,11 @@ stay on the device: step t+1 writes them into its input ids there
 (``place_device_drafts``) and copies them to the host only at its own verification,
 after the forward that used them (``_drafts_to_host``). The
 scheduler books k KV slots past each step for the draft KV this writes
-(``EngineConfig.num_lookahead_tokens``). A request without ready drafts (the gate's
-answer at step t+1 exceeds what was drafted at step t's position cost, a preemption)
-proposes at the start of its step, as PP stages always do: they need the drafts before
-their forward and only the last stage verifies.
+(``EngineConfig.num_lookahead_tokens``). Step t+1's gate may take fewer of them than
+were drafted (its position cost is its own batch's). A request without ready drafts
+(none were drafted at step t: its gate was closed then or the batch was over
+``disable_by_batch_size``; a preemption) proposes at the start of its step, as PP stages
+always do: they need the drafts before their forward and only the last stage verifies.
 
 Structured outputs: a step with grammar-constrained requests returns their drafts from
 the forward (``take_draft_token_ids``) and verifies only at ``sample_tokens``, whose
