@@ -33,6 +33,11 @@ class DraftRequest:
     row: int  # InputBatch row
     num_tokens: int  # known tokens; the drafts follow them
     max_drafts: int
+    # Right after a verification: the run it emitted (positions from ``run_start`` to
+    # ``num_tokens``) is read from the sampler's output on the device, from ``run_offset``
+    # on, not from the host history. -1: all from the history.
+    run_start: int = -1
+    run_offset: int = -1
 
 
 class DraftModelProposer:
@@ -80,12 +85,14 @@ class DraftModelProposer:
             self.num_computed[req_id] = min(self.num_computed[req_id], num_tokens - 1)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[DraftRequest]) -> torch.Tensor:
+    def propose(self, reqs: list[DraftRequest], runs: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Greedy drafts ``[len(reqs), max(max_drafts)]`` on the device: row i holds
-        ``reqs[i]``'s first ``max_drafts`` drafts (the rest of the row is 0). Each draft
-        forward feeds the previous one's argmax straight back, so the loop never waits
-        for the host; the caller copies the drafts out when it needs them."""
-        ib = self.input_batch
+        ``reqs[i]``'s first ``max_drafts`` drafts (the rest of the row is 0). ``runs``:
+        the verified tokens on the device that requests with a ``run_start`` read their
+        newest tokens from. Each draft forward feeds the previous one's argmax straight
+        back, so the loop never waits for the host; the caller copies the drafts out when
+        it needs them."""
         width = max((r.max_drafts for r in reqs), default=0)
         drafts = torch.zeros((len(reqs), width), dtype=torch.int64, device=self.device)
         # Step 0 catches up on the unseen known tokens; step j > 0 feeds draft j - 1.
@@ -96,9 +103,7 @@ class DraftModelProposer:
                            for i in active.tolist()], np.int64)
         rows = np.array([reqs[i].row for i in active.tolist()], np.int64)
         q_lens = np.array([reqs[i].num_tokens for i in active.tolist()], np.int64) - starts
-        token_ids = self._dev(np.concatenate([ib.token_ids[r, s:s + n] for r, s, n in
-                                              zip(rows.tolist(), starts.tolist(),
-                                                  q_lens.tolist())]).astype(np.int64))
+        token_ids = self._catch_up_tokens([reqs[i] for i in active.tolist()], starts, runs)
         step = 0
         while active.size:
             token_ids = self._forward(rows, starts, q_lens, token_ids)
@@ -112,6 +117,29 @@ class DraftModelProposer:
             starts = np.array([reqs[i].num_tokens + step - 1 for i in active.tolist()], np.int64)
             q_lens = np.ones(active.size, np.int64)
         return drafts
+
+    def _catch_up_tokens(self, reqs: list[DraftRequest], starts: np.ndarray,
+                         runs: torch.Tensor | None) -> torch.Tensor:
+        """The tokens from ``starts[i]`` to ``reqs[i].num_tokens`` of every request, on
+        the device, in order: from the host history, except a verified run, which comes
+        from ``runs`` on the device."""
+        ib = self.input_batch
+        host_parts, order = [], []  # order: (from the history?, index) per token
+        num_host = 0
+        for r, start in zip(reqs, starts.tolist()):
+            split = r.num_tokens if runs is None or r.run_start < 0 else max(start, r.run_start)
+            host_parts.append(ib.token_ids[r.row, start:split])
+            order.append(np.arange(num_host, num_host + split - start))
+            num_host += split - start
+            if split < r.num_tokens:  # marked for the device part (offset below)
+                order.append(-1 - (r.run_offset + np.arange(split - r.run_start,
+                                                            r.num_tokens - r.run_start)))
+        host = self._dev(np.concatenate(host_parts).astype(np.int64))
+        if runs is None or num_host == sum(len(o) for o in order):
+            return host
+        index = np.concatenate(order)
+        index = np.where(index >= 0, index, num_host - 1 - index)  # device part after host
+        return torch.cat((host, runs)).index_select(0, self._dev(index))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))

@@ -25,7 +25,8 @@ plans the next step while this one runs.
 
 A draft model without PP drafts step t+1 inside step t, right after verification
 (``_draft_after_verification``): its forwards are queued on the device behind the
-verification's, from the history the verification has just extended, and their drafts
+verification's, reading the emitted runs from the sampler's output there (the host lays
+out positions from the counts that came with the step's output), and their drafts
 stay on the device: step t+1 writes them into its input ids there
 (``place_device_drafts``) and copies them to the host only at its own verification,
 after the forward that used them (``_drafts_to_host``). The
@@ -315,29 +316,35 @@ class Speculator:
             self._drafts[rid] = drafts
         self._on_device = {}
 
-    def _draft_after_verification(self, batch: StepBatch, sampling: np.ndarray) -> None:
-        """Draft the next step of every request that sampled here, now: the history holds
-        the emitted runs, the draft model's forwards go to the device behind the
-        verification's, and their argmaxes stay there until the next step places them.
-        The gate is asked what it will allow then (``peek``), at this step's position
-        cost; the next step's own answer may take fewer of them."""
+    def _draft_after_verification(self, batch: StepBatch, sampling: np.ndarray,
+                                  sampled: torch.Tensor, seg_starts: np.ndarray,
+                                  base_len: np.ndarray) -> None:
+        """Draft the next step of every request that sampled here, now: the draft model
+        reads each emitted run from the sampler's output on the device (``sampled``, the
+        run of ``sampling[k]`` from ``seg_starts[k]``, after ``base_len[k]`` known tokens;
+        the host supplies only the counts, which came with the step's output), its
+        forwards go to the device behind the verification's, and their argmaxes stay there
+        until the next step places them. The gate is asked what it will allow then
+        (``peek``), at this step's position cost; the next step's own answer may take
+        fewer of them."""
         ib = self.input_batch
         position_cost = step_position_cost(len(batch.req_ids), self.step_overhead_tokens)
         wanted = []
-        for i in sampling.tolist():
+        for k, i in enumerate(sampling.tolist()):
             rid, row = batch.req_ids[i], int(batch.rows[i])
             num_tokens = int(ib.num_tokens[row])
             # Draft positions stop at max_model_len: the slots end there.
             room = self.max_model_len - num_tokens
             n = min(self.gate.peek(rid, self.num_spec_tokens, position_cost), room)
             if n > 0:
-                wanted.append(DraftRequest(rid, row, num_tokens, n))
+                wanted.append(DraftRequest(rid, row, num_tokens, n, int(base_len[k]),
+                                           int(seg_starts[k])))
         if self.disable_by_batch_size and len(batch.req_ids) > self.disable_by_batch_size:
             wanted = []
         if not wanted:
             return
         assert self.draft_model is not None
-        drafts = self.draft_model.propose(wanted)
+        drafts = self.draft_model.propose(wanted, sampled)
         for i, r in enumerate(wanted):
             self._next_drafts[r.req_id] = _ReadyDrafts(r.num_tokens, drafts, i, r.max_drafts)
 
@@ -420,7 +427,8 @@ class Speculator:
         result = self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
                                    placed, sampled, host[1:] if lp is not None else None)
         if self.drafts_after_verification:
-            self._draft_after_verification(batch, sampling)
+            self._draft_after_verification(batch, sampling, out.sampled_token_ids[:, 0],
+                                           seg_starts, base_len)
         return result
 
     def _bookkeeping(self, batch: StepBatch, sampling: np.ndarray, seg_starts: np.ndarray,
