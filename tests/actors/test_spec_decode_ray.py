@@ -167,3 +167,35 @@ def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draf
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, async_scheduling):
+    """A draft model on TP=2 worker actors: without PP each rank drafts the next step
+    right after its verification, into KV slots the scheduler books ahead, and places
+    the drafts on its device in the next step. A near copy of the target (attention
+    output halved) has part of its drafts accepted, so the ranks roll back alike. The
+    tokens equal transformers."""
+    import shutil
+
+    from raylm import LLM
+    from raylm.runner.checkpoint import scale_attention_output
+
+    near = str(tmp_path / "near")
+    shutil.copytree(llama_path, near)
+    scale_attention_output(near, 0.5)
+    llm = LLM(llama_path, tensor_parallel_size=2, async_scheduling=async_scheduling,
+              block_size=4, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=8,
+              speculative_config={"method": "draft_model", "model": near,
+                                  "num_speculative_tokens": 3})
+    try:
+        assert llm.llm_engine.engine_config.num_lookahead_tokens == 3
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 19, 31, 10)]
+        max_tokens = [22, 15, 18, 25]
+        metrics = _greedy_equals_hf(llm, hf_oracle(llama_path), prompts, max_tokens)
+        drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+        assert 0 < metrics["raylm:spec_decode_num_accepted_tokens"] < drafted, metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()
