@@ -8,8 +8,8 @@ tokens it has not seen (the target's accepted tokens since its last proposal, or
 prompt at the first decode), then drafts greedily one token at a time; all requests that
 draft in a step share each forward, and each forward's argmax feeds the next on the
 device (no host copy until the caller takes the drafts). Greedy drafts are point masses,
-which is what the verification (rejection_sampler.py) expects. KV written for drafts that the target then
-rejects lies past ``num_computed`` and is overwritten later.
+which is what the verification (rejection_sampler.py) expects. KV written for drafts
+that the target then rejects lies past ``num_computed`` and is overwritten later.
 """
 
 from __future__ import annotations
@@ -124,14 +124,15 @@ class DraftModelProposer:
         the device, in order: from the host history, except a verified run, which comes
         from ``runs`` on the device."""
         ib = self.input_batch
-        host_parts, order = [], []  # order: (from the history?, index) per token
+        # Per token, in order: its index in the host part, or -1 - its index in ``runs``.
+        host_parts, order = [], []
         num_host = 0
         for r, start in zip(reqs, starts.tolist()):
             split = r.num_tokens if runs is None or r.run_start < 0 else max(start, r.run_start)
             host_parts.append(ib.token_ids[r.row, start:split])
             order.append(np.arange(num_host, num_host + split - start))
             num_host += split - start
-            if split < r.num_tokens:  # marked for the device part (offset below)
+            if split < r.num_tokens:
                 order.append(-1 - (r.run_offset + np.arange(split - r.run_start,
                                                             r.num_tokens - r.run_start)))
         host = self._dev(np.concatenate(host_parts).astype(np.int64))
