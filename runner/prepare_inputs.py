@@ -25,6 +25,15 @@ from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
 from raylm.scheduler.core_outputs import SchedulerOutput
 
 
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``: the array itself on the CPU (no copy), else one
+    non-blocking copy from pinned memory (the step never waits for it)."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepBatch:
     req_ids: list[str]
@@ -92,10 +101,7 @@ class InputPreparer:
             self.prepare_inputs_event.record()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return upload(array, self.device)
 
     def prepare(self, so: SchedulerOutput,
                 settle_placeholders: Callable[[], None]) -> StepBatch:

@@ -24,6 +24,7 @@ from raylm.parallel.context import ParallelContext
 from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.runner.prepare_inputs import upload
 from raylm.scheduler.engine_config import EngineConfig, ModelConfig
 
 
@@ -143,8 +144,7 @@ class DraftModelProposer:
         return torch.cat((host, runs)).index_select(0, self._dev(index))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(array))
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        return upload(array, self.device)
 
     def _forward(self, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
                  token_ids: torch.Tensor) -> torch.Tensor:

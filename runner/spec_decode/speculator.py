@@ -55,7 +55,7 @@ from raylm.parallel.context import ParallelContext
 from raylm.runner.grammar_bitmask import apply_grammar_bitmask
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.pp_ring import RingDelivery
-from raylm.runner.prepare_inputs import StepBatch
+from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.runner.rejection_sampler import num_accepted_drafts
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import build_sampling_metadata
@@ -137,8 +137,7 @@ class Speculator:
             self.draft_model.initialize_kv_cache(num_blocks)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(array))
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        return upload(array, self.device)
 
     def begin_step(self, so: SchedulerOutput) -> SchedulerOutput:
         """After the diff is applied: correct positions, propose and place drafts.
