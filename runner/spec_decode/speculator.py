@@ -326,6 +326,8 @@ class Speculator:
         until the next step places them. The gate is asked what it will allow then
         (``peek``), at this step's position cost; the next step's own answer may take
         fewer of them."""
+        if self.disable_by_batch_size and len(batch.req_ids) > self.disable_by_batch_size:
+            return  # a batch this large drafts nothing (its next step decides again)
         ib = self.input_batch
         position_cost = step_position_cost(len(batch.req_ids), self.step_overhead_tokens)
         wanted = []
@@ -338,8 +340,6 @@ class Speculator:
             if n > 0:
                 wanted.append(DraftRequest(rid, row, num_tokens, n, int(base_len[k]),
                                            int(seg_starts[k])))
-        if self.disable_by_batch_size and len(batch.req_ids) > self.disable_by_batch_size:
-            wanted = []
         if not wanted:
             return
         assert self.draft_model is not None

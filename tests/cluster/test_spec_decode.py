@@ -30,6 +30,15 @@ def _ngram(k: int) -> dict:
             "prompt_lookup_max": 3}
 
 
+def _greedy_equals_hf(llm: LLM, oracle, prompts: list[list[int]], max_tokens: list[int]) -> None:
+    """Greedy generation of ``prompts`` gives transformers' tokens, request by request."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                         for m in max_tokens])
+    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, m), f"prompt of {len(p)} diverged"
+
+
 def _no_leak(llm: LLM) -> dict:
     """Every block is back. Under async scheduling generate() can return while a step
     booked for the finished request is still in flight: its blocks return (deferred
@@ -61,12 +70,7 @@ def test_greedy_equals_hf_with_chunks_prefix_hits_and_preemption(
     prompts = _copy_heavy(vocab)
     prompts += [prompts[0][:20] + p for p in _prompts(vocab, [3, 8], seed=5)]  # prefix hits
     max_tokens = [24, 30, 16, 28, 20, 12, 26]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                         for m in max_tokens])
-    oracle = hf_oracle(path)
-    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(p, m), f"prompt of {len(p)} diverged"
+    _greedy_equals_hf(llm, hf_oracle(path), prompts, max_tokens)
     m = _no_leak(llm)
     assert m["raylm:num_preemptions"] > 0 and m["raylm:prefix_cache_hits"] > 0, m
     assert m["raylm:spec_decode_num_accepted_tokens"] > 0, m
@@ -173,12 +177,7 @@ def test_draft_model_equal_to_target_accepts_every_draft(llama_path, hf_oracle, 
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = _prompts(vocab, [5, 17, 33, 9], seed=8)
     max_tokens = [20, 13, 16, 24]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                         for m in max_tokens])
-    oracle = hf_oracle(llama_path)
-    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(p, m)
+    _greedy_equals_hf(llm, hf_oracle(llama_path), prompts, max_tokens)
     m = _no_leak(llm)
     assert m["raylm:spec_decode_num_draft_tokens"] > 0, m
     assert m["raylm:spec_decode_num_accepted_tokens"] == m["raylm:spec_decode_num_draft_tokens"]
@@ -194,11 +193,7 @@ def test_random_draft_model_is_rejected_and_output_still_exact(llama_path, tmp_p
     llm = LLM(llama_path, speculative_config={
         "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
     prompts = _prompts(512, [5, 17, 33], seed=8)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    oracle = hf_oracle(llama_path)
-    for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(p, 30)
+    _greedy_equals_hf(llm, hf_oracle(llama_path), prompts, [30] * len(prompts))
     m = _no_leak(llm)
     assert m["raylm:spec_decode_num_draft_tokens"] > 0, m
     assert m["raylm:spec_decode_num_accepted_tokens"] <= 0.1 * m[
@@ -295,11 +290,7 @@ def test_draft_model_drafts_right_after_verification(llama_path, hf_oracle, monk
                                   "num_speculative_tokens": 3})
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = _prompts(vocab, [5, 17, 33, 9], seed=12)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True))
-    oracle = hf_oracle(llama_path)
-    for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(p, 21)
+    _greedy_equals_hf(llm, hf_oracle(llama_path), prompts, [21] * len(prompts))
     m = _no_leak(llm)
     assert m["raylm:spec_decode_num_accepted_tokens"] == m["raylm:spec_decode_num_draft_tokens"]
     assert m["raylm:spec_decode_num_draft_tokens"] > 0, m
