@@ -42,6 +42,28 @@ from raylm.runner.ragged_attention import (
 # Query rows up to this long take the ragged kernel (each token its own pairs); longer
 # rows are prefill-like and one sdpa per row is cheaper than repeating their context.
 RAGGED_MAX_QUERY_LEN = 8
+# Device memory the torch ragged kernel may take per layer call: its pairs copy K/V block
+# by block, so an unbounded step (128 rows x 128k context) would need tens of GiB. Tokens
+# past it run in further chunks (ragged_attention.pair_chunks).
+RAGGED_WORKSPACE_BYTES = 1 << 30
+
+
+def ragged_bytes_per_pair(num_heads: int, num_kv_heads: int, head_dim: int,
+                          block_size: int, elem: int) -> int:
+    """Device bytes the torch ragged kernel holds per (token, block) pair at its peak: the
+    pair's K and V blocks, its query copy, float32 scores (and their cast), float32
+    outputs, and the mask row."""
+    kv = 2 * num_kv_heads * block_size * head_dim * elem
+    scores = num_heads * block_size * (4 + 2 * elem)
+    out = num_heads * head_dim * (4 + 2 * elem)
+    return kv + scores + out + block_size * 4
+
+
+def max_ragged_pairs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     elem: int, workspace_bytes: int = RAGGED_WORKSPACE_BYTES) -> int:
+    """Pairs the torch ragged kernel takes at once within ``workspace_bytes``."""
+    per_pair = ragged_bytes_per_pair(num_heads, num_kv_heads, head_dim, block_size, elem)
+    return max(1, workspace_bytes // per_pair)
 
 
 @dataclass
@@ -128,9 +150,10 @@ def build_attention_metadata(
     block_table: np.ndarray | torch.Tensor,  # [B, nb] host block ids (a CPU tensor is taken)
     block_size: int,
     cpu_kernel: bool | None = None,
+    max_pairs: int | None = None,
 ) -> AttentionMetadata:
     """``cpu_kernel``: whether the short rows may take the C++ kernel (default: on CPU);
-    they do when it is available."""
+    they do when it is available. ``max_pairs``: the torch kernel's chunk (max_ragged_pairs)."""
     device = slot_mapping.device
     cpu_kernel = (device.type == "cpu" if cpu_kernel is None else cpu_kernel) and \
         load_cpu_attention_kernel()
@@ -146,7 +169,8 @@ def build_attention_metadata(
     finish_ragged = None
     if short.size:
         finish_ragged = build_ragged_tokens(query_start_loc, seq_lens, table, short,
-                                            block_size, num_tokens, pack, pairs=not cpu_kernel)
+                                            block_size, num_tokens, pack, pairs=not cpu_kernel,
+                                            max_pairs=max_pairs)
     # Long rows: few per step (bounded by the token budget), one sdpa each.
     spans: list[tuple[PrefillSpan, tuple[int, int] | None]] = []
     for row in np.flatnonzero(query_lens > RAGGED_MAX_QUERY_LEN).tolist():

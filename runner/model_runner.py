@@ -38,7 +38,9 @@ from raylm.runner.async_output import (
 from raylm.runner.attention import allocate_kv_cache
 from raylm.runner.grammar_bitmask import DeferredSampling, apply_grammar_bitmask
 from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
@@ -106,9 +108,13 @@ class ModelRunner:
         sched = engine_config.scheduler_config
         self.input_batch = InputBatch(sched.max_num_seqs, self.model_config.max_model_len,
                                       self.block_size)
-        self.input_preparer = InputPreparer(self.input_batch, self.block_size,
-                                            sched.max_num_batched_tokens, self.device,
-                                            needs_input_ids=ctx.is_first_pp_rank)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        attn_shape = RankAttentionShape.of(DecoderConfig.from_hf(self.model_config.hf_config),
+                                           ctx.tp_size)
+        self.input_preparer = InputPreparer(
+            self.input_batch, self.block_size, sched.max_num_batched_tokens, self.device,
+            needs_input_ids=ctx.is_first_pp_rank,
+            max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem))
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).
         self.sampled_req_id_to_index: dict[str, int] = {}

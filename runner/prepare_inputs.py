@@ -61,8 +61,10 @@ class AsyncInputStats:
 
 class InputPreparer:
     def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
-                 device: torch.device, needs_input_ids: bool = True) -> None:
+                 device: torch.device, needs_input_ids: bool = True,
+                 max_ragged_pairs: int | None = None) -> None:
         self.input_batch = input_batch
+        self.max_ragged_pairs = max_ragged_pairs  # the torch ragged kernel's chunk
         # Only the first pipeline stage embeds token ids; later stages take hidden states,
         # so their (possibly unsettled) token ids are never needed.
         self.needs_input_ids = needs_input_ids
@@ -165,7 +167,8 @@ class InputPreparer:
         if fill_rows.size:
             self._fill_from_previous_step(fill_rows, fill_src, fill_flat)
         meta = build_attention_metadata(query_start_loc, seq_lens, self.slot_mapping[:n],
-                                        block_table, self.block_size)
+                                        block_table, self.block_size,
+                                        max_pairs=self.max_ragged_pairs)
         return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
                          self.positions[:n], meta, logits_indices)
 

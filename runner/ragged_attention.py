@@ -57,6 +57,10 @@ class RaggedTokens:
     bias: torch.Tensor | None = None  # [P, 1, 1, bs] float32: 0 for visible keys, -inf past
     # the token's last key; None when every pair's block is fully visible
     single_pair: bool = False  # every token has one pair: no combine needed
+    # Token ranges run one after another, each with its own pairs (t0, t1, p0, p1): the
+    # workspace of a step is then bounded by a chunk's pairs, not by the sum of contexts.
+    # None: one chunk.
+    chunks: list[tuple[int, int, int, int]] | None = None
     # C++ kernel (None for the torch one):
     block_table: torch.Tensor | None = None  # [R, nb] the block tables of the tokens' rows
     token_row: torch.Tensor | None = None  # [N] each token's row of ``block_table``
@@ -65,12 +69,14 @@ class RaggedTokens:
 
 def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                         block_table: np.ndarray, rows: np.ndarray, block_size: int,
-                        num_batch_tokens: int, upload: _Upload, pairs: bool = True
+                        num_batch_tokens: int, upload: _Upload, pairs: bool = True,
+                        max_pairs: int | None = None
                         ) -> Callable[[torch.Tensor], RaggedTokens]:
     """Metadata for the query tokens of ``rows`` (host numpy, vectorised): their pairs
     when ``pairs`` (the torch kernel), else their rows and key counts (the C++ kernel).
     The index arrays are added to ``upload``; the returned function takes the uploaded
-    tensor and slices them out."""
+    tensor and slices them out. ``max_pairs``: the most pairs the torch kernel takes at
+    once (whole tokens per chunk; a token with more pairs runs alone)."""
     bs = block_size
     qlens = query_start_loc[rows + 1] - query_start_loc[rows]
     num_tokens = int(qlens.sum())
@@ -112,6 +118,8 @@ def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     at_block = upload.add(pair_block)
     at_visible = upload.add(visible) if masked else None
     single_pair = bool((nblk == 1).all())
+    chunks = (pair_chunks(nblk, max_pairs)
+              if max_pairs is not None and num_pairs > max_pairs else None)
 
     def finish(uploaded: torch.Tensor) -> RaggedTokens:
         bias = None
@@ -127,9 +135,27 @@ def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
             token_index=None if at_index is None else uploaded[at_index[0]:at_index[1]],
             pair_token=uploaded[at_token[0]:at_token[1]],
             pair_block=uploaded[at_block[0]:at_block[1]],
-            bias=bias, single_pair=single_pair)
+            bias=bias, single_pair=single_pair, chunks=chunks)
 
     return finish
+
+
+def pair_chunks(pairs_per_token: np.ndarray, max_pairs: int) -> list[tuple[int, int, int, int]]:
+    """Split tokens (in order) into runs of at most ``max_pairs`` pairs each, a token never
+    split: ``(t0, t1, p0, p1)`` per run."""
+    if max_pairs < 1:
+        raise ValueError(f"max_pairs must be at least 1, got {max_pairs}.")
+    ends = np.cumsum(pairs_per_token)
+    chunks = []
+    t0 = p0 = 0
+    num_tokens = len(pairs_per_token)
+    while t0 < num_tokens:
+        # The last token whose pairs still fit after p0 (at least one token per run).
+        t1 = max(t0 + 1, int(np.searchsorted(ends, p0 + max_pairs, side="right")))
+        p1 = int(ends[t1 - 1])
+        chunks.append((t0, t1, p0, p1))
+        t0, p0 = t1, p1
+    return chunks
 
 
 def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
@@ -138,41 +164,59 @@ def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
     """query [N, Hq, D] (the ragged tokens, in ``meta``'s order), caches
     ``[num_blocks, Hkv, bs, D]`` -> [N, Hq * D] in the query's dtype."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[1]
     assert num_tokens == meta.num_tokens, (
         f"query has {num_tokens} tokens, the metadata {meta.num_tokens}")
     if meta.pair_token is None:  # the C++ kernel's metadata
         return torch.ops.raylm.paged_attention(query, key_cache, value_cache, meta.block_table,
                                                meta.token_row, meta.kv_len, scale)
-    assert meta.pair_block is not None
+    assert meta.pair_block is not None and meta.pair_token is not None
+    if meta.chunks is None:
+        return _pairs_attention(query, key_cache, value_cache, meta.pair_token,
+                                meta.pair_block, meta.bias, meta.single_pair, scale)
+    out = query.new_empty((num_tokens, num_heads * head_dim))
+    for t0, t1, p0, p1 in meta.chunks:
+        bias = None if meta.bias is None else meta.bias[p0:p1]
+        out[t0:t1] = _pairs_attention(query[t0:t1], key_cache, value_cache,
+                                      meta.pair_token[p0:p1] - t0, meta.pair_block[p0:p1],
+                                      bias, meta.single_pair, scale)
+    return out
+
+
+def _pairs_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     pair_token: torch.Tensor, pair_block: torch.Tensor,
+                     bias: torch.Tensor | None, single_pair: bool, scale: float
+                     ) -> torch.Tensor:
+    """The torch kernel over one run of tokens and their pairs."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
-    q = query.view(num_tokens, num_kv_heads, group, head_dim).index_select(0, meta.pair_token)
-    k = key_cache.index_select(0, meta.pair_block)  # [P, Hkv, bs, D]
-    v = value_cache.index_select(0, meta.pair_block)
+    q = query.view(num_tokens, num_kv_heads, group, head_dim).index_select(0, pair_token)
+    k = key_cache.index_select(0, pair_block)  # [P, Hkv, bs, D]
+    v = value_cache.index_select(0, pair_block)
     s = torch.matmul(q, k.transpose(-1, -2))  # [P, Hkv, G, bs]
     s = s.float() if s.dtype != torch.float32 else s
     s.mul_(scale)
-    if meta.bias is not None:
-        s.add_(meta.bias)
+    if bias is not None:
+        s.add_(bias)
     # The softmax over a token's keys, spread over its pairs: subtract the token's own max
     # (over all its pairs; finite, every pair sees at least one key), exponentiate, and
     # sum numerators and normalisers per token.
     m = s.amax(-1, keepdim=True)
-    if not meta.single_pair:
+    if not single_pair:
         token_max = torch.full((num_tokens, num_kv_heads, group, 1), float("-inf"),
                                dtype=torch.float32, device=q.device)
-        token_max.scatter_reduce_(0, meta.pair_token.view(-1, 1, 1, 1).expand_as(m), m,
+        token_max.scatter_reduce_(0, pair_token.view(-1, 1, 1, 1).expand_as(m), m,
                                   reduce="amax")
-        m = token_max.index_select(0, meta.pair_token)
+        m = token_max.index_select(0, pair_token)
     p = s.sub_(m).exp_()
     l = p.sum(-1, keepdim=True)  # noqa: E741 (the softmax normaliser's usual name)
     o = torch.matmul(p.to(v.dtype), v)  # [P, Hkv, G, D]
     o = o.float() if o.dtype != torch.float32 else o
-    if meta.single_pair:
+    if single_pair:
         out = o.div_(l)
     else:
         out = torch.zeros((num_tokens, num_kv_heads, group, head_dim), dtype=torch.float32,
-                          device=q.device).index_add_(0, meta.pair_token, o)
+                          device=q.device).index_add_(0, pair_token, o)
         out.div_(torch.zeros((num_tokens, num_kv_heads, group, 1), dtype=torch.float32,
-                             device=q.device).index_add_(0, meta.pair_token, l))
+                             device=q.device).index_add_(0, pair_token, l))
     return out.to(query.dtype).reshape(num_tokens, num_heads * head_dim)

@@ -9,9 +9,11 @@ needs neither.
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import platform
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,8 +22,13 @@ from raylm.parallel.distributed import cuda_missing_reason, pick_device
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.cpu_budget import usable_cpus
 from raylm.runner.host_memory import keep_freed_host_memory
+from raylm.runner.memory_budget import (
+    GIB,
+    kv_cache_budget_bytes,
+    num_kv_blocks_for,
+    step_reserve_bytes,
+)
 from raylm.runner.model_runner import ModelRunner
-from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.scheduler import envs
@@ -29,6 +36,8 @@ from raylm.scheduler.core_outputs import DraftTokenIds, ModelRunnerOutput, Sched
 from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.structured_output import GrammarOutput
+
+logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -56,6 +65,21 @@ def _available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _total_host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_model_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 def default_intra_op_threads() -> int:
@@ -86,35 +110,6 @@ def set_intra_op_threads(num_threads: int) -> None:
     fast after switching between one and two threads every step as on two throughout."""
     if num_threads != torch.get_num_threads():
         torch.set_num_threads(num_threads)
-
-
-# NCCL's buffers per communicator (channels x peers x NCCL_BUFFSIZE, plus its proxy):
-# a few hundred MiB on 8-GPU nodes, not visible to torch's allocator.
-NCCL_COMMUNICATOR_RESERVE_BYTES = 256 << 20
-_FIXED_RESERVE_BYTES = 256 << 20  # CUDA context slack, allocator fragmentation
-
-
-def device_reserve_bytes(config: EngineConfig, ctx: ParallelContext, elem: int) -> int:
-    """Device memory a rank needs besides weights and the KV cache, sized for the worst
-    step: activations of a full token budget, the sampler's float32 logits, the decode
-    attention workspace, and the communicators' buffers."""
-    hf = config.model_config.hf_config
-    sched = config.scheduler_config
-    dc = DecoderConfig.from_hf(hf)
-    width = dc.hidden_size * 4 + 3 * dc.intermediate_size
-    activations = 2 * sched.max_num_batched_tokens * width * elem
-    logits = sched.max_num_seqs * dc.vocab_size * 4 * 6  # float32 sampler temporaries
-    # Decode attention gathers every running request's K and V (this rank's KV heads, up
-    # to max_model_len positions) into one contiguous batch, plus float32 scores per
-    # query head: ~4 GiB for an 8B model at 128 requests x 8k tokens.
-    kv_heads = max(1, dc.num_key_value_heads // ctx.tp_size)
-    q_heads = max(1, dc.num_attention_heads // ctx.tp_size)
-    rows = sched.max_num_seqs * sched.max_model_len
-    decode = rows * (2 * kv_heads * dc.head_dim * elem + q_heads * 4)
-    groups = sum(g is not None for g in (ctx.tp_group, ctx.pp_group))
-    groups += 2 if ctx.pp_group is not None else 0  # the sampled-id broadcast, the p2p pair
-    return (activations + logits + decode + groups * NCCL_COMMUNICATOR_RESERVE_BYTES
-            + _FIXED_RESERVE_BYTES)
 
 
 class Worker:
@@ -151,7 +146,20 @@ class Worker:
         self.num_threads = num_threads or default_intra_op_threads()
         set_intra_op_threads(self.num_threads)
         self.ctx = ctx
+        info = self.device_info()
+        logger.info("worker rank %d runs on %s: %s (index %s, %.1f GiB)", self.rank,
+                    info["kind"], info["name"], info["index"], info["memory_bytes"] / GIB)
         self.model_runner = ModelRunner(self.engine_config, ctx)
+
+    def device_info(self) -> dict[str, Any]:
+        """What this rank runs on: kind (cuda, cpu), name, index, total memory."""
+        device = self.ctx.device
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            return {"kind": "cuda", "name": props.name, "index": device.index,
+                    "memory_bytes": int(props.total_memory)}
+        return {"kind": device.type, "name": cpu_model_name(), "index": None,
+                "memory_bytes": _total_host_memory()}
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -162,24 +170,23 @@ class Worker:
             return cache.num_kv_blocks
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
+            budget, what = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.ctx.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.ctx.device)
-            # What the utilisation cap leaves, minus a reserve for activations and logits.
-            budget = int(free - total * (1.0 - cache.gpu_memory_utilization))
-            budget -= self._activation_reserve_bytes()
+            budget = kv_cache_budget_bytes(free, total, cache.gpu_memory_utilization,
+                                           self.step_reserve_bytes())
+            what = (f"{free / GIB:.1f} of {total / GIB:.1f} GiB free on {self.ctx.device}, "
+                    f"gpu_memory_utilization={cache.gpu_memory_utilization:g}, "
+                    f"{self.step_reserve_bytes() / GIB:.2f} GiB reserved for a step")
         else:
             budget = min(_CPU_DEFAULT_KV_BYTES, _available_host_memory() // 2)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
-                             f"({per_block} bytes per block); raise kv_cache_memory_bytes or "
-                             "gpu_memory_utilization.")
-        return int(num_blocks)
+            what = "the CPU default: half the available host memory, at most 1 GiB"
+        return num_kv_blocks_for(budget, per_block, cache.block_size,
+                                 self.engine_config.model_config.max_model_len, what)
 
-    def _activation_reserve_bytes(self) -> int:
+    def step_reserve_bytes(self) -> int:
         elem = torch.empty((), dtype=self.model_runner.dtype).element_size()
-        return device_reserve_bytes(self.engine_config, self.ctx, elem)
+        return step_reserve_bytes(self.engine_config, self.ctx, elem)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -67,7 +67,7 @@ def _check(attn, tables, qsl, query, out, lens, q_lens, tol):
             torch.testing.assert_close(out[tok].float(), want, atol=tol, rtol=tol)
 
 
-def _step(rng, lens, q_lens, dtype, cpu_kernel):
+def _step(rng, lens, q_lens, dtype, cpu_kernel, max_pairs=None):
     attn = Attention(HQ, D, HKV, scale=D ** -0.5)
     attn.kv_cache = allocate_kv_cache(NUM_BLOCKS, BS, HKV, D, dtype, "cpu")
     for c in attn.kv_cache:
@@ -80,7 +80,8 @@ def _step(rng, lens, q_lens, dtype, cpu_kernel):
                                      for p in range(n - ql, n)])
                        for i, (n, ql) in enumerate(zip(lens, q_lens))])
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
-    meta = build_attention_metadata(qsl, np.array(lens), slots, block_table, BS, cpu_kernel)
+    meta = build_attention_metadata(qsl, np.array(lens), slots, block_table, BS, cpu_kernel,
+                                    max_pairs=max_pairs)
     t = int(qsl[-1])
     query = torch.randn(t, HQ, D).to(dtype)
     key, value = torch.randn(t, HKV, D).to(dtype), torch.randn(t, HKV, D).to(dtype)
@@ -101,6 +102,31 @@ def test_all_decode_rows_need_no_scatter_and_match_the_reference(cpu_kernel):
     for i, n in enumerate(lens):
         want = _reference(query[i], cache_k, cache_v, tables[i], n, D ** -0.5)
         torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_kernel_in_bounded_chunks_equals_one_pass():
+    """A step whose pairs exceed the workspace cap runs in chunks of whole tokens (a token
+    with more pairs than the cap alone): the same outputs, bit for bit, and each chunk
+    within the cap."""
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    lens, q_lens = [70, 5, 90, 33, 20, 3, 61], [1, 1, 3, 1, 1, 1, 2]
+    _, whole, *_, out_whole = _step(rng, lens, q_lens, torch.float32, cpu_kernel=False)
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    attn, meta, tables, qsl, query, out = _step(rng, lens, q_lens, torch.float32,
+                                                cpu_kernel=False, max_pairs=10)
+    assert whole.ragged.chunks is None
+    chunks = meta.ragged.chunks
+    assert chunks is not None and len(chunks) > 3
+    pairs = np.diff(np.searchsorted(meta.ragged.pair_token.numpy(),
+                                    np.arange(meta.ragged.num_tokens + 1)))
+    for t0, t1, p0, p1 in chunks:
+        assert p1 - p0 == pairs[t0:t1].sum() and (p1 - p0 <= 10 or t1 == t0 + 1)
+    assert [c[0] for c in chunks[1:]] == [c[1] for c in chunks[:-1]]
+    assert chunks[-1][1] == meta.ragged.num_tokens
+    assert torch.equal(out, out_whole)
+    _check(attn, tables, qsl, query, out, lens, q_lens, tol=1e-5)
 
 
 @KERNELS

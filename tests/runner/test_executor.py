@@ -150,11 +150,13 @@ def test_worker_sizes_the_kv_cache(llama_path):
     # tiny llama: 2 layers x (K + V) x block 4 x 2 KV heads x head_dim 16 x 4 bytes
     assert per_block == 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     assert 0 < worker.determine_num_kv_blocks() * per_block <= 1 << 30
+    max_len = config.model_config.max_model_len
+    blocks = -(-max_len // BLOCK_SIZE) + 10  # one full-length request and some
     sized = Worker(replace(config, cache_config=CacheConfig(
-        block_size=BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block + 1)))
+        block_size=BLOCK_SIZE, kv_cache_memory_bytes=blocks * per_block + 1)))
     sized.init_device(num_threads=1)
     sized.load_model()
-    assert sized.determine_num_kv_blocks() == 10
+    assert sized.determine_num_kv_blocks() == blocks
     explicit = Worker(config)
     explicit.init_device(num_threads=1)
     assert explicit.determine_num_kv_blocks() == NUM_BLOCKS
@@ -162,8 +164,15 @@ def test_worker_sizes_the_kv_cache(llama_path):
                                                            kv_cache_memory_bytes=1)))
     tiny.init_device(num_threads=1)
     tiny.load_model()
-    with pytest.raises(ValueError, match="holds no block"):
+    with pytest.raises(ValueError, match=f"max_model_len={max_len} .* the longest "
+                                         "max_model_len this memory holds is 0"):
         tiny.determine_num_kv_blocks()
+    short = Worker(replace(config, cache_config=CacheConfig(
+        block_size=BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block)))
+    short.init_device(num_threads=1)
+    short.load_model()
+    with pytest.raises(ValueError, match=f"holds is {10 * BLOCK_SIZE}\\. Lower max_model_len"):
+        short.determine_num_kv_blocks()
 
 
 def test_cpu_steps_of_a_prompt_wave_take_the_burst_threads(llama_path):
