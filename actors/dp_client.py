@@ -24,13 +24,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raylm.actors.dp_coordinator import DPCoordinator, DPLoadBalancer
 from raylm.actors.dp_engine_core_actor import DPEngineCoreActor
 from raylm.actors.placement import (
-    DEFAULT_PLACEMENT_TIMEOUT_S,
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
     get_within,
     threads_for_cpus,
-    worker_bundles,
+    worker_bundle,
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
@@ -75,7 +74,7 @@ class DPEngineCoreClient(RemoteEngineCalls):
     _who = "DP rank actor"
     def __init__(self, config: EngineConfig, *, resource: str | None = None,
                  cpus_per_rank: float = 1.0, cpus_per_worker: float = 1.0,
-                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+                 placement_timeout_s: float | None = None,
                  init_timeout_s: float = 600.0, poll_timeout_s: float = 0.5,
                  call_timeout_s: float = 60.0, dp_sync_timeout_s: float = DEFAULT_DP_TIMEOUT_S,
                  **executor_kwargs: Any) -> None:
@@ -102,7 +101,8 @@ class DPEngineCoreClient(RemoteEngineCalls):
         self._pollers: list[threading.Thread] = []
         try:
             self._init_placement(resource or default_worker_resource(), cpus_per_rank,
-                                 cpus_per_worker, placement_timeout_s)
+                                 cpus_per_worker,
+                                 placement_timeout_s or pc.placement_timeout_s)
             self._init_ranks(cpus_per_rank, executor_kwargs, init_timeout_s)
             self._init_dp_group(pc.dp_sync_interval, dp_sync_timeout_s)
         except BaseException:
@@ -113,8 +113,9 @@ class DPEngineCoreClient(RemoteEngineCalls):
     # ---- startup ---------------------------------------------------------------------
     def _init_placement(self, resource: str, cpus_per_rank: float, cpus_per_worker: float,
                         timeout_s: float) -> None:
-        ws = self.config.parallel_config.world_size
-        per_rank = len(dp_rank_bundles(ws, {}, {}))
+        pc = self.config.parallel_config
+        ws, tp, pp = pc.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size
+        per_rank = len(dp_rank_bundles(tp, pp, {}, {}))
         current = get_current_placement_group()
         if current is not None and len(current.bundle_specs) >= 1 + self.dp_size * per_rank:
             # Inside a Serve replica whose deployment reserved [replica] + d x [rank]:
@@ -123,11 +124,9 @@ class DPEngineCoreClient(RemoteEngineCalls):
             self.bundle_bases = [1 + rank * per_rank for rank in range(self.dp_size)]
             self._owns_placement_groups = False
             return
-        if ws == 1:  # the rank actor runs the model: its bundle is the device
-            worker = worker_bundles(1, resource, cpus_per_rank)[0]
-        else:
-            worker = worker_bundles(1, resource, cpus_per_worker)[0]
-        bundles = dp_rank_bundles(ws, {"CPU": float(cpus_per_rank)}, worker)
+        # With TP = PP = 1 the rank actor runs the model: its bundle is the device.
+        worker = worker_bundle(resource, cpus_per_rank if ws == 1 else cpus_per_worker)
+        bundles = dp_rank_bundles(tp, pp, {"CPU": float(cpus_per_rank)}, worker)
         strategy = self.config.parallel_config.placement_group_strategy
         self.bundle_bases = [0] * self.dp_size
         for rank in range(self.dp_size):

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from raylm.actors.engine_core_actor import make_engine_core, poll_outputs
-from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPRendezvous, DPSyncGroup
+from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPSyncGroup
+from raylm.parallel.rendezvous import StoreRendezvous
 from raylm.scheduler.core_outputs import EngineCoreOutputs
 from raylm.scheduler.dp_loop import DPEngineCoreLoop
 from raylm.scheduler.engine_config import EngineConfig
@@ -71,7 +72,7 @@ class DPEngineCoreActor:
         self.engine_core: EngineCore | None = None
         self.loop: DPEngineCoreLoop | None = None
         self.group: DPSyncGroup | None = None
-        self._rendezvous: DPRendezvous | None = None
+        self._rendezvous: StoreRendezvous | None = None
 
     # ---- startup -----------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -101,7 +102,7 @@ class DPEngineCoreActor:
         """Rank 0: host the DP group's store on this node; returns (host, port)."""
         if self.dp_rank != 0:
             raise ValueError(f"only DP rank 0 publishes the rendezvous, not rank {self.dp_rank}.")
-        self._rendezvous = DPRendezvous.publish(self.node_ip, self.dp_size, timeout_s)
+        self._rendezvous = StoreRendezvous.publish(self.node_ip, self.dp_size, timeout_s)
         return self._rendezvous.host, self._rendezvous.port
 
     def join_dp_group(self, host: str, port: int, sync_interval: int,

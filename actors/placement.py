@@ -1,4 +1,5 @@
-"""Placement groups for one engine: a bundle per worker rank, an optional one for the EngineCore.
+"""Placement groups for one engine: a bundle per pipeline stage (its TP group), an optional
+one for the EngineCore.
 
 A placement group that cannot be placed is reported within a bounded wait with the
 resources that are missing, never left pending forever.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import uuid
 from collections import Counter
 
@@ -16,12 +18,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from raylm.scheduler import envs
-from raylm.scheduler.engine_config import PLACEMENT_STRATEGIES
-from raylm.scheduler.validation import check_at_least
+from raylm.scheduler.engine_config import PLACEMENT_STRATEGIES, stage_bundles
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PLACEMENT_TIMEOUT_S = 30.0
+DEFAULT_PLACEMENT_TIMEOUT_S = 1800.0  # ParallelConfig.placement_timeout_s's default
+PLACEMENT_LOG_INTERVAL_S = 30.0  # while waiting, say what is missing this often
 # Logical CPUs of a local Ray instance raylm starts, at the least: enough for the engines
 # one process may build one after another (TP=2 x PP=2 x DP=2 with its EngineCores needs
 # 10). Bundles reserve one logical CPU per rank; the ranks then share the real cores, and
@@ -83,15 +85,26 @@ def threads_for_cpus(cpus: float) -> int:
     return envs.num_threads_override() or max(1, int(cpus))
 
 
-def worker_bundles(world_size: int, resource: str, cpus_per_worker: float = 1.0) -> list[dict]:
-    """One bundle per TP x PP rank: ``{"GPU": 1}`` on GPU clusters, ``{"CPU": n}`` otherwise."""
-    check_at_least("world_size", world_size)
+def worker_bundle(resource: str, cpus_per_worker: float = 1.0) -> dict:
+    """What one TP x PP rank reserves: ``{"GPU": 1}`` on GPU clusters, ``{"CPU": n}``
+    otherwise."""
     if resource not in ("CPU", "GPU"):
         raise ValueError(f"resource must be 'CPU' or 'GPU', got {resource!r}.")
     if not cpus_per_worker > 0:
         raise ValueError(f"cpus_per_worker must be positive, got {cpus_per_worker}.")
-    bundle = {"GPU": 1.0} if resource == "GPU" else {"CPU": float(cpus_per_worker)}
-    return [dict(bundle) for _ in range(world_size)]
+    return {"GPU": 1.0} if resource == "GPU" else {"CPU": float(cpus_per_worker)}
+
+
+def worker_bundles(tensor_parallel_size: int, pipeline_parallel_size: int, resource: str,
+                   cpus_per_worker: float = 1.0) -> list[dict]:
+    """The workers' bundles: one per pipeline stage, holding its TP group (stage_bundles)."""
+    return stage_bundles(tensor_parallel_size, pipeline_parallel_size,
+                         worker_bundle(resource, cpus_per_worker))
+
+
+def rank_resources(bundle: dict, ranks_in_bundle: int) -> tuple[float, float]:
+    """(CPUs, GPUs) one rank takes from a bundle shared by ``ranks_in_bundle`` ranks."""
+    return bundle.get("CPU", 0.0) / ranks_in_bundle, bundle.get("GPU", 0.0) / ranks_in_bundle
 
 
 def create_placement_group(bundles: list[dict], strategy: str = "PACK",
@@ -107,7 +120,18 @@ def create_placement_group(bundles: list[dict], strategy: str = "PACK",
     ensure_ray_initialized(sum(b.get("CPU", 0.0) for b in bundles))
     pg = placement_group(bundles, strategy=strategy,
                          name=name or f"raylm-{uuid.uuid4().hex[:8]}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    ready_ref = pg.ready()
+    deadline = time.monotonic() + timeout_s
+    ready: list = []
+    while not ready:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _ = ray.wait([ready_ref], timeout=min(left, PLACEMENT_LOG_INTERVAL_S))
+        if not ready and deadline - time.monotonic() > 0:
+            logger.info("waiting %.0fs more for the placement group %s: %s",
+                        deadline - time.monotonic(), _summarize(bundles),
+                        describe_missing_resources(bundles, strategy))
     if not ready:
         why = describe_missing_resources(bundles, strategy)
         remove_placement_group(pg)

@@ -20,7 +20,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.actors.engine_core_actor import EngineCoreActor
 from raylm.actors.placement import (
-    DEFAULT_PLACEMENT_TIMEOUT_S,
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
@@ -42,7 +41,7 @@ logger = logging.getLogger(__name__)
 class RayEngineCoreClient(RemoteEngineCalls):
     def __init__(self, config: EngineConfig, *, resource: str | None = None,
                  cpus_per_worker: float = 1.0, engine_core_cpus: float = 1.0,
-                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+                 placement_timeout_s: float | None = None,
                  init_timeout_s: float = 600.0, poll_timeout_s: float = 0.5,
                  call_timeout_s: float = 60.0, **executor_kwargs: Any) -> None:
         """``executor_kwargs`` go to RayExecutor (``dispatch``, ``worker_cls``, timeouts)."""
@@ -52,17 +51,19 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self.poll_timeout_s = poll_timeout_s
         self.call_timeout_s = call_timeout_s
         current = get_current_placement_group()
-        if current is not None and len(current.bundle_specs) >= 1 + pc.world_size:
-            # Inside a Serve replica whose deployment reserved [replica, rank 0..N-1]: reuse
+        if current is not None and len(current.bundle_specs) >= 1 + pc.pipeline_parallel_size:
+            # Inside a Serve replica whose deployment reserved [replica, stage 0..P-1]: reuse
             # those bundles (reserving a second group would hold every CPU/GPU twice). The
             # EngineCore actor shares bundle 0 with the replica.
             self.placement_group, self._owns_placement_group = current, False
             engine_core_cpus = 0.0
         else:
             bundles = [{"CPU": float(engine_core_cpus)}] + worker_bundles(
-                pc.world_size, resource or default_worker_resource(), cpus_per_worker)
+                pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                resource or default_worker_resource(), cpus_per_worker)
             self.placement_group = create_placement_group(
-                bundles, pc.placement_group_strategy, placement_timeout_s)
+                bundles, pc.placement_group_strategy,
+                placement_timeout_s or pc.placement_timeout_s)
             self._owns_placement_group = True
         env = envs.forwarded_to_actors()
         self.actor = EngineCoreActor.options(

@@ -40,17 +40,30 @@ def _first_lines(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def rank_order(infos: list[dict[str, Any]], tensor_parallel_size: int) -> list[int]:
+    """The workers (as created, stage by stage) in rank order: within each stage's TP
+    group, by (node, GPU id), so that TP rank i holds the group's i-th GPU."""
+    def gpu_key(i: int) -> tuple:
+        ids = infos[i].get("gpu_ids") or []
+        return (str(infos[i].get("node_id", "")),
+                tuple(int(g) if str(g).isdigit() else -1 for g in ids), i)
+
+    tp = tensor_parallel_size
+    return [i for start in range(0, len(infos), tp)
+            for i in sorted(range(start, min(start + tp, len(infos))), key=gpu_key)]
+
+
 class RayExecutor:
     supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig, *, placement_group: PlacementGroup | None = None,
                  bundle_offset: int = 0, resource: str | None = None,
                  cpus_per_worker: float = 1.0, dispatch: str = "channel",
-                 placement_timeout_s: float = placement.DEFAULT_PLACEMENT_TIMEOUT_S,
+                 placement_timeout_s: float | None = None,
                  init_timeout_s: float = 600.0, dist_timeout_s: float = 300.0,
                  health_timeout_s: float = 30.0, worker_cls: type | None = None) -> None:
-        """``placement_group``: use bundles ``[bundle_offset, bundle_offset + world_size)``
-        of a group the caller owns (the EngineCore actor sits in an earlier bundle);
+        """``placement_group``: use bundles ``[bundle_offset, bundle_offset + pp)`` (one per
+        pipeline stage, holding its TP group: ``stage_bundles``) of a group the caller owns (the EngineCore actor sits in an earlier bundle);
         otherwise the executor creates and owns one. ``worker_cls`` replaces
         ``raylm.runner.worker.Worker`` (tests, benchmarks)."""
         if dispatch not in DISPATCH_MODES:
@@ -72,7 +85,8 @@ class RayExecutor:
         placement.ensure_ray_initialized(self.world_size * cpus_per_worker)
         try:
             self._init_placement(placement_group, bundle_offset, resource, cpus_per_worker,
-                                 pc.placement_group_strategy, placement_timeout_s)
+                                 pc.placement_group_strategy,
+                                 placement_timeout_s or pc.placement_timeout_s)
             self._init_workers(worker_cls, init_timeout_s, dist_timeout_s)
             if dispatch == "channel":
                 self._init_channel(init_timeout_s)
@@ -84,14 +98,16 @@ class RayExecutor:
 
     def _init_placement(self, pg, bundle_offset, resource, cpus_per_worker, strategy,
                         timeout_s) -> None:
+        tp = self.config.parallel_config.tensor_parallel_size
+        pp = self.config.parallel_config.pipeline_parallel_size
         if pg is None:
             bundles = placement.worker_bundles(
-                self.world_size, resource or placement.default_worker_resource(), cpus_per_worker)
+                tp, pp, resource or placement.default_worker_resource(), cpus_per_worker)
             pg = placement.create_placement_group(bundles, strategy, timeout_s)
             bundle_offset = 0
-        if bundle_offset + self.world_size > len(pg.bundle_specs):
-            raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles, need "
-                             f"{self.world_size} from bundle_offset={bundle_offset}.")
+        if bundle_offset + pp > len(pg.bundle_specs):
+            raise ValueError(f"placement group has {len(pg.bundle_specs)} bundles, need one per "
+                             f"pipeline stage ({pp}) from bundle_offset={bundle_offset}.")
         self.placement_group = pg
         self.bundle_offset = bundle_offset
 
@@ -99,10 +115,12 @@ class RayExecutor:
         ifname = envs.gloo_socket_ifname()
         env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
         env.update(envs.forwarded_to_actors())
+        tp = self.config.parallel_config.tensor_parallel_size
         for rank in range(self.world_size):
-            bundle_index = self.bundle_offset + rank
-            bundle = self.placement_group.bundle_specs[bundle_index]
-            cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
+            # A stage's TP group shares its bundle (one node); each takes its share of it.
+            bundle_index = self.bundle_offset + rank // tp
+            cpus, gpus = placement.rank_resources(
+                self.placement_group.bundle_specs[bundle_index], tp)
             # Torch intra-op threads follow the rank's CPU share of its bundle.
             threads = placement.threads_for_cpus(cpus)
             self.workers.append(WorkerActor.options(
@@ -110,15 +128,24 @@ class RayExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=bundle_index),
             ).remote(rank, threads, env))
-        self.worker_infos = self._get([w.get_node_info.remote() for w in self.workers],
-                                      init_timeout_s, "starting the worker actors")
+        infos = self._get([w.get_node_info.remote() for w in self.workers],
+                          init_timeout_s, "starting the worker actors")
+        order = rank_order(infos, tp)
+        self.workers = [self.workers[i] for i in order]
+        self.worker_infos = [infos[i] for i in order]
+        self._get([w.assign_rank.remote(rank) for rank, w in enumerate(self.workers)],
+                  init_timeout_s, "numbering the ranks")
         init_method = None
         if self.world_size > 1:
-            init_method = self._get([self.workers[0].get_distributed_init_method.remote()],
-                                    init_timeout_s, "publishing the rendezvous")[0]
+            init_method = self._get(
+                [self.workers[0].publish_rendezvous.remote(self.world_size, dist_timeout_s)],
+                init_timeout_s, "publishing the rendezvous")[0]
         self._get([w.init_worker.remote(self.config, init_method, 0, worker_cls, dist_timeout_s)
                    for w in self.workers], dist_timeout_s + 60, "joining torch.distributed")
-        self._get([w.load_model.remote() for w in self.workers], init_timeout_s, "loading the model")
+        devices = self._get([w.load_model.remote() for w in self.workers], init_timeout_s,
+                            "loading the model")
+        for info, device in zip(self.worker_infos, devices, strict=True):
+            info["device"] = device
 
     def _init_channel(self, timeout_s: float) -> None:
         token = new_token()
@@ -227,6 +254,10 @@ class RayExecutor:
         """Call a public Worker method on every rank; results in rank order."""
         refs = [w.call.remote(method, *args, **(kwargs or {})) for w in self.workers]
         return self._get(refs, timeout_s or self.health_timeout_s, f"collective_rpc({method!r})")
+
+    def device_info(self) -> dict[str, Any]:
+        device = self.worker_infos[0].get("device") or {"kind": "unknown", "name": "unknown"}
+        return {**device, "count": self.world_size}
 
     def check_health(self) -> None:
         if self._dead_error is not None:

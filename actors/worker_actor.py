@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import threading
 from dataclasses import replace
 from typing import Any
@@ -56,6 +55,8 @@ class WorkerActor:
     """
 
     def __init__(self, rank: int, num_threads: int, env: dict[str, str] | None = None) -> None:
+        """``rank``: where the executor created it; ``assign_rank`` may renumber it once
+        every rank's GPU is known (before the rendezvous)."""
         # Values the executor read through raylm.scheduler.envs, exported for torch/gloo here.
         os.environ.update(env or {})
         self.rank = rank
@@ -65,6 +66,7 @@ class WorkerActor:
         self._next_seq = 0
         self._step_server: StepServer | None = None
         self._busy = threading.Lock()  # held by the torch thread while it runs steps
+        self._rendezvous: Any = None  # rank 0's held store server (StoreRendezvous)
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -76,13 +78,17 @@ class WorkerActor:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "assigned_resources": dict(ctx.get_assigned_resources())}
 
-    def get_distributed_init_method(self) -> str:
-        """Rank 0 publishes the rendezvous: a free port on its node's IP."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+    def assign_rank(self, rank: int) -> None:
+        self.rank = rank
+
+    def publish_rendezvous(self, world_size: int, timeout_s: float) -> str:
+        """Rank 0 starts the world's store on an OS-picked port of its node's IP and holds
+        it (no window in which another process could take the port); returns its URL."""
+        from raylm.parallel.rendezvous import StoreRendezvous
+
+        self._rendezvous = StoreRendezvous.publish(ray.util.get_node_ip_address(), world_size,
+                                                   timeout_s)
+        return str(self._rendezvous.init_method)
 
     def init_worker(self, engine_config: EngineConfig, distributed_init_method: str | None,
                     local_rank: int = 0, worker_cls: type | None = None,
@@ -108,7 +114,8 @@ class WorkerActor:
                 world_size=pc.world_size, rank=self.rank,
                 distributed_init_method=distributed_init_method,
                 tensor_parallel_size=tp, pipeline_parallel_size=pp, local_rank=local_rank,
-                timeout_s=dist_timeout_s, expect_cuda=device.expect_cuda)
+                timeout_s=dist_timeout_s, expect_cuda=device.expect_cuda,
+                rendezvous=self._rendezvous if self.rank == 0 else None)
         if worker_cls is None:
             from raylm.runner.worker import Worker as worker_cls
         self.worker = worker_cls(engine_config, rank=self.rank, local_rank=local_rank,
@@ -133,8 +140,11 @@ class WorkerActor:
         self.worker.pp_transport = build_pp_transport(ctx, hidden_size, dtype,
                                                       IntermediateTensors, dist_timeout_s)
 
-    def load_model(self) -> None:
+    def load_model(self) -> dict[str, Any] | None:
+        """Loads the rank's weights; returns what it runs on (``Worker.device_info``)."""
         self.worker.load_model()
+        describe = getattr(self.worker, "device_info", None)
+        return describe() if describe is not None else None
 
     def determine_num_kv_blocks(self) -> int:
         return int(self.worker.determine_num_kv_blocks())

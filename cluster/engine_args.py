@@ -85,6 +85,10 @@ class EngineArgs:
         None, "uni: in process; ray: worker actors (default: ray when parallel)")
     placement_group_strategy: PlacementStrategy = _arg("PACK", "Ray placement group "
                                                                "strategy of the workers")
+    placement_timeout_s: float = _arg(
+        1800.0, "seconds the workers' placement group may wait for its resources (a cluster "
+                "autoscaler adding a node); the error names the missing resources",
+        bounds={"exclusiveMinimum": 0})
     dp_sync_interval: int = _arg(16, "steps between the DP ranks' wave syncs",
                                  bounds=_AT_LEAST_1)
     cpu_burst_threads: int | None = _arg(
@@ -160,6 +164,7 @@ class EngineArgs:
             placement_group_strategy=self.placement_group_strategy,
             dp_sync_interval=self.dp_sync_interval,
             cpu_burst_threads=self.cpu_burst_threads,
+            placement_timeout_s=self.placement_timeout_s,
         )
 
     def check_without_checkpoint(self) -> None:

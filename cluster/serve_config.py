@@ -38,7 +38,7 @@ from pydantic import (
 )
 
 from raylm.cluster.engine_args import EngineArgs, engine_arg_fields, engine_arg_types
-from raylm.scheduler.engine_config import PlacementStrategy, dp_rank_bundles
+from raylm.scheduler.engine_config import PlacementStrategy, dp_rank_bundles, stage_bundles
 
 __all__ = [
     "AutoscalingConfig",
@@ -278,7 +278,8 @@ class LLMConfig(BaseModel):
     placement_group_config: PlacementGroupConfig | None = None
     # e.g. "H100": pins the GPU workers to nodes of that type (Ray's `accelerator_type:<T>`).
     accelerator_type: str | None = Field(default=None, min_length=1)
-    # GPUs each TP x PP worker reserves; None: 1 when accelerator_type is set, else 0 (CPU).
+    # GPUs each TP x PP worker reserves; None: 1 when accelerator_type is set or the
+    # cluster has GPUs when the app is built (with_default_devices), else 0 (CPU).
     num_gpus_per_worker: NonNegativeFloat | None = None
     api_key: str | None = Field(default=None, min_length=1)
     runtime_env: dict[str, Any] | None = None
@@ -299,14 +300,25 @@ class LLMConfig(BaseModel):
         need = len(self.default_placement_group().bundles)
         if pg is not None and len(pg.bundles) < need:
             ek = self.engine_kwargs
-            per_rank = ("one per worker" if ek.data_parallel_size == 1 else
-                        "per DP rank one per worker, plus one for its EngineCore when "
+            per_rank = ("one per pipeline stage, holding its tensor_parallel_size workers"
+                        if ek.data_parallel_size == 1 else
+                        "per DP rank one per pipeline stage (holding its "
+                        "tensor_parallel_size workers), plus one for its EngineCore when "
                         "tensor_parallel_size x pipeline_parallel_size > 1")
             raise ValueError(
                 f"placement_group_config.bundles has {len(pg.bundles)} bundles but "
-                f"tensor_parallel_size x pipeline_parallel_size={ek.world_size} workers x "
+                f"pipeline_parallel_size={ek.pipeline_parallel_size} x "
                 f"data_parallel_size={ek.data_parallel_size} need {need} (one for the "
                 f"replica, {per_rank}).")
+        if pg is not None:
+            for i, (have, want) in enumerate(zip(pg.bundles, self.default_placement_group().bundles,
+                                                 strict=False)):
+                if have.get("GPU", 0.0) < want.get("GPU", 0.0):
+                    raise ValueError(
+                        f"placement_group_config.bundles[{i}]={have} holds fewer GPUs than "
+                        f"the {want.get('GPU', 0.0):g} its ranks need: each pipeline stage's "
+                        "bundle holds its whole tensor-parallel group (a bundle is one node), "
+                        f"e.g. {want}.")
         return self
 
     @property
@@ -325,7 +337,8 @@ class LLMConfig(BaseModel):
 
     def default_placement_group(self) -> PlacementGroupConfig:
         """One ``{"CPU": 1}`` bundle for the replica, co-located with rank 0, then one bundle
-        per TP x PP worker: GPUs when GPU use is requested, else one CPU. With
+        per pipeline stage holding its TP group's workers (each GPUs when GPU use is
+        requested, else one CPU), so a TP group never spans nodes. With
         data_parallel_size = d > 1, d rank slices follow the replica's bundle (the DP client
         places its rank actors in them rather than reserving groups of its own)."""
         if self.use_gpu:
@@ -336,12 +349,23 @@ class LLMConfig(BaseModel):
         else:
             worker = {"CPU": 1.0}
         ek = self.engine_kwargs
+        tp, pp = ek.tensor_parallel_size, ek.pipeline_parallel_size
         if ek.data_parallel_size == 1:
-            ranks = [dict(worker) for _ in range(ek.world_size)]
+            ranks = stage_bundles(tp, pp, worker)
         else:
             ranks = [b for _ in range(ek.data_parallel_size)
-                     for b in dp_rank_bundles(ek.world_size, {"CPU": 1.0}, worker)]
+                     for b in dp_rank_bundles(tp, pp, {"CPU": 1.0}, worker)]
         return PlacementGroupConfig(bundles=[{"CPU": 1.0}] + ranks, strategy="PACK")
+
+    def with_default_devices(self, cluster_gpus: float) -> LLMConfig:
+        """The config a cluster with ``cluster_gpus`` GPUs serves: with neither
+        accelerator_type nor num_gpus_per_worker set, every rank takes one GPU when the
+        cluster has any (as vLLM and Ray Serve LLM do); num_gpus_per_worker=0 keeps CPU."""
+        if (self.num_gpus_per_worker is not None or self.accelerator_type is not None
+                or cluster_gpus <= 0):
+            return self
+        return LLMConfig.model_validate({**self.model_dump(exclude_unset=True),
+                                         "num_gpus_per_worker": 1})
 
     def get_placement_group(self) -> PlacementGroupConfig:
         """The explicit placement_group_config, else the default one."""

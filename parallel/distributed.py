@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.parallel.context import ParallelContext
+from raylm.parallel.rendezvous import StoreRendezvous
 from raylm.scheduler import envs
 from raylm.scheduler.validation import check_at_least, check_rank
 
@@ -126,12 +127,15 @@ def init_distributed_environment(
     dp_rank: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     expect_cuda: bool = False,
+    rendezvous: StoreRendezvous | None = None,
 ) -> ParallelContext:
     """Join the world at ``distributed_init_method`` and return this rank's context.
 
     Every rank of the world must call this with the same sizes, concurrently: the group
     constructors are collective. ``timeout_s`` bounds the rendezvous and every later
     collective on these groups. ``expect_cuda``: the rank holds a GPU (see ``pick_device``).
+    ``rendezvous``: rank 0's store server, already bound (``StoreRendezvous.publish``);
+    without it rank 0 starts the server on the URL's port.
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     _validate(world_size, rank, tp, pp, distributed_init_method, timeout_s)
@@ -146,9 +150,10 @@ def init_distributed_environment(
     where = (f"rank {rank} of world_size {world_size} (tp={tp}, pp={pp}) at "
              f"{distributed_init_method} with backend {backend}")
     try:
-        dist.init_process_group(backend=backend, init_method=distributed_init_method,
-                                world_size=world_size, rank=rank, timeout=timeout,
-                                **process_group_kwargs(backend, device))
+        store = _rendezvous_store(distributed_init_method, rank, world_size, timeout,
+                                  rendezvous)
+        dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank,
+                                timeout=timeout, **process_group_kwargs(backend, device))
         tp_group = _new_groups(tp_group_ranks(tp, pp), rank, backend, timeout)
         pp_group = _new_groups(pp_group_ranks(tp, pp), rank, backend, timeout)
         ctx = ParallelContext(
@@ -169,6 +174,25 @@ def init_distributed_environment(
         raise RuntimeError(f"torch.distributed init failed on {where}: {e}") from e
     logger.info("Joined %s.", where)
     return ctx
+
+
+def _rendezvous_store(init_method: str, rank: int, world_size: int,
+                      timeout: datetime.timedelta, rendezvous: StoreRendezvous | None
+                      ) -> dist.Store:
+    """The default group's store: rank 0's held server, else the URL's (rank 0 serves it,
+    the others connect). Prefixed as torch prefixes a store it builds from a URL."""
+    if rendezvous is not None:
+        if rank != 0:
+            raise ValueError(f"only rank 0 holds the rendezvous store, not rank {rank}.")
+        store: dist.Store = rendezvous.store
+    else:
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or url.hostname is None or not url.port:
+            raise ValueError(f"distributed_init_method must be tcp://host:port, got "
+                             f"{init_method!r}.")
+        store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
+                              timeout=timeout)
+    return dist.PrefixStore("raylm-world", store)
 
 
 def _new_groups(all_ranks: list[list[int]], rank: int, backend: str,

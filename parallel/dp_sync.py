@@ -3,8 +3,9 @@
 One EngineCore per DP rank; each rank's workers may own torch.distributed's default
 group (their TP/PP world), so the DP group is *stateless*: a ProcessGroupGloo built
 directly on a TCPStore, never registered as the default group, safe to create in a
-process that already has one. DP rank 0 hosts the store (``DPRendezvous.publish``, OS-picked
-port, so no port race) and publishes (host, port); every rank then joins concurrently.
+process that already has one. DP rank 0 hosts the store (``StoreRendezvous.publish``,
+OS-picked port, so no port race) and publishes (host, port); every rank then joins
+concurrently.
 
 Every wait is bounded by ``timeout_s``: a rank that never joins or dies mid-collective
 raises (``TimeoutError``/``RuntimeError`` naming the rank and the rendezvous) instead of
@@ -13,44 +14,19 @@ hanging; the DP loop turns that into an EngineDeadError.
 
 from __future__ import annotations
 
-import datetime
 import logging
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from raylm.parallel.rendezvous import StoreRendezvous, store_timeout
 from raylm.scheduler import envs
-from raylm.scheduler.validation import check_at_least, check_rank
+from raylm.scheduler.validation import check_rank
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DP_TIMEOUT_S = 120.0
 _LOOPBACK = ("127.0.0.1", "localhost")
-
-
-def _timeout(timeout_s: float) -> datetime.timedelta:
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
-    return datetime.timedelta(seconds=timeout_s)
-
-
-@dataclass
-class DPRendezvous:
-    """The TCPStore server, held by DP rank 0 for the life of the group."""
-
-    host: str
-    port: int
-    store: dist.TCPStore = field(repr=False)
-
-    @classmethod
-    def publish(cls, host: str, dp_size: int, timeout_s: float = DEFAULT_DP_TIMEOUT_S
-                ) -> DPRendezvous:
-        """Start the store on an OS-picked port; peers reach it at (``host``, port)."""
-        check_at_least("dp_size", dp_size)
-        store = dist.TCPStore(host, 0, dp_size, is_master=True, timeout=_timeout(timeout_s),
-                              wait_for_workers=False)
-        return cls(host=host, port=store.port, store=store)
 
 
 def _gloo_device(rendezvous_host: str, local_host: str | None):
@@ -80,13 +56,13 @@ class DPSyncGroup:
     @classmethod
     def join(cls, *, host: str, port: int, dp_rank: int, dp_size: int,
              timeout_s: float = DEFAULT_DP_TIMEOUT_S, local_host: str | None = None,
-             rendezvous: DPRendezvous | None = None) -> DPSyncGroup:
+             rendezvous: StoreRendezvous | None = None) -> DPSyncGroup:
         """Collective: every DP rank calls this concurrently. Rank 0 passes its
         ``rendezvous`` (it holds the store server)."""
         check_rank("dp_rank", dp_rank, dp_size)
         if not 0 < port < 65536:
             raise ValueError(f"port must be in (0, 65536), got {port}.")
-        timeout = _timeout(timeout_s)
+        timeout = store_timeout(timeout_s)
         where = f"DP rank {dp_rank} of {dp_size} at {host}:{port}"
         try:
             store = rendezvous.store if rendezvous is not None else dist.TCPStore(

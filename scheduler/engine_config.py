@@ -163,10 +163,15 @@ class ParallelConfig:
     # CPU ranks: torch threads of a step of at least CPU_BURST_MIN_TOKENS tokens (None:
     # the rank's own threads for every step).
     cpu_burst_threads: int | None = None
+    # How long the workers' placement group may wait for its resources (an autoscaler
+    # adding a GPU node takes minutes).
+    placement_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         _check_at_least_1(self, "tensor_parallel_size", "pipeline_parallel_size",
                           "data_parallel_size", "dp_sync_interval", "cpu_burst_threads")
+        if not self.placement_timeout_s > 0:
+            raise _bad("placement_timeout_s", self.placement_timeout_s, "must be positive")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise _bad("distributed_executor_backend", self.distributed_executor_backend,
                        f"must be one of {EXECUTOR_BACKENDS} or None")
@@ -190,14 +195,26 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def dp_rank_bundles(world_size: int, engine_bundle: dict, worker_bundle: dict) -> list[dict]:
+def stage_bundles(tensor_parallel_size: int, pipeline_parallel_size: int,
+                  worker_bundle: dict) -> list[dict]:
+    """One bundle per pipeline stage holding its TP group's workers (``tensor_parallel_size``
+    x ``worker_bundle``). A bundle lands on one node, so a TP group never spans nodes (its
+    all-reduce stays on the node's links); stages may. Rank r sits in bundle r // TP."""
+    check_at_least("tensor_parallel_size", tensor_parallel_size)
+    check_at_least("pipeline_parallel_size", pipeline_parallel_size)
+    stage = {k: v * tensor_parallel_size for k, v in worker_bundle.items()}
+    return [dict(stage) for _ in range(pipeline_parallel_size)]
+
+
+def dp_rank_bundles(tensor_parallel_size: int, pipeline_parallel_size: int,
+                    engine_bundle: dict, worker_bundle: dict) -> list[dict]:
     """The bundles of one DP rank. With TP = PP = 1 the rank actor runs the model itself,
     so its one bundle is the worker's; otherwise bundle 0 is the rank's EngineCore actor
-    and bundles 1.. its TP x PP workers."""
-    check_at_least("world_size", world_size)
-    if world_size == 1:
+    and bundles 1.. its pipeline stages (``stage_bundles``)."""
+    if tensor_parallel_size * pipeline_parallel_size == 1:
         return [dict(worker_bundle)]
-    return [dict(engine_bundle)] + [dict(worker_bundle) for _ in range(world_size)]
+    return [dict(engine_bundle)] + stage_bundles(tensor_parallel_size, pipeline_parallel_size,
+                                                 worker_bundle)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from raylm.parallel.dp_sync import DPRendezvous, DPSyncGroup
+from raylm.parallel.dp_sync import DPSyncGroup
+from raylm.parallel.rendezvous import StoreRendezvous
 
 
 def _join_all(dp_size: int, timeout_s: float = 20.0, ranks=None) -> list[DPSyncGroup]:
-    rdv = DPRendezvous.publish("127.0.0.1", dp_size, timeout_s=timeout_s)
+    rdv = StoreRendezvous.publish("127.0.0.1", dp_size, timeout_s=timeout_s)
     ranks = list(range(dp_size)) if ranks is None else ranks
     with ThreadPoolExecutor(len(ranks)) as pool:
         futures = [pool.submit(DPSyncGroup.join, host=rdv.host, port=rdv.port, dp_rank=r,
@@ -50,7 +51,7 @@ def test_peer_missing_from_a_collective_raises_within_the_timeout():
 
 def test_peer_missing_from_the_rendezvous_times_out():
     with pytest.raises(TimeoutError, match="DP rank 1 of 2"):
-        rdv = DPRendezvous.publish("127.0.0.1", 2, timeout_s=1.0)
+        rdv = StoreRendezvous.publish("127.0.0.1", 2, timeout_s=1.0)
         DPSyncGroup.join(host=rdv.host, port=rdv.port, dp_rank=1, dp_size=2, timeout_s=1.0)
 
 

@@ -145,7 +145,8 @@ def test_unsatisfiable_tp_fails_fast_naming_cpus(ray_cluster, llama_path):
         RayExecutor(_config(llama_path, tp=64), placement_timeout_s=2, worker_cls=ray_cluster)
     assert time.monotonic() - start < 30
     msg = str(info.value)
-    assert "64 x {'CPU': 1.0}" in msg and "CPU: requested 64" in msg, msg
+    # One bundle for the stage's TP group (a TP group never spans nodes).
+    assert "1 x {'CPU': 64.0}" in msg and "CPU: requested 64" in msg, msg
     assert re.search(r"of 4 in the cluster \(missing 6\d\)", msg), msg
 
 
@@ -166,10 +167,10 @@ def test_bad_dispatch_is_value_error(ray_cluster, llama_path):
 def test_missing_resource_descriptions(ray_cluster):
     from raylm.actors.placement import describe_missing_resources, worker_bundles
 
-    spread = describe_missing_resources(worker_bundles(3, "CPU"), "STRICT_SPREAD")
+    spread = describe_missing_resources(worker_bundles(1, 3, "CPU"), "STRICT_SPREAD")
     assert "STRICT_SPREAD needs 3 nodes, the cluster has 1" in spread
     big = describe_missing_resources([{"CPU": 8.0}], "PACK")
     # what is free depends on how fast the previous test's actors released their CPUs
     assert re.search(r"CPU: requested 8, available [\d.]+ of 4", big) and "fits on no node" in big
     with pytest.raises(ValueError, match="resource"):
-        worker_bundles(2, "TPU")
+        worker_bundles(2, 1, "TPU")

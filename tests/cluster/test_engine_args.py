@@ -28,7 +28,8 @@ NON_DEFAULTS = {
     "gpu_memory_utilization": 0.5, "seed": 7, "async_scheduling": False,
     "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "data_parallel_size": 2,
     "distributed_executor_backend": "ray", "placement_group_strategy": "SPREAD",
-    "dp_sync_interval": 4, "cpu_burst_threads": 2, "max_queued_requests": 5,
+    "placement_timeout_s": 60.0, "dp_sync_interval": 4, "cpu_burst_threads": 2,
+    "max_queued_requests": 5,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
 }
 

@@ -1,7 +1,7 @@
 """raylm on a multi-node Ray cluster on one machine (tests/cluster/multinode.py): a head
 and two worker nodes, each its own ``ray start`` with its own HOME and cache.
 
-Engines: TP=2 with one rank per node on the default (demo) model that each node writes
+Engines: PP=2 with one stage per node on the default (demo) model that each node writes
 for itself, PP=2 across nodes, DP=2 with one rank per node, all greedy-equal to the
 single-process engine. Serving: replicas on both nodes; autoscaling 1 -> 2 -> 1 under a
 bounded loopback load with every request answered; a killed replica process, a killed
@@ -60,9 +60,10 @@ def _worker_nodes(llm) -> list[str]:
     return [info["node_id"] for info in llm.llm_engine.core.info["worker_infos"]]
 
 
-def test_tp2_one_rank_per_node_resolves_the_default_model_on_each_node(cluster, tmp_path):
+def test_ranks_on_two_nodes_resolve_the_default_model_on_each_node(cluster, tmp_path):
     """The driver's copy of the demo model has no weights: each rank must load the copy
-    its own node writes (model_resolver), under that node's HOME."""
+    its own node writes (model_resolver), under that node's HOME. (PP stages spread over
+    nodes; a TP group never does: it shares one bundle.)"""
     from raylm import LLM
     from raylm.cluster.demo import ensure_demo_model
 
@@ -71,7 +72,7 @@ def test_tp2_one_rank_per_node_resolves_the_default_model_on_each_node(cluster, 
     driver_copy = ensure_demo_model(str(tmp_path / "driver-demo"), "tiny")
     for f in glob.glob(os.path.join(driver_copy, "*.safetensors")):
         os.remove(f)  # the driver reads config and tokenizer only
-    with LLM(driver_copy, tensor_parallel_size=2, placement_group_strategy="STRICT_SPREAD",
+    with LLM(driver_copy, pipeline_parallel_size=2, placement_group_strategy="STRICT_SPREAD",
              model_resolver=resolver, num_kv_blocks=32, max_num_seqs=4) as llm:
         nodes = _worker_nodes(llm)
         got = _greedy(llm)

@@ -136,7 +136,7 @@ def test_cross_field_errors_name_the_values():
         EngineKwargs(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValidationError, match="num_gpus_per_worker=0"):
         LLMConfig.model_validate({**MINIMAL, "accelerator_type": "A10G", "num_gpus_per_worker": 0})
-    with pytest.raises(ValidationError, match="has 2 bundles but .* need 5"):
+    with pytest.raises(ValidationError, match="has 2 bundles but .* need 3"):
         LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"tensor_parallel_size": 2,
                                                                "pipeline_parallel_size": 2},
                                   "placement_group_config": {"bundles": [{"CPU": 1}, {"GPU": 1}]}})
@@ -153,21 +153,28 @@ def test_cross_field_errors_name_the_values():
 def test_default_placement_group_tp2_pp2():
     ek = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
     cpu = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": ek})
+    # The replica, then one bundle per pipeline stage holding its TP group.
     assert cpu.default_placement_group() == PlacementGroupConfig(
-        bundles=[{"CPU": 1}] * 5, strategy="PACK")
+        bundles=[{"CPU": 1}, {"CPU": 2}, {"CPU": 2}], strategy="PACK")
     gpu = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": ek, "num_gpus_per_worker": 1})
     assert gpu.use_gpu
-    assert gpu.default_placement_group().bundles == [{"CPU": 1}] + [{"GPU": 1}] * 4
+    assert gpu.default_placement_group().bundles == [{"CPU": 1}] + [{"GPU": 2}] * 2
     typed = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": ek, "accelerator_type": "H100"})
     assert typed.use_gpu and typed.gpus_per_worker == 1
     bundles = typed.default_placement_group().bundles
-    assert bundles[0] == {"CPU": 1} and len(bundles) == 5
-    assert all(b == {"GPU": 1, "accelerator_type:H100": 0.001} for b in bundles[1:])
-    explicit = {"bundles": [{"CPU": 2}] + [{"GPU": 1}] * 4, "strategy": "STRICT_PACK"}
+    assert bundles[0] == {"CPU": 1} and len(bundles) == 3
+    assert all(b == {"GPU": 2, "accelerator_type:H100": 0.002} for b in bundles[1:])
+    explicit = {"bundles": [{"CPU": 2}] + [{"GPU": 2}] * 2, "strategy": "STRICT_PACK"}
     pinned = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": ek,
                                        "placement_group_config": explicit})
     assert pinned.get_placement_group().strategy == "STRICT_PACK"
     assert cpu.get_placement_group() == cpu.default_placement_group()
+    # Ray Serve LLM's one-bundle-per-worker shape cannot hold a TP group per bundle.
+    with pytest.raises(ValidationError, match=r"bundles\[1\]=\{'GPU': 1.0\} holds fewer GPUs "
+                                              r"than the 2 its ranks need"):
+        LLMConfig.model_validate({**MINIMAL, "engine_kwargs": ek, "num_gpus_per_worker": 1,
+                                  "placement_group_config": {
+                                      "bundles": [{"CPU": 1}] + [{"GPU": 1}] * 4}})
 
 
 def test_default_placement_group_with_data_parallelism():
@@ -175,15 +182,15 @@ def test_default_placement_group_with_data_parallelism():
     dp2 = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"data_parallel_size": 2},
                                     "num_gpus_per_worker": 1})
     assert dp2.default_placement_group().bundles == [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
-    # TP = 2: per rank, its EngineCore's CPU bundle, then its two workers.
+    # TP = 2: per rank, its EngineCore's CPU bundle, then its stage's two workers.
     dp2tp2 = LLMConfig.model_validate({**MINIMAL, "num_gpus_per_worker": 1, "engine_kwargs": {
         "data_parallel_size": 2, "tensor_parallel_size": 2}})
-    rank = [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
+    rank = [{"CPU": 1}, {"GPU": 2}]
     assert dp2tp2.default_placement_group().bundles == [{"CPU": 1}] + rank + rank
-    with pytest.raises(ValidationError, match=r"has 5 bundles but .*data_parallel_size=2 need 7"):
+    with pytest.raises(ValidationError, match=r"has 3 bundles but .*data_parallel_size=2 need 5"):
         LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {
             "data_parallel_size": 2, "tensor_parallel_size": 2},
-            "placement_group_config": {"bundles": [{"CPU": 1}] * 5}})
+            "placement_group_config": {"bundles": [{"CPU": 1}] * 3}})
 
 
 def test_serve_options_are_accepted_by_ray_serve():
