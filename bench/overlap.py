@@ -170,6 +170,9 @@ class SimulatedDevice:
     def determine_num_kv_blocks(self) -> int:
         return NUM_BLOCKS
 
+    def device_info(self) -> dict:
+        return {"kind": "simulated", "name": "virtual clock", "count": 1}
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.threaded:
             threading.Thread(target=self._loop, daemon=True).start()

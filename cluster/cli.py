@@ -157,9 +157,12 @@ def build_llm_config(args: argparse.Namespace) -> Any:
         engine_kwargs.setdefault("distributed_executor_backend", SERVE_EXECUTOR_BACKEND)
     if owns_its_node(args, engine_kwargs):
         engine_kwargs.setdefault("cpu_burst_threads", usable_cpus())
+    devices = {k: getattr(args, k) for k in ("num_gpus_per_worker", "accelerator_type")
+               if getattr(args, k) is not None}
     return LLMConfig.from_engine_kwargs(
         engine_kwargs, model_id=name, model_source=source,
-        deployment_config=deployment, api_key=args.api_key, experimental_configs=experimental)
+        deployment_config=deployment, api_key=args.api_key, experimental_configs=experimental,
+        **devices)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -248,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route HTTP through an ingress deployment in front of the model's "
                         "replicas (a replica that dies mid-stream then ends its streams with "
                         "an error event) instead of the replicas answering HTTP themselves")
+    p.add_argument("--num-gpus-per-worker", type=float, default=None,
+                   help="GPUs each TP x PP rank takes (default: 1 on a cluster that has "
+                        "GPUs, else 0; 0 runs on CPU)")
+    p.add_argument("--accelerator-type", default=None,
+                   help="GPU type the ranks must run on, e.g. H100 (Ray's "
+                        "accelerator_type:<T> resource); implies one GPU per rank")
     p.add_argument("--stream-batching-interval-ms", type=float,
                    help="join the tokens a request makes within this window into one streamed "
                         "chunk (experimental_configs.stream_batching_interval_ms, default 50; "

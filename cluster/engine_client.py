@@ -19,6 +19,7 @@ from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.serving_metrics import spec_decode_stats
 from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.scheduler_stats import parse_device_info
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class AsyncLLM:
             "generation_tokens_total": m.get("raylm:generation_tokens", 0),
             "prefix_cache_queries_total": m.get("raylm:prefix_cache_queries", 0),
             "prefix_cache_hits_total": m.get("raylm:prefix_cache_hits", 0),
+            "devices": parse_device_info(m),
             **spec_decode_stats(m),
         }
 

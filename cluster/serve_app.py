@@ -239,13 +239,28 @@ def ingress_options(app_config: OpenAIAppConfig) -> dict[str, Any]:
                                    "target_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS // 8}}
 
 
+def with_default_devices(app_config: OpenAIAppConfig) -> OpenAIAppConfig:
+    """Each model's ranks take GPUs by default on a cluster that has them (read now, when
+    the app is built: a cluster whose GPU nodes are all scaled to zero shows none, so the
+    Helm chart sets num_gpus_per_worker itself)."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
+    configs = [c.with_default_devices(gpus) for c in app_config.llm_configs]
+    for before, after in zip(app_config.llm_configs, configs, strict=True):
+        if after is not before:
+            logger.info("model %r: the cluster has %g GPUs, each of its ranks takes one "
+                        "(num_gpus_per_worker=0 keeps it on CPU).", after.model_id, gpus)
+    return app_config.model_copy(update={"llm_configs": configs})
+
+
 def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     """``build_openai_app`` with an injectable engine factory (tests, custom engines)."""
     from ray import serve
 
     if isinstance(config, list):
         config = {"llm_configs": config}
-    app_config = load_app_config(config)
+    app_config = with_default_devices(load_app_config(config))
     if app_config.ingress_in_replica:
         (llm_config,) = app_config.llm_configs
         server = serve.deployment(serve.ingress()(LLMIngressServer)).options(

@@ -87,6 +87,13 @@ class _EngineStatsCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(stats.get(key, 0)))
             yield family
+        if stats.get("devices"):
+            family = GaugeMetricFamily(
+                "raylm:device_info", "Engine ranks by the device they run on (cuda, cpu).",
+                labels=["model_name", "device_kind", "device_name"])
+            for kind, name, count in stats["devices"]:
+                family.add_metric([self._model_name, kind, name], float(count))
+            yield family
         if "spec_decode_num_drafts_total" in stats:
             for key, (name, doc) in _SPEC_COUNTERS.items():
                 family = CounterMetricFamily(name, doc, labels=["model_name"])

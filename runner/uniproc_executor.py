@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.worker import Worker
@@ -100,6 +101,9 @@ class UniProcExecutor:
                       ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
         """Queued behind the step it samples, like any step: order is kept."""
         return self.execute_model(grammar_output, non_block)  # type: ignore[arg-type]
+
+    def device_info(self) -> dict[str, Any]:
+        return {**self.worker.device_info(), "count": 1}
 
     def check_health(self) -> None:
         if self._dead is not None:

@@ -41,7 +41,7 @@ from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.executor_base import EngineDeadError, Executor
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.scheduler import Scheduler
-from raylm.scheduler.scheduler_stats import metrics_dict
+from raylm.scheduler.scheduler_stats import device_info_key, metrics_dict
 from raylm.scheduler.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.num_kv_blocks = self._init_kv_cache()
+        self.device_info = executor.device_info()
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(config, self.num_kv_blocks)
         self.scheduler.structured_output_manager = structured_output_manager
@@ -292,6 +293,7 @@ class EngineCore:
             num_waiting=len(s.waiting), kv_cache_usage=kv.usage)
         if s.num_spec_tokens:
             metrics.update(s.spec_decode_counters.metrics())
+        metrics[device_info_key(self.device_info)] = float(self.device_info.get("count", 1))
         return metrics
 
     def shutdown(self) -> None:

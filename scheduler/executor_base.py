@@ -7,7 +7,7 @@ Implementations: ``raylm.runner.uniproc_executor.UniProcExecutor`` (in process) 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.structured_output import GrammarOutput
@@ -52,6 +52,10 @@ class Executor(Protocol):
 
     def check_health(self) -> None:
         """Raise EngineDeadError if any worker is dead."""
+        ...
+
+    def device_info(self) -> dict[str, Any]:
+        """What the ranks run on: ``kind`` (cuda, cpu), ``name``, ``count`` (ranks)."""
         ...
 
     def shutdown(self) -> None: ...

@@ -34,3 +34,25 @@ def metrics_dict(counters: SchedulerCounters, *, prefix_cache_queries: int,
         "raylm:num_requests_waiting": num_waiting,
         "raylm:kv_cache_usage_perc": kv_cache_usage,
     }
+
+
+DEVICE_INFO = "raylm:device_info"
+_DEVICE_LABELS = ('{device_kind="', '",device_name="', '"}')
+
+
+def device_info_key(info: dict) -> str:
+    """The metrics key saying what the ranks run on (its value: how many ranks)."""
+    kind = str(info.get("kind", "unknown")).replace('"', "'")
+    name = str(info.get("name", "unknown")).replace('"', "'")
+    return f"{DEVICE_INFO}{_DEVICE_LABELS[0]}{kind}{_DEVICE_LABELS[1]}{name}{_DEVICE_LABELS[2]}"
+
+
+def parse_device_info(metrics: dict) -> list[tuple[str, str, float]]:
+    """(device kind, device name, ranks) for each device_info key of ``metrics``."""
+    out = []
+    for key, value in metrics.items():
+        if key.startswith(DEVICE_INFO + _DEVICE_LABELS[0]) and key.endswith(_DEVICE_LABELS[2]):
+            body = key[len(DEVICE_INFO + _DEVICE_LABELS[0]):-len(_DEVICE_LABELS[2])]
+            kind, _, name = body.partition(_DEVICE_LABELS[1])
+            out.append((kind, name, float(value)))
+    return out

@@ -34,7 +34,8 @@ def test_replica_of_a_sharded_model_leaves_the_gpus_to_its_workers():
                                     "engine_kwargs": {"tensor_parallel_size": 2}})
     opts = llm_server_options(cfg)
     assert opts["ray_actor_options"]["num_gpus"] == 0
-    assert opts["placement_group_bundles"] == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    # One bundle for the stage's TP group: both GPUs on one node.
+    assert opts["placement_group_bundles"] == [{"CPU": 1.0}, {"GPU": 2.0}]
     # The Ray backend at TP = 1: a worker actor runs the model, not the replica.
     ray_tp1 = LLMConfig.model_validate({**MINIMAL, "num_gpus_per_worker": 1, "engine_kwargs": {
         "distributed_executor_backend": "ray"}})

@@ -170,6 +170,9 @@ class _BackToBackPipeline:
     def determine_num_kv_blocks(self):
         return min(w.determine_num_kv_blocks() for w in self.workers)
 
+    def device_info(self):
+        return {**self.workers[0].device_info(), "count": len(self.workers)}
+
     def initialize_kv_cache(self, num_blocks):
         for w in self.workers:
             w.initialize_kv_cache(num_blocks)

@@ -253,6 +253,9 @@ class FakeExecutor:
     def determine_num_kv_blocks(self) -> int:
         return self.num_blocks
 
+    def device_info(self) -> dict:
+        return {"kind": "fake", "name": "FakeRunner", "count": 1}
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner = FakeRunner(num_blocks, self.block_size, self.eos_at, self.spec_rng)
         if self.mode == "thread":
