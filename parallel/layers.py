@@ -1,11 +1,17 @@
 """Tensor-parallel linear layers (Megatron layout, vLLM's names).
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: it receives
-the *full* checkpoint tensor and copies this rank's shard into ``param``. Column-parallel
-layers split the output features, row-parallel ones the input features (then all-reduce).
+the *full* checkpoint tensor, or a lazy handle to it (``LazyWeight``), and copies this rank's
+shard into ``param``. A loader only ``narrow``s out its shard (a lazy handle reads just that
+range from the checkpoint, so each TP rank reads ~1/TP of the sharded weights) and reads
+whole, through ``read_whole``, only what every rank keeps entire (a row-parallel bias).
+Column-parallel layers split the output features, row-parallel ones the input features
+(then all-reduce).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +20,33 @@ from torch import nn
 from raylm.parallel.communication import tp_all_gather, tp_all_reduce
 from raylm.parallel.context import ParallelContext
 from raylm.scheduler.validation import check_rank
+
+
+class LazyWeight(Protocol):
+    """A checkpoint tensor not read yet (runner/model_loader.LazyTensor): what the weight
+    loaders use of a ``torch.Tensor`` (``shape``, ``dim()``, ``narrow``), plus ``read()``
+    for all of it; each read takes only what it returns from the checkpoint."""
+
+    shape: torch.Size
+
+    def dim(self) -> int: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """That range alone, read now, as a contiguous tensor in the checkpoint's dtype."""
+        ...
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor, read now."""
+        ...
+
+
+# What a weight_loader receives: a tensor read whole (GGUF's dequantized ones), or a lazy one.
+Weight = torch.Tensor | LazyWeight
+
+
+def read_whole(weight: Weight) -> torch.Tensor:
+    """All of a checkpoint tensor: a ``torch.Tensor`` as it is, a lazy one read now."""
+    return weight if isinstance(weight, torch.Tensor) else weight.read()
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -50,7 +83,10 @@ def pack_cpu_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
             or not torch.backends.mkldnn.is_available()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (BW/VL/DQ); MKL's GEMM then
+        return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -119,7 +155,7 @@ class ColumnParallelLinear(PackedLinearWeight, nn.Module):
             self.bias = _new_param((self.output_size_per_partition,), ctx, params_dtype)
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         size = param.shape[0]
         shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
@@ -157,7 +193,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                   if self.bias is not None else [None] * len(weights))
         return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear shard_id must be an index into "
@@ -200,7 +236,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
@@ -234,10 +270,10 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
             self.bias = _new_param((output_size,), ctx, params_dtype)
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: replicated
-            shard = loaded_weight
+            shard = read_whole(loaded_weight)
         else:
             size = param.shape[1]
             shard = loaded_weight.narrow(1, self.ctx.tp_rank * size, size)
@@ -271,7 +307,7 @@ class VocabParallelEmbedding(nn.Module):
                                  params_dtype)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:
             raise ValueError(f"embedding has {loaded_weight.shape[0]} rows in the checkpoint, "

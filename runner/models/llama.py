@@ -24,7 +24,9 @@ from raylm.parallel.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    Weight,
     get_pp_layer_range,
+    read_whole,
 )
 from raylm.runner.attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
@@ -39,12 +41,13 @@ class IntermediateTensors:
     residual: torch.Tensor
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+def default_weight_loader(param: nn.Parameter, loaded_weight: Weight,
                           shard_id: object = None) -> None:
+    """A replicated parameter (the norms): the whole tensor, shape checked before it is read."""
     if tuple(param.shape) != tuple(loaded_weight.shape):
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
                          f"parameter expects {tuple(param.shape)}.")
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_whole(loaded_weight))
 
 
 class RMSNorm(nn.Module):
@@ -234,8 +237,10 @@ class LlamaForCausalLM(nn.Module):
             return ctx.is_last_pp_rank
         return "rotary_emb.inv_freq" not in name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises ValueError on unknown names or unloaded parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        """Load HF-named tensors, real or lazy (each loader reads only this rank's part of
+        a lazy one; the tied LM head on a later stage reads its own vocab shard of the
+        embedding); raises ValueError on unknown names or unloaded parameters."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         start, end = self.model.start_layer, self.model.end_layer
