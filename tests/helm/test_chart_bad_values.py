@@ -34,12 +34,19 @@ CASES = {
         "/workerGroups/0/name"),
     "target_above_max_ongoing": (
         {"llmConfig": {"deployment_config": {"max_ongoing_requests": 8}}},
-        "target_ongoing_requests (16) exceeds max_ongoing_requests (8)"),
-    "gpus_do_not_fit": (
+        "target_ongoing_requests (96) exceeds max_ongoing_requests (8)"),
+    "tp_group_larger_than_a_pod": (
         {"llmConfig": {"engine_kwargs": {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}},
          "workerGroups": [GPU_GROUP]},
-        "1 Serve replica(s) x 8 workers (TP x PP x DP) x 1 GPUs need 8 GPUs, but the worker "
-        "groups hold at most 2"),
+        "tensor_parallel_size (4) x llmConfig.num_gpus_per_worker (1) = 4 GPUs form one "
+        "tensor-parallel group"),
+    "gpus_do_not_fit": (
+        {"llmConfig": {"engine_kwargs": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                         "data_parallel_size": 2}},
+         "workerGroups": [dict(GPU_GROUP, gpus=2)]},
+        "1 Serve replica(s) x pipeline_parallel_size (2) x data_parallel_size (2) need 4 "
+        "tensor-parallel groups of 2 GPUs (tensor_parallel_size 2 x num_gpus_per_worker 1), "
+        "each inside one pod, but the worker groups hold at most 2"),
     "accelerator_without_gpus": (
         {"llmConfig": {"accelerator_type": "H100"}, "workerGroups": [dict(GPU_GROUP, gpus=0)]},
         'llmConfig.accelerator_type is "H100" but no worker group has gpus > 0'),
@@ -69,7 +76,7 @@ def test_good_variants_of_the_bad_values_pass(helm_template):
         "llmConfig": {"engine_kwargs": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1},
                       "deployment_config": {"max_ongoing_requests": 16, "autoscaling_config": {
                           "min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 16}}},
-        "workerGroups": [dict(GPU_GROUP, replicas=2, maxReplicas=4)],
+        "workerGroups": [dict(GPU_GROUP, replicas=2, maxReplicas=4, gpus=2)],
         "drain": {"terminationGracePeriodSeconds": 70, "preStopSleepSeconds": 60},
     }
     out = helm_template(ok)

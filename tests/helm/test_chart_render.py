@@ -87,9 +87,9 @@ def test_default_render_is_one_valid_rayservice(helm_template, crd_errors):
     # The head keeps KubeRay's own probe: Serve is deployed only after the head is ready.
     assert "readinessProbe" not in _container(head["template"])
     (group,) = cluster["workerGroupSpecs"]
-    assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (1, 1, 4)
+    assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (1, 1, 2)
     worker = _container(group["template"])
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 8
     probe = worker["readinessProbe"]["httpGet"]
     assert probe == {"path": "/-/healthz", "port": "serve"}
     cfg = load_app_config(_args(svc)).llm_configs[0]
@@ -114,8 +114,10 @@ def test_override_render_matches_values(helm_template, crd_errors):
     assert cfg.model_loading_config.model_source == "/models/llama-70b"
     assert cfg.accelerator_type == "H100"
     bundles = cfg.get_placement_group().bundles
-    assert len(bundles) == 5 and bundles[0] == {"CPU": 1.0}
-    assert all(b["GPU"] == 1.0 for b in bundles[1:])
+    # The replica's CPU, then TP x PP = 4 GPUs, none in a bundle bigger than a TP group.
+    assert bundles[0] == {"CPU": 1.0}
+    assert sum(b["GPU"] for b in bundles[1:]) == 4.0
+    assert all(0 < b["GPU"] <= 2 for b in bundles[1:])
 
     groups = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["gpu-a", "gpu-b"]
@@ -229,7 +231,10 @@ def test_cpu_only_render(helm_template, crd_errors):
     assert "tolerations" not in group["template"]["spec"]
     cfg = load_app_config(_args(svc)).llm_configs[0]
     assert cfg.num_gpus_per_worker == 0 and not cfg.use_gpu
-    assert cfg.default_placement_group().bundles == [{"CPU": 1.0}] * 3
+    bundles = cfg.default_placement_group().bundles
+    # The replica's CPU, then one CPU per TP rank, never a GPU.
+    assert bundles[0] == {"CPU": 1.0} and sum(b["CPU"] for b in bundles) == 3.0
+    assert all(set(b) == {"CPU"} for b in bundles)
 
 
 def test_fixed_replica_count_replaces_autoscaling(helm_template, crd_errors):
@@ -240,4 +245,4 @@ def test_fixed_replica_count_replaces_autoscaling(helm_template, crd_errors):
     assert "autoscaling_config" not in llm["deployment_config"]
     cfg = load_app_config(_args(svc)).llm_configs[0]
     assert cfg.deployment_config.to_serve_options() == {
-        "max_ongoing_requests": 64, "num_replicas": 3, "graceful_shutdown_timeout_s": 60}
+        "max_ongoing_requests": 192, "num_replicas": 3, "graceful_shutdown_timeout_s": 60}

@@ -86,11 +86,23 @@ The largest GPU count of one pod among the worker groups that serve the LLM.
 
 {{/*
 The LLMConfig handed to raylm.cluster:build_openai_app, as YAML: llmConfig from the values,
-with num_gpus_per_worker resolved (null: 1 when a worker group has GPUs, else 0) and
-autoscaling_config dropped when num_replicas is set.
+with num_gpus_per_worker resolved (null: 1 when a worker group has GPUs, else 0),
+engine_kwargs.distributed_executor_backend defaulted to "ray" and autoscaling_config
+dropped when num_replicas is set.
 */}}
 {{- define "raylm.llmConfig" -}}
 {{- $cfg := deepCopy .Values.llmConfig }}
+{{- $ek := default (dict) (get $cfg "engine_kwargs") }}
+{{- if not (get $ek "distributed_executor_backend") }}
+{{- /* As `raylm serve` does (SERVE_EXECUTOR_BACKEND in cluster/cli.py): even at
+TP = PP = DP = 1 the model runs in a Ray worker actor of its own, not in the Serve replica,
+so a forward step never waits for the replica's event loop (HTTP, tokenizing, streaming) to
+release the GIL; with the model in the replica, bench/serve.py served 8-14% fewer tokens/s.
+With TP, PP or DP above 1 "ray" is the engine's own default anyway. A value set in
+engine_kwargs wins ("uni": the model in the replica's process). */}}
+{{- $_ := set $ek "distributed_executor_backend" "ray" }}
+{{- end }}
+{{- $_ := set $cfg "engine_kwargs" $ek }}
 {{- $dc := $cfg.deployment_config }}
 {{- if not (kindIs "invalid" (get $dc "num_replicas")) }}
 {{- /* A fixed replica count replaces autoscaling; LLMConfig rejects both at once. */}}

@@ -23,28 +23,38 @@ Checks values.schema.json cannot express. Each failure names the value and what 
 {{- include "raylm.validateGroups" (dict "groups" $v.batch.workerGroups "path" "batch.workerGroups") }}
 {{- end }}
 
-{{- /* GPUs: one replica must fit, and min_replicas of them. */}}
+{{- /* GPUs. A replica's placement group holds bundle 0 ({"CPU": 1}, the replica), then one
+bundle per pipeline stage (and DP rank) with that stage's whole tensor-parallel group:
+{"GPU": tensor_parallel_size x num_gpus_per_worker}. Ray puts a bundle on one node, so a TP
+group must fit inside one worker pod (stages may use different pods), and a pod of g GPUs
+holds floor(g / group GPUs) groups: capacity is counted in whole TP groups, and min_replicas
+(or num_replicas) replicas of PP x DP groups each must fit. */}}
 {{- $llm := include "raylm.llmConfig" . | fromYaml }}
 {{- $ek := $llm.engine_kwargs }}
-{{- $workers := mul (int (default 1 $ek.tensor_parallel_size)) (int (default 1 $ek.pipeline_parallel_size)) (int (default 1 $ek.data_parallel_size)) }}
+{{- $tp := int (default 1 $ek.tensor_parallel_size) }}
+{{- $pp := int (default 1 $ek.pipeline_parallel_size) }}
+{{- $dp := int (default 1 $ek.data_parallel_size) }}
 {{- $gpw := float64 $llm.num_gpus_per_worker }}
 {{- $maxPerPod := float64 (include "raylm.maxGpusPerPod" .) }}
 {{- if and $llm.accelerator_type (eq $maxPerPod 0.0) }}
 {{- fail (printf "raylm: llmConfig.accelerator_type is %q but no worker group has gpus > 0; give a worker group GPUs or unset accelerator_type." $llm.accelerator_type) }}
 {{- end }}
 {{- if gt $gpw 0.0 }}
-{{- if gt $gpw $maxPerPod }}
-{{- fail (printf "raylm: llmConfig.num_gpus_per_worker (%v) exceeds the GPUs of every worker pod (at most %v); one worker must fit on one pod." $gpw $maxPerPod) }}
+{{- $groupGpus := mulf (float64 $tp) $gpw }}
+{{- if gt $groupGpus $maxPerPod }}
+{{- fail (printf "raylm: llmConfig.engine_kwargs.tensor_parallel_size (%d) x llmConfig.num_gpus_per_worker (%v) = %v GPUs form one tensor-parallel group, which Ray places inside one worker pod, but every worker group has fewer (largest workerGroups[].gpus: %v). Raise a worker group's gpus to at least %v, or lower tensor_parallel_size (pipeline_parallel_size splits a model across pods)." $tp $gpw $groupGpus $maxPerPod $groupGpus) }}
 {{- end }}
-{{- $capacity := 0.0 }}
+{{- $capacity := 0 }}
 {{- range $v.workerGroups }}
-{{- $capacity = addf $capacity (mulf (float64 .maxReplicas) (float64 (default 0 (get . "gpus")))) }}
+{{- $perPod := int (floor (divf (float64 (default 0 (get . "gpus"))) $groupGpus)) }}
+{{- $capacity = add $capacity (mul (int .maxReplicas) $perPod) }}
 {{- end }}
 {{- $floor := $as.min_replicas }}
 {{- if not (kindIs "invalid" (get $dc "num_replicas")) }}{{ $floor = $dc.num_replicas }}{{ end }}
-{{- $need := mulf (maxf 1 (float64 $floor)) (float64 $workers) $gpw }}
+{{- $replicas := max 1 (int $floor) }}
+{{- $need := mul $replicas $pp $dp }}
 {{- if gt $need $capacity }}
-{{- fail (printf "raylm: %v Serve replica(s) x %d workers (TP x PP x DP) x %v GPUs need %v GPUs, but the worker groups hold at most %v (sum of maxReplicas x gpus); raise maxReplicas or gpus, or lower the parallel sizes." (maxf 1 (float64 $floor)) $workers $gpw $need $capacity) }}
+{{- fail (printf "raylm: %d Serve replica(s) x pipeline_parallel_size (%d) x data_parallel_size (%d) need %d tensor-parallel groups of %v GPUs (tensor_parallel_size %d x num_gpus_per_worker %v), each inside one pod, but the worker groups hold at most %d (sum of maxReplicas x floor(gpus / %v)); raise maxReplicas, or gpus to a multiple of %v, or lower min_replicas or the parallel sizes." $replicas $pp $dp $need $groupGpus $tp $gpw $capacity $groupGpus $groupGpus) }}
 {{- end }}
 {{- end }}
 
