@@ -1,12 +1,14 @@
-"""The CUDA paths on a real GPU: correctness against transformers, the async copy stream,
-an NCCL group, bf16, and what async scheduling hides on an accelerator.
+"""The one script a GPU machine runs first (at most ~8 minutes on one GPU): the CUDA paths
+against transformers, the deployment checks, and the throughput rows.
 
     python bench/gpu_check.py [--quick]
 
-Needs one CUDA GPU; Ray is not needed (the engine runs in process). Every check prints one
-line starting with PASS or FAIL; the exit status is the number of failures. Checkpoints are
-random-weight Llamas written locally (nothing is downloaded).
+Needs one CUDA GPU; Ray is needed only for the `raylm serve` check (the engine otherwise
+runs in process). Every check prints one line starting with PASS or FAIL; the exit status
+is the number of failures. Checkpoints are random-weight Llamas written locally (nothing is
+downloaded).
 
+0. versions (torch, CUDA, GPU, transformers, ray if installed);
 1. greedy tokens of raylm (sync and async, fp32, chunked prefill) equal transformers'
    `generate` on the same GPU, for several architectures;
 2. the sampled-id copy runs on a copy stream with an event (not the CPU thread);
@@ -14,7 +16,12 @@ random-weight Llamas written locally (nothing is downloaded).
    on CUDA tensors;
 4. bf16: the share of greedy tokens equal to transformers in bf16 (reported, not asserted
    exact: bf16 rounding differs between attention implementations);
-5. throughput, sync vs async scheduling, beside transformers' static batching.
+5. a checkpoint with 131072 positions starts at that max_model_len on the GPU, and the
+   step reserve of Llama-3.1-8B's shape at 131072 leaves a KV cache on this GPU;
+6. the async PP ring's communicator order soaked over NCCL with as many ranks as GPUs
+   (two at least; with one GPU, over Gloo on the CPU: reported as such);
+7. `raylm serve` on the GPU: one request, the device in /metrics, GPU memory in use;
+8. throughput, sync vs async scheduling, beside transformers' static batching.
 """
 
 from __future__ import annotations
@@ -169,6 +176,123 @@ def check_bf16(root: str) -> None:
                                  f"before the first divergence")
 
 
+def check_versions() -> None:
+    import transformers
+
+    try:
+        import ray
+
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = "not installed"
+    print(f"versions: torch {torch.__version__} (CUDA {torch.version.cuda}), "
+          f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, transformers "
+          f"{transformers.__version__}, ray {ray_version}", flush=True)
+
+
+def check_long_context(root: str) -> None:
+    from raylm import LLM, SamplingParams
+    from raylm.parallel.context import ParallelContext
+    from raylm.runner.memory_budget import GIB, kv_cache_budget_bytes, step_reserve_bytes
+    from raylm.scheduler.engine_config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+
+    llama31_8b = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+                  "intermediate_size": 14336, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
+                  "max_position_embeddings": 131072}
+    config = EngineConfig(ModelConfig(model="8b", max_model_len=131072, hf_config=llama31_8b),
+                          CacheConfig(), SchedulerConfig(), ParallelConfig())
+    reserve = step_reserve_bytes(config, ParallelContext.single("cuda"), 2)
+    free, total = torch.cuda.mem_get_info()
+    kv = kv_cache_budget_bytes(free - 16 * GIB, total, 0.9, reserve)  # after 16 GiB weights
+    tokens = kv // (32 * 2 * 8 * 128 * 2)
+    report(tokens >= 131072, f"Llama-3.1-8B shape at 131072 on this GPU: step reserve "
+                             f"{reserve / GIB:.2f} GiB, KV for {tokens} tokens")
+    path = write_random_checkpoint(os.path.join(root, "long"),
+                                   CheckpointSpec(max_position_embeddings=131072))
+    llm = LLM(path, dtype="float32", max_num_seqs=8)
+    try:
+        blocks = llm.llm_engine.core.engine_core.num_kv_blocks
+        out = llm.generate([{"prompt_token_ids": [5, 9, 33]}],
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        report(llm.llm_engine.model_config.max_model_len == 131072 and blocks * 16 >= 131072
+               and len(out[0].outputs[0].token_ids) == 4,
+               f"131072-position checkpoint starts on the GPU: {blocks} KV blocks")
+    finally:
+        llm.shutdown()
+
+
+def check_ring_soak(rounds: int) -> None:
+    from pp_ring_soak import run_soak
+
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        result = run_soak(2 if gpus >= 4 else 1, 2, rounds, device="cuda")
+    else:  # NCCL takes one rank per GPU: one GPU soaks the order over Gloo only
+        print("pp_ring_soak: one GPU, so the ring soaks over Gloo on the CPU (NCCL unrun)",
+              flush=True)
+        result = run_soak(2, 2, rounds, device="cpu")
+    report(result.ok, result.line.removeprefix("PASS ").removeprefix("FAIL "))
+
+
+def check_serve(root: str) -> None:
+    import signal
+    import subprocess
+    import urllib.request
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        report(False, "raylm serve on the GPU: ray is not installed on this machine")
+        return
+    path = write_random_checkpoint(os.path.join(root, "serve"), SPECS["6m"])
+    port = 8321
+    proc = subprocess.Popen([sys.executable, "-m", "raylm.cluster.cli", "serve", path,
+                             "--port", str(port), "--served-model-name", "m"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        body = b'{"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0}'
+        req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        answer = urllib.request.urlopen(req, timeout=60).read().decode()
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        device = [line for line in metrics.splitlines() if line.startswith("raylm:device_info")]
+        free, total = torch.cuda.mem_get_info()
+        report('"completion_tokens":4' in answer.replace(" ", "")
+               and any('device_kind="cuda"' in line for line in device),
+               f"raylm serve on the GPU: {device}, {(total - free) / 2**30:.1f} GiB of GPU "
+               "memory in use")
+    except Exception as e:
+        report(False, f"raylm serve on the GPU: {e!r}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        for line in out.splitlines():
+            if "runs on" in line:
+                print("  " + line.strip(), flush=True)
+
+
 # A model whose decode step keeps an H200 busy for about as long as the host needs to
 # schedule one: where async scheduling has something to hide.
 _GPU_SPECS = {
@@ -227,10 +351,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("FAIL no CUDA device: run this on a GPU machine")
         return 1
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     with tempfile.TemporaryDirectory() as root:
+        check_versions()
         for check in (lambda: check_correctness(root, args.quick), check_copy_stream,
-                      check_nccl, lambda: check_bf16(root),
+                      check_nccl, lambda: check_bf16(root), lambda: check_long_context(root),
+                      lambda: check_ring_soak(100 if args.quick else 500),
+                      lambda: check_serve(root),
                       *(lambda size=size: check_throughput(root, size)
                         for size in (["6m"] if args.quick else ["120m", "1b"]))):
             try:
