@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from raylm.scheduler.validation import check_at_least
+from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ import ray
 from raylm.actors.engine_core_actor import make_engine_core, poll_outputs
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPSyncGroup
 from raylm.parallel.rendezvous import StoreRendezvous
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.config.validation import check_rank
+from raylm.scheduler.core.dp_loop import DPEngineCoreLoop
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutputs
-from raylm.scheduler.dp_loop import DPEngineCoreLoop
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor_base import EngineDeadError
-from raylm.scheduler.validation import check_rank
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from raylm.actors.ray_executor import RayExecutor
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.engine_core_loop import EngineCoreLoop
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutputs
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.engine_core_loop import EngineCoreLoop
-from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
@@ -54,7 +54,7 @@ def make_engine_core(config: EngineConfig, executor: Any) -> EngineCore:
     """The EngineCore over a started executor; the executor is shut down if that fails
     (its workers hold devices and placement bundles)."""
     try:
-        from raylm.runner.xgrammar_backend import make_structured_output_manager
+        from raylm.runner.structured.xgrammar_backend import make_structured_output_manager
 
         return EngineCore(config, executor, make_structured_output_manager(config))
     except BaseException:

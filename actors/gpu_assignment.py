@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import ray
 
-from raylm.scheduler import envs
+from raylm.scheduler.config import envs
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from collections import Counter
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from raylm.scheduler import envs
-from raylm.scheduler.engine_config import PLACEMENT_STRATEGIES, stage_bundles
+from raylm.scheduler.config import envs
+from raylm.scheduler.config.engine_config import PLACEMENT_STRATEGIES, stage_bundles
 
 logger = logging.getLogger(__name__)
 

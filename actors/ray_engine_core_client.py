@@ -26,11 +26,11 @@ from raylm.actors.placement import (
     worker_bundles,
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
-from raylm.scheduler import envs
+from raylm.scheduler.config import envs
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.engine_core_loop import next_output
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutputs
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.engine_core_loop import next_output
-from raylm.scheduler.executor_base import EngineDeadError
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request

@@ -24,11 +24,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raylm.actors import placement
 from raylm.actors.step_channel import StepChannel
 from raylm.actors.worker_actor import WorkerActor, new_token, output_rank
-from raylm.scheduler import envs
+from raylm.scheduler.config import envs
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.executor_base import EngineDeadError
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.scheduler.structured.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
 

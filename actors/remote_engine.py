@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.core.executor_base import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

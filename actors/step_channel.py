@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.core.executor_base import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import Any
 import ray
 
 from raylm.actors.step_channel import StepServer
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.structured.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class WorkerActor:
     def __init__(self, rank: int, num_threads: int, env: dict[str, str] | None = None) -> None:
         """``rank``: where the executor created it; ``assign_rank`` may renumber it once
         every rank's GPU is known (before the rendezvous)."""
-        # Values the executor read through raylm.scheduler.envs, exported for torch/gloo here.
+        # Values the executor read through raylm.scheduler.config.envs, exported for torch/gloo here.
         os.environ.update(env or {})
         self.rank = rank
         self.num_threads = num_threads
@@ -131,7 +131,7 @@ class WorkerActor:
         """Hidden states stage to stage, sampled ids back from the last stage. Collective
         (it creates the PP broadcast group): every rank runs it, in init_worker."""
         from raylm.parallel.pp_comm import build_pp_transport
-        from raylm.runner.model_loader import resolve_dtype
+        from raylm.runner.loading.model_loader import resolve_dtype
         from raylm.runner.models.llama import IntermediateTensors
 
         mc = engine_config.model_config

@@ -1,8 +1,8 @@
 """raylm: an LLM serving engine on Ray with asynchronous scheduling."""
 
-from raylm.cluster.llm import LLM
+from raylm.cluster.engine.llm import LLM
 from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
-from raylm.scheduler.structured_output_params import StructuredOutputsParams
+from raylm.scheduler.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "__version__"]

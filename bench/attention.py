@@ -8,7 +8,7 @@ Workload: one layer of the 6m model's attention shape (8 query heads, 4 KV heads
 in a block-major paged cache with the rows' blocks drawn at random from a pool of
 ``--pool-tokens`` positions. "padded sdpa" gathers every row's
 blocks up to the longest context and runs one masked ``scaled_dot_product_attention`` (the
-previous decode path); "ragged C++" and "ragged torch" are ``raylm.runner.attention`` with
+previous decode path); "ragged C++" and "ragged torch" are ``raylm.runner.attention.paged_attention`` with
 the CPU kernel and with the torch kernel (metadata built once, as in a step, outside the
 timing). Then the longest row's context is doubled: a kernel whose cost
 follows the sum of contexts barely moves; a padded one pays for every row. The variants
@@ -26,7 +26,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raylm.runner.attention import Attention, allocate_kv_cache, build_attention_metadata
+from raylm.runner.attention.paged_attention import (
+    Attention,
+    allocate_kv_cache,
+    build_attention_metadata,
+)
 from raylm.runner.host_memory import keep_freed_host_memory
 
 HQ, HKV, D = 8, 4, 32

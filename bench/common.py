@@ -7,14 +7,14 @@ import random
 import time
 from dataclasses import dataclass
 
-from raylm.runner.checkpoint import SPECS, write_random_checkpoint
+from raylm.runner.loading.checkpoint import SPECS, write_random_checkpoint
 
 CACHE = os.environ.get("RAYLM_BENCH_CACHE", os.path.expanduser("~/.cache/raylm/bench"))
 
 
 def checkpoint(size: str) -> str:
     if size == "smollm2":  # the real default model, fetched once into RAYLM_CACHE_DIR
-        from raylm.runner.default_model import resolve_default_model
+        from raylm.runner.loading.default_model import resolve_default_model
 
         return resolve_default_model()
     path = os.path.join(CACHE, f"llama-{size}")

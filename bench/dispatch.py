@@ -27,14 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ray  # noqa: E402
 
 from raylm.actors.ray_executor import RayExecutor  # noqa: E402
-from raylm.scheduler.core_outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput  # noqa: E402
-from raylm.scheduler.engine_config import (  # noqa: E402
+from raylm.scheduler.config.engine_config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from raylm.scheduler.core_outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput  # noqa: E402
 
 
 class NoopWorker:
@@ -144,7 +144,7 @@ def bench_compiled_graph(steps: int, num_reqs: int) -> tuple[list[float], float]
 
 def bench_model(path: str, num_reqs: int, max_tokens: int) -> list[tuple[str, float, int]]:
     from raylm.runner.uniproc_executor import UniProcExecutor
-    from raylm.scheduler.engine_core import EngineCore
+    from raylm.scheduler.core.engine_core import EngineCore
     from raylm.scheduler.request import Request
     from raylm.scheduler.sampling_params import SamplingParams
 
@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--skip-model", action="store_true")
     args = ap.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    from raylm.runner.checkpoint import SPECS, write_random_checkpoint
+    from raylm.runner.loading.checkpoint import SPECS, write_random_checkpoint
 
     path = write_random_checkpoint(tempfile.mkdtemp(prefix="raylm-dispatch-"), SPECS["tiny"])
     config = EngineConfig(ModelConfig(model=path), CacheConfig(), SchedulerConfig(),

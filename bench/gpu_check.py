@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from raylm.runner.checkpoint import SPECS, CheckpointSpec, write_random_checkpoint  # noqa: E402
+from raylm.runner.loading.checkpoint import SPECS, CheckpointSpec, write_random_checkpoint  # noqa: E402
 
 FAILURES: list[str] = []
 
@@ -194,7 +194,7 @@ def check_long_context(root: str) -> None:
     from raylm import LLM, SamplingParams
     from raylm.parallel.context import ParallelContext
     from raylm.runner.memory_budget import GIB, kv_cache_budget_bytes, step_reserve_bytes
-    from raylm.scheduler.engine_config import (
+    from raylm.scheduler.config.engine_config import (
         CacheConfig,
         EngineConfig,
         ModelConfig,

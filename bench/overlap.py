@@ -48,15 +48,15 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
 

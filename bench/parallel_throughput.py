@@ -3,7 +3,7 @@
     python bench/parallel_throughput.py [--size 6m] [--requests 32] [--output-len 64]
 
 Same workload for every configuration (random-weight Llama checkpoint ``--size`` from
-runner/checkpoint.py SPECS, 32-token prompts, greedy, ignore_eos):
+runner/loading/checkpoint.py SPECS, 32-token prompts, greedy, ignore_eos):
 - TP=1 in process (UniProcExecutor, torch threads = all cores): the reference
 - TP=1 on Ray (EngineCore actor + 1 worker actor, 1 torch thread)
 - TP=2 on Ray (2 worker actors, 1 torch thread each, all-reduce over gloo)
@@ -30,7 +30,7 @@ from common import Timer, checkpoint, fixed_workload, print_table  # noqa: E402
 
 def run(path: str, wl, **engine_kwargs) -> tuple[float, list[list[int]]]:
     from raylm import SamplingParams
-    from raylm.cluster.llm import LLM  # also exported as raylm.LLM once the API lands
+    from raylm.cluster.engine.llm import LLM  # also exported as raylm.LLM once the API lands
 
     llm = LLM(path, max_num_seqs=len(wl.prompts), enable_prefix_caching=False, **engine_kwargs)
     try:
@@ -69,7 +69,7 @@ def main() -> None:
     # Logical CPUs for the EngineCore actor plus up to two 1-CPU workers.
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     path = checkpoint(args.size)
-    from raylm.runner.checkpoint import SPECS
+    from raylm.runner.loading.checkpoint import SPECS
 
     wl = fixed_workload(SPECS[args.size].vocab_size, args.requests, args.prompt_len,
                         args.output_len)

@@ -55,7 +55,7 @@ def copy_checkpoint() -> str:
     if not os.path.isfile(weights_file):
         import shutil
 
-        from raylm.runner.checkpoint import scale_attention_output
+        from raylm.runner.loading.checkpoint import scale_attention_output
 
         shutil.copytree(checkpoint("6m"), path, dirs_exist_ok=True)
         scale_attention_output(path, 1e-5)
@@ -63,7 +63,7 @@ def copy_checkpoint() -> str:
 
 
 def draft_checkpoint() -> str:
-    from raylm.runner.checkpoint import SPECS, CheckpointSpec, write_random_checkpoint
+    from raylm.runner.loading.checkpoint import SPECS, CheckpointSpec, write_random_checkpoint
 
     path = os.path.join(CACHE, "llama-draft-1layer")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):

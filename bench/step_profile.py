@@ -41,7 +41,7 @@ def main() -> None:
 
     import torch
 
-    from raylm.cluster.engine_args import EngineArgs
+    from raylm.cluster.engine.engine_args import EngineArgs
     from raylm.parallel.context import ParallelContext
     from raylm.runner.model_runner import ModelRunner
     from raylm.scheduler.core_outputs import CachedRequestData, NewRequestData, SchedulerOutput

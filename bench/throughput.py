@@ -208,7 +208,7 @@ def run_vllm(python: str, path: str, plan: Plan, repeats: int) -> float | None:
 
 
 def plans(wanted: list[str]) -> dict[str, Plan]:
-    from raylm.runner.checkpoint import SPECS
+    from raylm.runner.loading.checkpoint import SPECS
 
     v6, v120 = SPECS["6m"].vocab_size, SPECS["120m"].vocab_size
     mixed200 = mixed_traffic_workload(v6, 200)

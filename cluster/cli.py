@@ -10,10 +10,10 @@ import sys
 import threading
 from typing import Any
 
-from raylm.cluster.engine_args import add_cli_args, cli_engine_kwargs
-from raylm.cluster.local_serve import PROXIES, default_proxy, local_serve_env
+from raylm.cluster.engine.engine_args import add_cli_args, cli_engine_kwargs
+from raylm.cluster.serve.local import PROXIES, default_proxy, local_serve_env
 from raylm.runner.cpu_budget import usable_cpus
-from raylm.scheduler import envs
+from raylm.scheduler.config import envs
 
 logger = logging.getLogger("raylm.cli")
 
@@ -21,12 +21,12 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     """(checkpoint, served model name): a Hugging Face folder or GGUF file, the random demo
     model for ``demo-random``, or the default model (fetched once) when none is given."""
     from raylm.cluster.demo import DEMO_MODEL_ID, DEMO_MODEL_NAMES, ensure_demo_model
-    from raylm.runner.default_model import (
+    from raylm.runner.loading.default_model import (
         DEFAULT_MODEL_ID,
         ModelFetchError,
         resolve_default_model,
     )
-    from raylm.runner.gguf_checkpoint import find_gguf_file
+    from raylm.runner.loading.gguf_checkpoint import find_gguf_file
 
     if args.model in DEMO_MODEL_NAMES:
         return ensure_demo_model(), args.served_model_name or DEMO_MODEL_ID
@@ -53,7 +53,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from raylm.cluster.llm import LLM
+    from raylm.cluster.engine.llm import LLM
     from raylm.scheduler.sampling_params import SamplingParams
 
     path, _ = resolve_model(args)
@@ -73,8 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from raylm.cluster.batch_job import BatchJobConfig, parse_replicas, run_batch_job
-    from raylm.cluster.serve_config import LLMConfig
+    from raylm.cluster.batch.job import BatchJobConfig, parse_replicas, run_batch_job
+    from raylm.cluster.serve.config import LLMConfig
 
     min_replicas, max_replicas = parse_replicas(args.num_replicas)
     source, name = model_loading(args)
@@ -105,7 +105,7 @@ def model_loading(args: argparse.Namespace) -> tuple[str | None, str]:
     itself: the source is None (the default model) or "demo"; otherwise the model is
     resolved here, locally (fetched now, with the progress line)."""
     from raylm.cluster.demo import DEMO_MODEL_ID, DEMO_MODEL_NAMES
-    from raylm.runner.default_model import DEFAULT_MODEL_ID
+    from raylm.runner.loading.default_model import DEFAULT_MODEL_ID
 
     if envs.ray_address() is not None and (args.model is None or args.model in DEMO_MODEL_NAMES):
         demo = args.model is not None
@@ -135,7 +135,7 @@ def owns_its_node(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> bo
 
 
 def build_llm_config(args: argparse.Namespace) -> Any:
-    from raylm.cluster.serve_config import LLMConfig
+    from raylm.cluster.serve.config import LLMConfig
 
     source, name = model_loading(args)
     deployment: dict[str, Any] = {}
@@ -169,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from raylm.cluster.serve_app import build_openai_app
+    from raylm.cluster.serve.app import build_openai_app
 
     llm_config = build_llm_config(args)
     address = envs.ray_address()

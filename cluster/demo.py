@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from raylm.runner.checkpoint import SPECS, write_random_checkpoint
-from raylm.scheduler import envs
+from raylm.runner.loading.checkpoint import SPECS, write_random_checkpoint
+from raylm.scheduler.config import envs
 
 DEMO_MODEL_ID = "raylm-demo"
 # The names that select the demo model where a model is expected (CLI, Serve config).

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from raylm.scheduler.validation import check_at_least, check_rank
+from raylm.scheduler.config.validation import check_at_least, check_rank
 
 
 @dataclass(frozen=True)

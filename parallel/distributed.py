@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.rendezvous import StoreRendezvous
-from raylm.scheduler import envs
-from raylm.scheduler.validation import check_at_least, check_rank
+from raylm.scheduler.config import envs
+from raylm.scheduler.config.validation import check_at_least, check_rank
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from raylm.parallel.rendezvous import StoreRendezvous, store_timeout
-from raylm.scheduler import envs
-from raylm.scheduler.validation import check_rank
+from raylm.scheduler.config import envs
+from raylm.scheduler.config.validation import check_rank
 
 logger = logging.getLogger(__name__)
 

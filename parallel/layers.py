@@ -19,7 +19,7 @@ from torch import nn
 
 from raylm.parallel.communication import tp_all_gather, tp_all_reduce
 from raylm.parallel.context import ParallelContext
-from raylm.scheduler.validation import check_rank
+from raylm.scheduler.config.validation import check_rank
 
 
 class LazyWeight(Protocol):

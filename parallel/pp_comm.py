@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.distributed import new_pp_broadcast_group
+from raylm.scheduler.config.validation import check_at_least
 from raylm.scheduler.core_outputs import SchedulerOutput
-from raylm.scheduler.validation import check_at_least
 
 # (hidden_states, residual) -> the runner's IntermediateTensors. Injected, because parallel
 # sits below runner in the import order (docs/architecture.md §1).

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from raylm.scheduler.validation import check_at_least
+from raylm.scheduler.config.validation import check_at_least
 
 
 def store_timeout(timeout_s: float) -> datetime.timedelta:

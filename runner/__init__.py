@@ -1,7 +1,7 @@
 """One rank on one device: model runner, input batch, sampler, attention, models, loading.
 
 Names resolve lazily (PEP 562) so that importing a light submodule such as
-``raylm.runner.checkpoint`` does not pay for torch and the whole runner.
+``raylm.runner.loading.checkpoint`` does not pay for torch and the whole runner.
 """
 
 import importlib
@@ -13,8 +13,8 @@ _EXPORTS = {
     "IntermediateTensors": "raylm.runner.models.llama",
     "ModelRunner": "raylm.runner.model_runner",
     "PPTransport": "raylm.runner.worker",
-    "Sampler": "raylm.runner.sampler",
-    "SamplingMetadata": "raylm.runner.sampler",
+    "Sampler": "raylm.runner.sample.sampler",
+    "SamplingMetadata": "raylm.runner.sample.sampler",
     "UniProcExecutor": "raylm.runner.uniproc_executor",
     "Worker": "raylm.runner.worker",
 }

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from raylm.runner.rng import to_int64_seed
+from raylm.runner.sample.rng import to_int64_seed
 from raylm.scheduler.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1

@@ -11,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.attention import RAGGED_MAX_QUERY_LEN, max_ragged_pairs, ragged_bytes_per_pair
+from raylm.runner.attention.paged_attention import (
+    RAGGED_MAX_QUERY_LEN,
+    max_ragged_pairs,
+    ragged_bytes_per_pair,
+)
 from raylm.runner.models.decoder_config import DecoderConfig
-from raylm.scheduler.engine_config import EngineConfig
+from raylm.scheduler.config.engine_config import EngineConfig
 
 # NCCL's buffers per communicator (channels x peers x NCCL_BUFFSIZE, plus its proxy):
 # a few hundred MiB on 8-GPU nodes, not visible to torch's allocator.

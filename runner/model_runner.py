@@ -35,27 +35,27 @@ from raylm.runner.async_output import (
     AsyncOutputCopier,
     build_model_runner_output,
 )
-from raylm.runner.attention import allocate_kv_cache
-from raylm.runner.grammar_bitmask import DeferredSampling, apply_grammar_bitmask
+from raylm.runner.attention.paged_attention import allocate_kv_cache
 from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.loading.model_loader import get_model, resolve_dtype
 from raylm.runner.memory_budget import RankAttentionShape
-from raylm.runner.model_loader import get_model, resolve_dtype
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
-from raylm.runner.prompt_logprobs import compute_prompt_logprobs
-from raylm.runner.sampler import Sampler, SamplerOutput
-from raylm.runner.sampling_metadata import build_sampling_metadata
+from raylm.runner.sample.prompt_logprobs import compute_prompt_logprobs
+from raylm.runner.sample.sampler import Sampler, SamplerOutput
+from raylm.runner.sample.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.speculator import Speculator
+from raylm.runner.structured.grammar_bitmask import DeferredSampling, apply_grammar_bitmask
+from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
     DraftTokenIds,
     ModelRunnerOutput,
     PromptLogprobsChunk,
     SchedulerOutput,
 )
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.scheduler.structured.manager import GrammarOutput
 
 # Settled copies are drained without blocking each step; past this many unsettled steps
 # the oldest is waited for, so the backlog (and the tensors it keeps alive) stays bounded.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raylm.runner.attention import AttentionMetadata, build_attention_metadata
+from raylm.runner.attention.paged_attention import AttentionMetadata, build_attention_metadata
 from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
 from raylm.scheduler.core_outputs import SchedulerOutput
 

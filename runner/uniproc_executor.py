@@ -17,10 +17,10 @@ from typing import Any
 
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.worker import Worker
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.executor_base import EngineDeadError
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.scheduler.structured.manager import GrammarOutput
 
 _STOP = object()
 

@@ -31,11 +31,11 @@ from raylm.runner.memory_budget import (
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.pp_ring import SampledTokenTransport
-from raylm.scheduler import envs
+from raylm.scheduler.config import envs
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.executor_base import EngineDeadError
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.scheduler.structured.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
 

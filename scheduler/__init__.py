@@ -1,7 +1,16 @@
 """raylm.scheduler: pure-Python scheduling (no torch, no ray)."""
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
-from raylm.scheduler.block_pool import BlockPool, KVCacheBlock
+from raylm.scheduler.config.engine_config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.executor_base import EngineDeadError, Executor
 from raylm.scheduler.core_outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -13,20 +22,11 @@ from raylm.scheduler.core_outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from raylm.scheduler.engine_config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor_base import EngineDeadError, Executor
-from raylm.scheduler.kv_cache_manager import KVCacheManager
+from raylm.scheduler.kv.block_pool import BlockPool, KVCacheBlock
+from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.scheduler import Scheduler
-from raylm.scheduler.speculative_config import SpeculativeConfig
 
 __all__ = [
     "AsyncScheduler",

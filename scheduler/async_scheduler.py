@@ -10,8 +10,8 @@ Everything else (the §3 rule 2 skip, stale outputs, deferred frees) lives in th
 
 from __future__ import annotations
 
+from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import SchedulerOutput
-from raylm.scheduler.engine_config import EngineConfig
 from raylm.scheduler.scheduler import Scheduler
 
 

@@ -14,7 +14,7 @@ from enum import IntEnum
 
 from raylm.scheduler.core_outputs import FinishReason
 from raylm.scheduler.sampling_params import SamplingParams
-from raylm.scheduler.structured_output import StructuredOutputRequest
+from raylm.scheduler.structured.manager import StructuredOutputRequest
 
 
 class InvalidRequestError(ValueError):

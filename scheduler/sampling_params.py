@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
-from raylm.scheduler.structured_output_params import StructuredOutputsParams
+from raylm.scheduler.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # The most top logprobs a request may ask for per token (vLLM's default max_logprobs).

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from raylm.scheduler.block_pool import KVCacheBlock
+from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -23,15 +23,15 @@ from raylm.scheduler.core_outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.kv_cache_manager import KVCacheManager
-from raylm.scheduler.kv_cache_utils import cdiv, update_block_hashes
+from raylm.scheduler.kv.block_pool import KVCacheBlock
+from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
+from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
 from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters, num_useful_drafts
-from raylm.scheduler.structured_output_scheduling import StructuredOutputSchedulingMixin
+from raylm.scheduler.structured.scheduling import StructuredOutputSchedulingMixin
 
 
 @dataclass

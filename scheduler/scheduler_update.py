@@ -17,7 +17,7 @@ from raylm.scheduler.core_outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from raylm.scheduler.kv_cache_utils import update_block_hashes
+from raylm.scheduler.kv.kv_cache_utils import update_block_hashes
 from raylm.scheduler.prompt_logprobs import take_new_prompt_logprobs
 from raylm.scheduler.stop import check_stop
 

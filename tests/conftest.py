@@ -11,7 +11,7 @@ import pytest
 # which inherits the environment) starts; the bf16 tests ask for bfloat16 explicitly.
 os.environ.setdefault("RAYLM_CPU_AUTO_BFLOAT16", "0")
 
-from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
 
 def _write(tmp_path_factory, name: str, spec: CheckpointSpec) -> str:
@@ -52,7 +52,7 @@ def loopy_llama_path(tmp_path_factory) -> str:
     (speculative decoding tests: a plain random model almost never repeats, so nearly
     every draft would be rejected). Attention still contributes, so misplaced KV still
     changes the tokens."""
-    from raylm.runner.checkpoint import scale_attention_output
+    from raylm.runner.loading.checkpoint import scale_attention_output
 
     path = _write(tmp_path_factory, "loopy_llama", CheckpointSpec(seed=6))
     scale_attention_output(path, 0.004)
@@ -64,7 +64,7 @@ def loopy_draft_path(tmp_path_factory) -> str:
     """A draft model for ``loopy_llama_path``: the same weights with attention scaled down
     5x less, so it proposes what the target would often but not always (speculative
     decoding tests: partial acceptance, rollbacks)."""
-    from raylm.runner.checkpoint import scale_attention_output
+    from raylm.runner.loading.checkpoint import scale_attention_output
 
     path = _write(tmp_path_factory, "loopy_draft", CheckpointSpec(seed=6))
     scale_attention_output(path, 0.02)

@@ -28,7 +28,7 @@ from raylm.parallel.layers import (
     get_pp_layer_range,
     read_whole,
 )
-from raylm.runner.attention import Attention, AttentionMetadata
+from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.rotary import RotaryEmbedding
 

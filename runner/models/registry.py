@@ -6,7 +6,7 @@ import importlib
 
 from torch import nn
 
-from raylm.scheduler.engine_config import SUPPORTED_ARCHITECTURES, supported_architecture
+from raylm.scheduler.config.engine_config import SUPPORTED_ARCHITECTURES, supported_architecture
 
 # Every supported architecture is a Llama-family decoder; DecoderConfig sets the
 # per-architecture flags (Qwen2's qkv bias, Qwen3's q/k norm).

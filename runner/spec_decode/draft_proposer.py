@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
+from raylm.runner.attention.paged_attention import allocate_kv_cache, build_attention_metadata
 from raylm.runner.input_batch import InputBatch
-from raylm.runner.model_loader import get_model, resolve_dtype
+from raylm.runner.loading.model_loader import get_model, resolve_dtype
 from raylm.runner.prepare_inputs import upload
-from raylm.scheduler.engine_config import EngineConfig, ModelConfig
+from raylm.scheduler.config.engine_config import EngineConfig, ModelConfig
 
 
 @dataclass(frozen=True)

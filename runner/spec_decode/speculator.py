@@ -52,24 +52,24 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.grammar_bitmask import apply_grammar_bitmask
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.pp_ring import RingDelivery
 from raylm.runner.prepare_inputs import StepBatch, upload
-from raylm.runner.rejection_sampler import num_accepted_drafts
-from raylm.runner.sampler import Sampler
-from raylm.runner.sampling_metadata import build_sampling_metadata
+from raylm.runner.sample.rejection_sampler import num_accepted_drafts
+from raylm.runner.sample.sampler import Sampler
+from raylm.runner.sample.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.draft_gate import DraftGate, step_position_cost
 from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
+from raylm.runner.structured.grammar_bitmask import apply_grammar_bitmask
+from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
     DraftTokenIds,
     LogprobsLists,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.scheduler.structured.manager import GrammarOutput
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ import ray
 from local_ray import local_ray
 
 from raylm.actors.dp_client import DPEngineCoreClient
-from raylm.cluster.engine_args import EngineArgs
+from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.runner.uniproc_executor import UniProcExecutor
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -265,7 +265,7 @@ def test_bad_request_is_value_error_and_a_killed_rank_is_engine_dead(llama_path)
 
 def test_llm_with_data_parallel_size_2(llama_path, hf_oracle):
     from raylm import SamplingParams as UserSamplingParams
-    from raylm.cluster.llm import LLM
+    from raylm.cluster.engine.llm import LLM
 
     llm = LLM(llama_path, data_parallel_size=2, num_kv_blocks=128, block_size=8)
     try:

@@ -57,8 +57,8 @@ def test_peer_missing_from_the_rendezvous_times_out():
 
 def test_dp_loops_in_lockstep_over_real_gloo():
     """The DP loop over the real Gloo all-reduce: two ranks, a wave, pause, a second wave."""
+    from raylm.scheduler.core.dp_loop import DPEngineCoreLoop, WaveRecord
     from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
-    from raylm.scheduler.dp_loop import DPEngineCoreLoop, WaveRecord
 
     class Core:
         def __init__(self):

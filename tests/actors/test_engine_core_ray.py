@@ -15,12 +15,12 @@ from local_ray import local_ray
 from raylm.actors.placement import PlacementGroupError
 from raylm.actors.ray_engine_core_client import RayEngineCoreClient
 from raylm.actors.ray_executor import RayExecutor
-from raylm.cluster.engine_args import EngineArgs
+from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.runner.uniproc_executor import UniProcExecutor
+from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_config import EngineConfig
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor_base import EngineDeadError
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
 

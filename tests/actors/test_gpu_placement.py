@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from raylm.actors.ray_executor import rank_order
-from raylm.scheduler.engine_config import dp_rank_bundles, stage_bundles
+from raylm.scheduler.config.engine_config import dp_rank_bundles, stage_bundles
 
 
 def test_one_bundle_per_stage_holds_its_tp_group():

@@ -99,7 +99,7 @@ def test_pipeline_parallel_greedy_matches_hf(llama_path, reference, tp, async_sc
 def test_three_stages_async(tmp_path_factory, hf_oracle):
     """A middle stage: it takes hidden states in and out and joins every broadcast of
     sampled ids (three ranks in the group) without using them."""
-    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
     path = write_random_checkpoint(str(tmp_path_factory.mktemp("llama3l")),
                                    CheckpointSpec(num_hidden_layers=3, seed=4))

@@ -16,15 +16,15 @@ from local_ray import local_ray
 
 from raylm.actors.placement import PlacementGroupError
 from raylm.actors.ray_executor import RayExecutor
-from raylm.scheduler.core_outputs import CachedRequestData, SchedulerOutput
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.core.executor_base import EngineDeadError
+from raylm.scheduler.core_outputs import CachedRequestData, SchedulerOutput
 
 pytestmark = pytest.mark.ray
 

@@ -12,17 +12,17 @@ from engine_idle import idle_metrics
 from local_ray import local_ray
 
 from raylm.actors.ray_executor import RayExecutor
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
-from raylm.scheduler.speculative_config import SpeculativeConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -139,7 +139,7 @@ def test_pp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, draf
     import shutil
 
     from raylm import LLM
-    from raylm.runner.checkpoint import scale_attention_output
+    from raylm.runner.loading.checkpoint import scale_attention_output
 
     model = llama_path
     if draft == "near":
@@ -179,7 +179,7 @@ def test_tp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, asyn
     import shutil
 
     from raylm import LLM
-    from raylm.runner.checkpoint import scale_attention_output
+    from raylm.runner.loading.checkpoint import scale_attention_output
 
     near = str(tmp_path / "near")
     shutil.copytree(llama_path, near)

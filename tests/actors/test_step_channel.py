@@ -9,7 +9,7 @@ import time
 import pytest
 
 from raylm.actors.step_channel import AUTH, StepChannel, StepServer, encode_frame
-from raylm.scheduler.executor_base import EngineDeadError
+from raylm.scheduler.core.executor_base import EngineDeadError
 
 
 class _Deferred:

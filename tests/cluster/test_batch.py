@@ -9,8 +9,8 @@ import json
 import pytest
 from test_openai_fakes import FakeEngine
 
-from raylm.cluster.batch import BatchRunner, reject_row
-from raylm.cluster.openai_serving import OpenAIServing
+from raylm.cluster.batch.rows import BatchRunner, reject_row
+from raylm.cluster.serve.serving import OpenAIServing
 from raylm.scheduler.sampling_params import SamplingParams
 
 MODEL = "fake-llama"

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from raylm.cluster.batch_fs import check_output_location, resolve
-from raylm.cluster.batch_job import BatchJobConfig, parse_replicas, row_keys, run_batch_job
-from raylm.cluster.batch_output import BatchOutput
-from raylm.cluster.serve_config import LLMConfig
+from raylm.cluster.batch.fs import check_output_location, resolve
+from raylm.cluster.batch.job import BatchJobConfig, parse_replicas, row_keys, run_batch_job
+from raylm.cluster.batch.output import BatchOutput
+from raylm.cluster.serve.config import LLMConfig
 
 
 def out_line(custom_id, status=200):
@@ -122,7 +122,7 @@ def test_a_complete_output_needs_no_engine(tmp_path):
 
 def test_replica_placement_groups():
     """One bundle when the engine runs in the replica; else the Serve replica's layout."""
-    from raylm.cluster.batch_replica import ReplicaPlacement, replica_bundles
+    from raylm.cluster.batch.replica import ReplicaPlacement, replica_bundles
 
     def cfg(**engine_kwargs):
         return LLMConfig.model_validate({"model_loading_config": {"model_id": "m"},

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from raylm.cluster.batch_job import BatchJobConfig, run_batch_job
-from raylm.cluster.serve_config import LLMConfig
+from raylm.cluster.batch.job import BatchJobConfig, run_batch_job
+from raylm.cluster.serve.config import LLMConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def llm_config(path: str) -> LLMConfig:
 
 def expected_texts(path: str, n: int) -> dict[str, str]:
     """The single in-process engine's greedy answers: the reference for every replica."""
-    from raylm.cluster.llm import LLM
+    from raylm.cluster.engine.llm import LLM
     from raylm.scheduler.sampling_params import SamplingParams
 
     with LLM(path) as llm:

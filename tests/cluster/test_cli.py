@@ -17,7 +17,7 @@ from serve_helpers import wait_until_healthy
 from test_openai_fakes import free_port
 
 from raylm.cluster.cli import build_llm_config, build_parser, main
-from raylm.cluster.engine_args import cli_engine_kwargs
+from raylm.cluster.engine.engine_args import cli_engine_kwargs
 
 RAYLM = [sys.executable, "-m", "raylm.cluster.cli"]
 
@@ -107,7 +107,7 @@ def demo_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy_hello(llama_path) -> str:
     """What the offline LLM answers to "hello world" (greedy, 6 tokens)."""
-    from raylm.cluster.llm import LLM
+    from raylm.cluster.engine.llm import LLM
     from raylm.scheduler.sampling_params import SamplingParams
 
     with LLM(llama_path) as llm:
@@ -263,7 +263,7 @@ def test_speculative_config_flag_reaches_the_serve_config(llama_path, monkeypatc
 
 
 def test_proxy_applies_only_to_a_local_instance(llama_path, monkeypatch, capsys):
-    from raylm.cluster.local_serve import local_serve_env
+    from raylm.cluster.serve.local import local_serve_env
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # refused before any connection
     assert main(["serve", llama_path, "--proxy", "haproxy"]) == 2

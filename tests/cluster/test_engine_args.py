@@ -14,10 +14,10 @@ import pytest
 from pydantic import ValidationError
 
 from raylm.cluster.cli import build_llm_config, build_parser
-from raylm.cluster.engine_args import EngineArgs, cli_engine_kwargs, engine_arg_types
-from raylm.cluster.llm import LLM
-from raylm.cluster.serve_config import ENGINE_ARGS_ELSEWHERE, EngineKwargs, LLMConfig
-from raylm.scheduler.engine_config import DTYPES
+from raylm.cluster.engine.engine_args import EngineArgs, cli_engine_kwargs, engine_arg_types
+from raylm.cluster.engine.llm import LLM
+from raylm.cluster.serve.config import ENGINE_ARGS_ELSEWHERE, EngineKwargs, LLMConfig
+from raylm.scheduler.config.engine_config import DTYPES
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 # A value other than the default for every engine argument, as a CLI string and as Python.
@@ -200,11 +200,11 @@ def test_numeric_arguments_are_found_whether_optional_or_not():
 
 
 def test_an_incompatible_option_turns_auto_off_and_refuses_true(llama_path, monkeypatch, caplog):
-    from raylm.scheduler.engine_config import EngineConfig
+    from raylm.scheduler.config.engine_config import EngineConfig
 
     monkeypatch.setattr(EngineConfig, "async_scheduling_incompatibility",
                         lambda self: "some_option=on")
-    with caplog.at_level(logging.INFO, logger="raylm.scheduler.engine_config"):
+    with caplog.at_level(logging.INFO, logger="raylm.scheduler.config.engine_config"):
         auto = EngineArgs(model=llama_path).create_engine_config()
     assert auto.async_scheduling is False and auto.max_concurrent_batches == 1
     assert "Async scheduling disabled: not supported with some_option=on" in caplog.text

@@ -155,7 +155,7 @@ def test_eos_stops_generation(tmp_path, hf_oracle):
     import json
     import shutil
 
-    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
     path = write_random_checkpoint(str(tmp_path / "m"), CheckpointSpec(seed=5))
     prompt = [9, 8, 7, 6]

@@ -10,8 +10,8 @@ import openai
 import pytest
 from test_openai_fakes import ENGINE_METRIC_NAMES, FakeEngine, running_server
 
-from raylm.cluster.openai_api import LocalBackend, build_openai_api
-from raylm.cluster.openai_serving import OpenAIServing
+from raylm.cluster.serve.routes import LocalBackend, build_openai_api
+from raylm.cluster.serve.serving import OpenAIServing
 from raylm.scheduler.sampling_params import SamplingParams
 
 MODEL = "fake-llama"
@@ -361,7 +361,7 @@ def test_engine_death(tokenizer):
 def test_coalesce_joins_close_items_and_closes_the_source():
     import asyncio
 
-    from raylm.cluster.serve_app import coalesce
+    from raylm.cluster.serve.app import coalesce
 
     closed = []
 
@@ -417,8 +417,8 @@ def test_stream_of_many_prompts_with_n2_matches_non_stream(client):
 
 
 def test_errors_map_to_statuses():
-    from raylm.cluster.errors import EngineOverloadedError, from_exception
-    from raylm.scheduler.executor_base import EngineDeadError
+    from raylm.cluster.serve.errors import EngineOverloadedError, from_exception
+    from raylm.scheduler.core.executor_base import EngineDeadError
 
     class BackPressureError(Exception):  # Ray Serve's queue-full error, by name
         pass
@@ -458,8 +458,8 @@ def test_llm_server_streams_in_batches_of_the_configured_interval(tokenizer, int
     every SSE line alone; a long window sends the first line, then everything else as one."""
     import asyncio
 
-    from raylm.cluster.openai_serving import COMPLETIONS
-    from raylm.cluster.serve_app import LLMServer
+    from raylm.cluster.serve.app import LLMServer
+    from raylm.cluster.serve.serving import COMPLETIONS
 
     config = {"model_loading_config": {"model_id": MODEL},
               "experimental_configs": {"stream_batching_interval_ms": interval_ms}}

@@ -13,11 +13,11 @@ import openai
 import pytest
 from test_openai_fakes import FakeEngine, running_server
 
-from raylm.cluster.engine_client import AsyncLLM
-from raylm.cluster.errors import from_exception
-from raylm.cluster.openai_api import LocalBackend, build_openai_api
-from raylm.cluster.openai_serving import OpenAIServing
-from raylm.scheduler.executor_base import EngineDeadError
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.serve.errors import from_exception
+from raylm.cluster.serve.routes import LocalBackend, build_openai_api
+from raylm.cluster.serve.serving import OpenAIServing
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.request import InvalidRequestError
 
 MODEL = "tiny-llama"
@@ -70,13 +70,13 @@ def test_engine_bug_is_a_logged_500_even_as_a_value_error(engine, url, stream, m
 
     monkeypatch.setattr(engine.engine.input_processor, "make_requests", broken)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}
-    with caplog.at_level(logging.ERROR, logger="raylm.cluster.errors"):
+    with caplog.at_level(logging.ERROR, logger="raylm.cluster.serve.errors"):
         r = httpx.post(f"{url}/v1/completions", json=body)
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "InternalServerError" and err["code"] == 500
     assert "ValueError: slot_mapping has 3 entries for 4 tokens" in err["message"]
-    logged = [rec for rec in caplog.records if rec.name == "raylm.cluster.errors"]
+    logged = [rec for rec in caplog.records if rec.name == "raylm.cluster.serve.errors"]
     assert len(logged) == 1 and logged[0].exc_info is not None
     assert "slot_mapping has 3 entries" in str(logged[0].exc_info[1])
     monkeypatch.undo()

@@ -15,9 +15,9 @@ import time
 import pytest
 import uvicorn
 
-from raylm.cluster.outputs import CompletionOutput, Logprob, RequestOutput
-from raylm.scheduler.engine_config import ModelConfig
-from raylm.scheduler.executor_base import EngineDeadError
+from raylm.cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from raylm.scheduler.config.engine_config import ModelConfig
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
 
 FIRST_TOKEN, NUM_PLAIN = 280, 230  # token ids the fake emits: BPE merges (valid UTF-8), no specials

@@ -15,9 +15,9 @@ import pytest
 from structured_workload import FLAG, PERSON
 from test_openai_fakes import running_server
 
-from raylm.cluster.engine_client import AsyncLLM
-from raylm.cluster.openai_api import LocalBackend, build_openai_api
-from raylm.cluster.openai_serving import OpenAIServing
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.serve.routes import LocalBackend, build_openai_api
+from raylm.cluster.serve.serving import OpenAIServing
 
 MODEL = "tiny-struct"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from raylm.cluster.detokenizer import IncrementalDetokenizer, fast_decoder
-from raylm.cluster.output_processor import OutputProcessor, ParentRequest
-from raylm.cluster.outputs import RequestMetrics
+from raylm.cluster.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+from raylm.cluster.engine.output_processor import OutputProcessor, ParentRequest
+from raylm.cluster.engine.outputs import RequestMetrics
 from raylm.scheduler.core_outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,

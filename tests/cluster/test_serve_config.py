@@ -1,4 +1,4 @@
-"""The pydantic serving config (cluster/serve_config.py)."""
+"""The pydantic serving config (cluster/serve/config.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from raylm.cluster.serve_config import (
+from raylm.cluster.serve.config import (
     AutoscalingConfig,
     DeploymentConfig,
     EngineKwargs,
@@ -223,14 +223,14 @@ def test_engine_kwargs_are_engine_arguments():
     """Every EngineKwargs key must be an argument the engine accepts (EngineArgs)."""
     from dataclasses import fields
 
-    from raylm.cluster.engine_args import EngineArgs
+    from raylm.cluster.engine.engine_args import EngineArgs
 
     accepted = {f.name for f in fields(EngineArgs)}
     assert set(EngineKwargs.model_fields) <= accepted, set(EngineKwargs.model_fields) - accepted
 
 
 def test_model_source_resolution():
-    from raylm.cluster.serve_config import ModelLoadingConfig
+    from raylm.cluster.serve.config import ModelLoadingConfig
 
     real = ModelLoadingConfig(model_id="m", model_source="/models/m")
     assert not real.is_demo and real.resolve_model_source() == "/models/m"

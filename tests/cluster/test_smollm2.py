@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.runner.default_model import resolve_default_model
+from raylm.runner.loading.default_model import resolve_default_model
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -186,7 +186,7 @@ def test_draft_model_equal_to_target_accepts_every_draft(llama_path, hf_oracle, 
 
 def test_random_draft_model_is_rejected_and_output_still_exact(llama_path, tmp_path,
                                                                  hf_oracle):
-    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
     draft = write_random_checkpoint(str(tmp_path / "draft"), CheckpointSpec(
         seed=9, hidden_size=32, intermediate_size=64, num_hidden_layers=1))

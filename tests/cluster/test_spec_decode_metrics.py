@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raylm.cluster.serving_metrics import ServingMetrics, render, spec_decode_stats
+from raylm.cluster.serve.metrics import ServingMetrics, render, spec_decode_stats
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters
 
 

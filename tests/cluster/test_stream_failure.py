@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from test_openai_fakes import running_server
 
-from raylm.cluster.openai_api import build_openai_api
+from raylm.cluster.serve.routes import build_openai_api
 
 
 class _DiesMidStream:

@@ -89,7 +89,7 @@ def test_bad_specs_are_value_errors(llama_path):
 
 
 def test_rejected_token_finishes_with_error(llama_path, monkeypatch):
-    from raylm.runner import xgrammar_backend
+    from raylm.runner.structured import xgrammar_backend
 
     real = xgrammar_backend.XgrammarGrammar.accept_tokens
     seen: dict[int, int] = {}

@@ -15,7 +15,7 @@ import pytest
 from structured_workload import CHOICES, REGEXES, SCHEMAS, check, wait_for_free_kv
 
 from raylm import LLM, SamplingParams, StructuredOutputsParams
-from raylm.runner import xgrammar_backend
+from raylm.runner.structured import xgrammar_backend
 
 ENGINE = dict(max_num_seqs=16, block_size=16, max_model_len=384)
 # Prompts that hold text the constraint admits, so prompt lookup proposes drafts the

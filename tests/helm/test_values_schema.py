@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import Field, create_model
 
-from raylm.cluster.serve_config import (
+from raylm.cluster.serve.config import (
     AutoscalingConfig,
     DeploymentConfig,
     EngineKwargs,
@@ -54,7 +54,7 @@ def test_a_new_engine_argument_fails_until_the_schema_is_regenerated():
                                                    json_schema_extra={"minimum": 2})))
     assert generator.out_of_date(grown) == (
         "helm/raylm/values.schema.json: engine_kwargs is out of date with raylm's engine "
-        "arguments (cluster/engine_args.py): run `python helm/generate_schema.py` and "
+        "arguments (cluster/engine/engine_args.py): run `python helm/generate_schema.py` and "
         "commit the result.")
     regenerated = json.loads(generator.render(grown))
     node = regenerated["properties"]["llmConfig"]["properties"]["engine_kwargs"]

@@ -12,8 +12,12 @@ import venv
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SUBPACKAGES = ["raylm", "raylm.scheduler", "raylm.runner", "raylm.runner.models",
-               "raylm.parallel", "raylm.actors", "raylm.cluster"]
+SUBPACKAGES = ["raylm", "raylm.scheduler", "raylm.scheduler.config", "raylm.scheduler.core",
+               "raylm.scheduler.kv", "raylm.scheduler.structured", "raylm.runner",
+               "raylm.runner.attention", "raylm.runner.loading", "raylm.runner.models",
+               "raylm.runner.sample", "raylm.runner.spec_decode", "raylm.runner.structured",
+               "raylm.parallel", "raylm.actors", "raylm.cluster", "raylm.cluster.batch",
+               "raylm.cluster.engine", "raylm.cluster.serve"]
 FOLDERS = {"scheduler", "runner", "parallel", "actors", "cluster", "api"}
 # Who may import whom (docs/architecture.md §1): cluster -> actors -> runner -> parallel; all may
 # import scheduler; scheduler imports none of them.

@@ -9,7 +9,7 @@ from tp_rank_main import tp_ranks
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import QKVParallelLinear
-from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
 F32 = torch.float32
 PROMPT = [5, 9, 33, 70, 2, 41]

@@ -110,9 +110,9 @@ def test_tensor_parallel_logits_equal_single_process(llama_path, qwen2_path, lla
     one KV head per rank, Qwen2 biases, tied vocab-parallel embedding) and greedy
     decoding through the ModelRunner picks the same tokens on both ranks."""
     from raylm.parallel.context import ParallelContext as Ctx
-    from raylm.runner.model_loader import get_model
+    from raylm.runner.loading.model_loader import get_model
     from raylm.runner.model_runner import ModelRunner
-    from raylm.scheduler.engine_config import (
+    from raylm.scheduler.config.engine_config import (
         CacheConfig,
         EngineConfig,
         ModelConfig,

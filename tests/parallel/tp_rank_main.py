@@ -35,7 +35,7 @@ def run_steps(model) -> list:
     """Logits of every token of every step, through a paged KV cache."""
     import torch
 
-    from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
+    from raylm.runner.attention.paged_attention import allocate_kv_cache, build_attention_metadata
 
     for attn in model.attention_layers:
         attn.kv_cache = allocate_kv_cache(12, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
@@ -83,9 +83,9 @@ def rank_main(rank: int, world: int, port: int, paths: list[str], results) -> No
         import torch.distributed as dist
 
         from raylm.parallel.context import ParallelContext
-        from raylm.runner.model_loader import get_model
+        from raylm.runner.loading.model_loader import get_model
         from raylm.runner.model_runner import ModelRunner
-        from raylm.scheduler.engine_config import (
+        from raylm.scheduler.config.engine_config import (
             CacheConfig,
             EngineConfig,
             ModelConfig,

@@ -8,7 +8,7 @@ import transformers
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.model_runner import ModelRunner
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,

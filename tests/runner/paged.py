@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from raylm.runner.attention import allocate_kv_cache, build_attention_metadata
+from raylm.runner.attention.paged_attention import allocate_kv_cache, build_attention_metadata
 
 
 class PagedSequences:

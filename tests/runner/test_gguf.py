@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from raylm import LLM, SamplingParams
-from raylm.runner.gguf_checkpoint import (
+from raylm.runner.loading.gguf_checkpoint import (
     find_gguf_file,
     iterate_gguf_weights,
     load_gguf_tokenizer,
     read_gguf_config,
 )
-from raylm.runner.gguf_writer import write_gguf_from_hf
+from raylm.runner.loading.gguf_writer import write_gguf_from_hf
 
 
 @pytest.fixture(scope="module")

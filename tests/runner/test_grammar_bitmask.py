@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raylm.runner.grammar_bitmask import apply_grammar_bitmask, unpack_bitmask
-from raylm.scheduler.structured_output import GrammarOutput
+from raylm.runner.structured.grammar_bitmask import apply_grammar_bitmask, unpack_bitmask
+from raylm.scheduler.structured.manager import GrammarOutput
 
 
 def _pack(allowed: np.ndarray) -> np.ndarray:
@@ -48,8 +48,8 @@ def test_spec_bitmask_cuts_drafts_and_rolls_the_matcher_back(llama_path):
     only stop tokens may follow."""
     from transformers import AutoTokenizer
 
-    from raylm.runner.xgrammar_backend import XgrammarBackend
-    from raylm.scheduler.structured_output_params import StructuredOutputsParams
+    from raylm.runner.structured.xgrammar_backend import XgrammarBackend
+    from raylm.scheduler.structured.params import StructuredOutputsParams
 
     tokenizer = AutoTokenizer.from_pretrained(llama_path)
     backend = XgrammarBackend(tokenizer, 512)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 _SCRIPT = r"""
 import ctypes, sys
-from raylm.cluster.engine_args import EngineArgs
+from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.runner.worker import Worker
 
 Worker(EngineArgs(model=sys.argv[1]).create_engine_config()).init_device(num_threads=1)
@@ -68,7 +68,7 @@ def test_cpu_kv_cache_is_zeroed_writable_and_in_huge_pages():
 
     import torch
 
-    from raylm.runner.attention import allocate_kv_cache
+    from raylm.runner.attention.paged_attention import allocate_kv_cache
 
     # 64 MiB per tensor: 32 blocks of 2 MiB, most of them whole huge pages.
     key, value = allocate_kv_cache(2048, 32, 8, 64, torch.float32, "cpu")

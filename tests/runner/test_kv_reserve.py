@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.attention import RAGGED_WORKSPACE_BYTES
+from raylm.runner.attention.paged_attention import RAGGED_WORKSPACE_BYTES
 from raylm.runner.memory_budget import (
     GIB,
     NCCL_COMMUNICATOR_RESERVE_BYTES,
@@ -19,7 +19,7 @@ from raylm.runner.memory_budget import (
     step_reserve_bytes,
 )
 from raylm.runner.models.decoder_config import DecoderConfig
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -94,7 +94,7 @@ def test_a_131072_context_checkpoint_starts_on_cpu(tmp_path):
     byte budget for its KV cache; with too small a budget the engine refuses to start and
     names the longest max_model_len that fits."""
     from raylm import LLM, SamplingParams
-    from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
     path = write_random_checkpoint(str(tmp_path / "long"),
                                    CheckpointSpec(max_position_embeddings=131072))

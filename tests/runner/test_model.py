@@ -9,10 +9,10 @@ import transformers
 from paged import PagedSequences
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.model_loader import cpu_has_fast_bfloat16, get_model, resolve_dtype
+from raylm.runner.loading.model_loader import cpu_has_fast_bfloat16, get_model, resolve_dtype
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.rotary import RotaryEmbedding
-from raylm.scheduler.engine_config import ModelConfig
+from raylm.scheduler.config.engine_config import ModelConfig
 
 CPU = ParallelContext.single("cpu")
 
@@ -140,7 +140,7 @@ def test_unexpected_checkpoint_tensor_raises(llama_path):
 
 def test_missing_checkpoint_tensor_raises(llama_path):
     model = get_model(ModelConfig(model=llama_path), CPU)
-    from raylm.runner.model_loader import iterate_weights
+    from raylm.runner.loading.model_loader import iterate_weights
 
     weights = [(n, t) for n, t in iterate_weights(llama_path) if "post_attention" not in n]
     with pytest.raises(ValueError, match="post_attention_layernorm"):
@@ -169,7 +169,7 @@ def test_rope_scaling_matches_transformers(rope):
 def test_sharded_checkpoint_loads_through_its_index(llama_path, tmp_path):
     hf = _hf(llama_path)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
-    from raylm.runner.model_loader import safetensors_files
+    from raylm.runner.loading.model_loader import safetensors_files
 
     files = safetensors_files(str(tmp_path))
     assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()

@@ -15,20 +15,20 @@ import torch
 from conftest import hf_greedy
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
+from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 from raylm.runner.pp_ring import SampledTokenRing
 from raylm.runner.worker import Worker
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
-from raylm.scheduler.speculative_config import SpeculativeConfig
 
 
 class _Recv:
@@ -309,7 +309,7 @@ def test_speculation_with_async_pp_matches_transformers(loopy_llama_path, tmp_pa
     their history before drafting the request's next step, so every stage proposes the
     same drafts and places them alike. Greedy tokens equal transformers and the sync run,
     with preemption, chunked prefill, and drafts both accepted and rejected."""
-    from raylm.runner.checkpoint import scale_attention_output
+    from raylm.runner.loading.checkpoint import scale_attention_output
 
     path = loopy_llama_path
     if pp_size == 3:  # a stage per layer needs three layers

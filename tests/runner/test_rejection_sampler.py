@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from raylm.runner.rejection_sampler import num_accepted_drafts
-from raylm.runner.sampler import Sampler, SamplingMetadata
+from raylm.runner.sample.rejection_sampler import num_accepted_drafts
+from raylm.runner.sample.sampler import Sampler, SamplingMetadata
 
 
 def test_accepted_runs_stop_at_the_first_mismatch():

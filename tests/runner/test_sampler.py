@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from raylm.runner import rng
-from raylm.runner.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from raylm.runner.sample import rng
+from raylm.runner.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
 
 V = 50
 
@@ -136,7 +136,7 @@ def test_penalties_match_a_hand_computed_reference():
     md = _md(3, temperature=[0.0] * 3, greedy=[True] * 3, repetition_penalties=torch.tensor(rep),
              presence_penalties=torch.tensor(pres), frequency_penalties=torch.tensor(freq),
              prompt_token_ids=pad(prompt), output_token_ids=pad(output))
-    from raylm.runner.sampler import apply_penalties
+    from raylm.runner.sample.sampler import apply_penalties
 
     torch.testing.assert_close(apply_penalties(logits.clone(), md, V), expected)
     out = Sampler(V, torch.device("cpu"))(logits.clone(), md)

@@ -11,15 +11,15 @@ import torch
 from safetensors import safe_open
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.checkpoint import CheckpointSpec, write_random_checkpoint
-from raylm.runner.model_loader import (
+from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+from raylm.runner.loading.model_loader import (
     LazyTensor,
     WeightReadStats,
     get_model,
     iterate_weights,
     safetensors_files,
 )
-from raylm.scheduler.engine_config import ModelConfig
+from raylm.scheduler.config.engine_config import ModelConfig
 
 CPU = ParallelContext.single("cpu")
 

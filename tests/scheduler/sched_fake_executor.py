@@ -18,17 +18,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from raylm.scheduler.engine_config import (
+from raylm.scheduler.config.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
-from raylm.scheduler.speculative_config import SpeculativeConfig
 
 EOS = 2
 VOCAB = 1000

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from sched_fake_executor import make_request
 
-from raylm.scheduler.block_pool import BlockPool
-from raylm.scheduler.kv_cache_manager import KVCacheManager
-from raylm.scheduler.kv_cache_utils import NONE_HASH, hash_block_tokens, update_block_hashes
+from raylm.scheduler.kv.block_pool import BlockPool
+from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
+from raylm.scheduler.kv.kv_cache_utils import NONE_HASH, hash_block_tokens, update_block_hashes
 
 
 def test_pool_get_free_and_integrity():

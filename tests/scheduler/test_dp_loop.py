@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 from sched_fake_executor import FakeExecutor, expected_token, make_config, make_request
 
-from raylm.scheduler import dp_loop as dp_loop_module
+from raylm.scheduler.core import dp_loop as dp_loop_module
+from raylm.scheduler.core.dp_loop import DPEngineCoreLoop, WaveRecord
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from raylm.scheduler.dp_loop import DPEngineCoreLoop, WaveRecord
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor_base import EngineDeadError
 
 DEADLINE_S = 20.0  # only to turn a hang into a failure; nothing asserts on time
 

@@ -14,9 +14,9 @@ from sched_fake_executor import (
     prompt_tokens,
 )
 
+from raylm.scheduler.core.engine_core import EngineCore
+from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_core import EngineCore
-from raylm.scheduler.executor_base import EngineDeadError
 
 
 def _workload():

@@ -18,8 +18,8 @@ from sched_fake_executor import (
     write_draft_model_config,
 )
 
+from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_core import EngineCore
 
 BLOCK = 4
 

@@ -15,8 +15,8 @@ from sched_fake_executor import (
 )
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
+from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.core_outputs import FinishReason, LogprobsLists, ModelRunnerOutput
-from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.request import RequestStatus
 from raylm.scheduler.scheduler import Scheduler
 
@@ -280,9 +280,9 @@ def test_draft_model_books_kv_slots_ahead_within_max_model_len(tmp_path, async_s
     request can fit the pool at all."""
     from dataclasses import replace
 
-    from raylm.scheduler.engine_config import ParallelConfig
+    from raylm.scheduler.config.engine_config import ParallelConfig
+    from raylm.scheduler.config.speculative_config import SpeculativeConfig
     from raylm.scheduler.request import InvalidRequestError
-    from raylm.scheduler.speculative_config import SpeculativeConfig
 
     (tmp_path / "config.json").write_text('{"vocab_size": 1000}')
     k, bs, max_model_len = 3, 4, 20

@@ -17,7 +17,7 @@ from sched_fake_executor import (
     make_request,
 )
 
-from raylm.scheduler.engine_core import EngineCore
+from raylm.scheduler.core.engine_core import EngineCore
 
 ASYNC = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 

@@ -10,12 +10,14 @@ import raylm.scheduler
 
 
 def test_scheduler_imports_no_heavy_frameworks():
-    modules = sorted(m.name for m in pkgutil.iter_modules(raylm.scheduler.__path__))
-    assert {"scheduler", "async_scheduler", "engine_core", "block_pool"} <= set(modules)
+    modules = sorted(m.name for m in pkgutil.walk_packages(raylm.scheduler.__path__,
+                                                            "raylm.scheduler."))
+    assert {"raylm.scheduler.scheduler", "raylm.scheduler.core.engine_core",
+            "raylm.scheduler.kv.block_pool"} <= set(modules)
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}:\n"
-        "    importlib.import_module('raylm.scheduler.' + m)\n"
+        "    importlib.import_module(m)\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'transformers'))\n"
         "print(','.join(bad))\n"
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raylm.scheduler.speculative_config import SpeculativeConfig
+from raylm.scheduler.config.speculative_config import SpeculativeConfig
 
 
 def test_ngram_defaults_and_values():

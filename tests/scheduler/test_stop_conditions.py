@@ -13,8 +13,8 @@ from sched_fake_executor import (
     make_request,
 )
 
+from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.stop import check_stop

@@ -12,11 +12,11 @@ from concurrent.futures import Future
 import pytest
 from sched_fake_executor import FakeExecutor, collect, expected_stream, make_config, make_request
 
+from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.core_outputs import FinishReason
-from raylm.scheduler.engine_core import EngineCore
 from raylm.scheduler.request import RequestStatus
-from raylm.scheduler.structured_output import GrammarOutput, StructuredOutputManager
-from raylm.scheduler.structured_output_params import StructuredOutputsParams
+from raylm.scheduler.structured.manager import GrammarOutput, StructuredOutputManager
+from raylm.scheduler.structured.params import StructuredOutputsParams
 
 
 class FakeGrammar:

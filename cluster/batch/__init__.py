@@ -1,0 +1,1 @@
+"""raylm batch: OpenAI Batch files through engine replicas on Ray Data."""

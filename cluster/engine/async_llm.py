@@ -1,0 +1,154 @@
+"""AsyncLLM: the asyncio engine client the Serve deployment owns (implements EngineClient).
+
+An output thread pulls engine outputs and hands each RequestOutput to the asyncio queue of
+its request on the owning event loop. Cancelling a ``generate`` iterator (the HTTP client
+went away) aborts the request in the EngineCore, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from raylm.cluster.engine.engine_args import EngineArgs
+from raylm.cluster.engine.llm_engine import LLMEngine
+from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.serve.metrics import spec_decode_stats
+from raylm.scheduler.core.executor_base import EngineDeadError
+from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.scheduler_stats import parse_device_info
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs,
+                 model_resolver: Callable[[], str] | None = None) -> None:
+        """``model_resolver``: see ``ModelConfig.model_resolver``."""
+        self.engine = LLMEngine(engine_args, model_resolver)
+        self.model_config = self.engine.model_config
+        self.tokenizer = self.engine.tokenizer
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues_lock = threading.Lock()
+        self.dead_error: BaseException | None = None
+        self._running = True
+        self._thread = threading.Thread(target=self._output_loop, name="raylm-output", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_kwargs: Any) -> AsyncLLM:
+        return cls(EngineArgs.from_kwargs(model, **engine_kwargs))
+
+    @classmethod
+    def from_llm_config(cls, llm_config: Any) -> AsyncLLM:
+        """Build from a serving ``LLMConfig`` (raylm.cluster.serve.config)."""
+        return cls(llm_config.engine_args(),
+                   model_resolver=llm_config.model_loading_config.node_resolver())
+
+    # -- the output thread -------------------------------------------------------------
+    def _output_loop(self) -> None:
+        while self._running:
+            try:
+                outputs = self.engine.step(timeout=0.2)
+            except BaseException as e:  # engine dead: fail every open request once
+                logger.error("raylm engine died: %r", e)
+                self.dead_error = e
+                self._fail_all(e)
+                return
+            if outputs:
+                self._deliver([(out.request_id, out) for out in outputs])
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their requests' queues with one wake-up per event loop,
+        not one per request: each ``call_soon_threadsafe`` writes the loop's self-pipe and
+        costs the loop a turn, which at 32 streams is most of a serving step's overhead."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._queues_lock:
+            for request_id, item in items:
+                entry = self._queues.get(request_id)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._queues_lock:
+            ids = list(self._queues)
+        self._deliver([(request_id, EngineDeadError(f"engine died: {error!r}"))
+                       for request_id in ids])
+
+    # -- EngineClient ------------------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        q: asyncio.Queue = asyncio.Queue()
+        with self._queues_lock:
+            if request_id in self._queues:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            self._queues[request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            # add_request tokenizes and validates (CPU work): keep it off the event loop.
+            await asyncio.to_thread(
+                self.engine.add_request, request_id,
+                {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, sampling_params,
+            )
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._queues_lock:
+                self._queues.pop(request_id, None)
+            if not finished:
+                # Cancelled, client gone, or failed: make sure the engine lets it go.
+                self.engine.abort_request(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        final = self.engine.abort_request(request_id)
+        if final is not None:
+            self._deliver([(request_id, final)])
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        await asyncio.to_thread(self.engine.check_health)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    def get_stats(self) -> dict[str, Any]:
+        m = self.engine.get_metrics()
+        return {
+            "num_requests_running": m.get("raylm:num_requests_running", 0),
+            "num_requests_waiting": m.get("raylm:num_requests_waiting", 0),
+            "kv_cache_usage_perc": m.get("raylm:kv_cache_usage_perc", 0.0),
+            "num_preemptions_total": m.get("raylm:num_preemptions", 0),
+            "prompt_tokens_total": m.get("raylm:prompt_tokens", 0),
+            "generation_tokens_total": m.get("raylm:generation_tokens", 0),
+            "prefix_cache_queries_total": m.get("raylm:prefix_cache_queries", 0),
+            "prefix_cache_hits_total": m.get("raylm:prefix_cache_hits", 0),
+            "devices": parse_device_info(m),
+            **spec_decode_stats(m),
+        }
+
+    def shutdown(self) -> None:
+        self._running = False
+        self._thread.join(timeout=5)
+        self.engine.shutdown()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

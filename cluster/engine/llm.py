@@ -1,0 +1,149 @@
+"""The offline Python API, vLLM-compatible: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from raylm.cluster.engine.chat_utils import apply_chat_template
+from raylm.cluster.engine.engine_args import EngineArgs
+from raylm.cluster.engine.llm_engine import LLMEngine
+from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.processor import PromptType
+from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A progress bar for runs long enough to want one.
+_PROGRESS_MIN_PROMPTS = 16
+
+
+def _release(engine: LLMEngine) -> None:
+    """What ``del llm``, garbage collection and interpreter exit run: the engine's worker
+    actors, placement group and threads go, as with ``shutdown()``. Never raises (it runs
+    from the garbage collector and atexit)."""
+    try:
+        engine.shutdown()
+    except Exception as e:  # noqa: BLE001 - nobody to raise to
+        logger.warning("Releasing the engine failed: %r", e)
+
+
+class LLM:
+    """An engine for offline batch inference.
+
+    >>> llm = LLM("path/to/hf-model")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, *, model_resolver: Callable[[], str] | None = None,
+                 **engine_kwargs: Any) -> None:
+        """``model_resolver``: called on each node that loads the weights, returns that
+        node's checkpoint folder (``model`` is this process's; see
+        ``ModelConfig.model_resolver``). A Python-API argument, not an engine flag."""
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_kwargs),
+                                    model_resolver)
+        self._ids = itertools.count()
+        # Holds the engine, not self: the LLM stays collectable, and the engine is released
+        # once, whichever comes first of shutdown(), collection and interpreter exit.
+        self._finalizer = weakref.finalize(self, _release, self.llm_engine)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts."
+                )
+        # Validate everything before anything is queued: a bad prompt fails the call cleanly.
+        tokenized = []
+        for prompt in prompts:
+            text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
+            self.llm_engine.input_processor.validate(token_ids)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        # Only final outputs are read here: build none per step (vLLM's LLM does the same).
+        final_only: dict[int, SamplingParams] = {}
+        for p in params_list:
+            if id(p) not in final_only:
+                final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        params_list = [final_only[id(p)] for p in params_list]
+        ids = [str(next(self._ids)) for _ in prompts]
+        for request_id, prompt, params in zip(ids, tokenized, params_list, strict=True):
+            self.llm_engine.add_request(request_id, prompt, params)
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template (or ``chat_template``),
+        then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text, token_ids = apply_chat_template(
+                self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm or (use_tqdm is None and len(ids) >= _PROGRESS_MIN_PROMPTS):
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids):
+                for out in self.llm_engine.step(timeout=1.0):
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in finished:
+                    self.llm_engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

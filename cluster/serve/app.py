@@ -1,0 +1,287 @@
+"""The Ray Serve OpenAI app: one ``LLMServer`` deployment per model, behind an HTTP ingress.
+
+``build_openai_app({"llm_configs": [...]})`` is the builder named by
+``import_path: raylm.cluster:build_openai_app``. Each LLMServer replica owns an engine client
+(``AsyncLLM`` unless a factory is injected) and reserves its placement group: bundle 0 for the
+replica (co-located with rank 0), then one bundle per TP x PP worker.
+
+An ``OpenAIIngress`` deployment routes by ``model`` and tokens stream from the replica to it
+through a DeploymentHandle with ``stream=True``; when a replica dies mid-stream, the ingress
+ends its streams with an error event. With ``ingress_in_replica`` (one model; `raylm serve`
+sets it) the LLMServer replica is the ingress itself (``LLMIngressServer``): every streamed
+chunk would otherwise cross one more process and be serialized twice, which on a small host
+costs a large share of the CPU a token takes (docs/architecture.md §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from raylm.cluster.serve.config import LLMConfig, OpenAIAppConfig, load_app_config
+from raylm.cluster.serve.routes import build_openai_api, serve_stream
+from raylm.cluster.serve.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[LLMConfig], Any]
+# The ingress only relays bytes; it must never be the reason a request waits.
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+
+
+def default_engine_factory(llm_config: LLMConfig) -> Any:
+    from raylm.cluster.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_llm_config(llm_config)
+
+
+def max_pending_requests(llm_config: LLMConfig) -> int | None:
+    """Requests a replica admits before answering 503: the running batch plus the queue."""
+    kwargs = llm_config.engine_kwargs
+    if kwargs.max_queued_requests is None:
+        return None
+    return (kwargs.max_num_seqs + kwargs.max_queued_requests) * kwargs.data_parallel_size
+
+
+async def coalesce(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[Any]:
+    """Pass the first item on at once, then join the SSE lines that arrive within
+    ``interval_s`` of each other's first into one item: every item crossing a Serve handle
+    and the HTTP proxy costs CPU, and many small ones cap the tokens per second."""
+    it = aiter(items)
+    try:
+        first = await anext(it)
+    except StopAsyncIteration:
+        return
+    yield first
+    if not isinstance(first, str) or interval_s <= 0:
+        async for item in it:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    nxt: asyncio.Future | None = asyncio.ensure_future(anext(it))
+    try:
+        while nxt is not None:
+            try:
+                batch = [await nxt]
+            except StopAsyncIteration:
+                return
+            deadline = loop.time() + interval_s
+            nxt = asyncio.ensure_future(anext(it))
+            while (left := deadline - loop.time()) > 0:
+                done, _ = await asyncio.wait({nxt}, timeout=left)
+                if not done:
+                    break
+                try:
+                    batch.append(nxt.result())
+                except StopAsyncIteration:
+                    nxt = None
+                    break
+                nxt = asyncio.ensure_future(anext(it))
+            yield "".join(batch)
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+        await it.aclose()
+
+
+class LLMServer:
+    """One replica serving one model."""
+
+    def __init__(self, llm_config: LLMConfig | dict[str, Any],
+                 engine_factory: EngineFactory | None = None):
+        self.llm_config = (llm_config if isinstance(llm_config, LLMConfig)
+                           else LLMConfig.model_validate(llm_config))
+        self.engine = (engine_factory or default_engine_factory)(self.llm_config)
+        self.serving = OpenAIServing(self.engine, self.llm_config.model_id,
+                                     max_pending_requests(self.llm_config))
+
+    async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        interval_ms = self.llm_config.experimental_configs.stream_batching_interval_ms
+        async for item in coalesce(serve_stream(self.serving, route, body), interval_ms / 1000):
+            yield item
+
+    def model_card(self) -> dict[str, Any]:
+        return self.serving.model_card()
+
+    async def check_health(self) -> None:
+        # Also Serve's periodic replica health check: a dead engine gets the replica replaced.
+        await self.serving.check_health()
+
+    def metrics(self) -> list[Any]:
+        return self.serving.metrics.families()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as e:  # the process is going away; say why, don't raise
+                logger.warning("engine shutdown failed: %r", e)
+
+
+class _ReplicaBackend:
+    """The LLMServer of this very replica as an ``openai_api.ModelBackend``."""
+
+    def __init__(self, server: LLMServer):
+        self._server = server
+
+    def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        return self._server.handle(route, body)
+
+    async def model_card(self) -> dict[str, Any]:
+        return self._server.model_card()
+
+    async def check_health(self) -> None:
+        await self._server.check_health()
+
+    async def metrics(self) -> list[Any]:
+        return self._server.metrics()
+
+
+class LLMIngressServer(LLMServer):
+    """One model's replica answering HTTP itself: the app's only deployment with
+    ``ingress_in_replica`` (no ingress hop, no handle between the HTTP route and the engine;
+    its streams are cut if it dies, as nothing is left to send them an error event)."""
+
+    def __serve_build_asgi_app__(self) -> Any:
+        model_id = self.llm_config.model_id
+        return build_openai_api({model_id: _ReplicaBackend(self)},
+                                {model_id: self.llm_config.api_key})
+
+
+class _HandleBackend:
+    """An LLMServer deployment seen through its DeploymentHandle (see openai_api.ModelBackend)."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self._streaming = handle.options(stream=True)
+
+    def stream(self, route: str, body: dict[str, Any]) -> Any:
+        return self._streaming.handle.remote(route, body)
+
+    async def model_card(self) -> dict[str, Any]:
+        return await self._handle.model_card.remote()
+
+    async def check_health(self) -> None:
+        await self._handle.check_health.remote()
+
+    async def metrics(self) -> list[Any]:
+        return await self._handle.metrics.remote()
+
+
+class OpenAIIngress:
+    """The HTTP entry: routes by ``model`` to the LLMServer deployments."""
+
+    def __init__(self, llm_handles: dict[str, Any], api_keys: dict[str, str | None]):
+        self._backends = {name: _HandleBackend(h) for name, h in llm_handles.items()}
+        self._api_keys = api_keys
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_openai_api(self._backends, self._api_keys)
+
+
+def deployment_name(model_id: str) -> str:
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+def runs_model_in_replica(llm_config: LLMConfig) -> bool:
+    """TP = PP = DP = 1 without the Ray backend: the replica runs the model itself."""
+    ek = llm_config.engine_kwargs
+    return (ek.world_size == 1 and ek.data_parallel_size == 1
+            and ek.distributed_executor_backend != "ray")
+
+
+def replica_bundles(llm_config: LLMConfig) -> list[dict[str, float]]:
+    """The placement group bundles of one replica. When the replica runs the model itself,
+    its bundle must hold the model's device: the replica and rank-0 bundles merge into one
+    (a GPU reserved in a bundle the replica does not sit in would stay idle while Ray hides
+    every GPU from the replica, and the model would run on its one CPU)."""
+    bundles = [dict(b) for b in llm_config.get_placement_group().bundles]
+    if runs_model_in_replica(llm_config) and len(bundles) > 1:
+        merged = dict(bundles[0])
+        for res, amount in bundles[1].items():
+            if res != "CPU":  # the replica's CPU is the rank's CPU
+                merged[res] = merged.get(res, 0.0) + amount
+        bundles = [merged] + bundles[2:]
+    return bundles
+
+
+def llm_server_options(llm_config: LLMConfig) -> dict[str, Any]:
+    """Serve deployment options: replicas/autoscaling, and the TP x PP placement group."""
+    opts = llm_config.deployment_config.to_serve_options()
+    pg = llm_config.get_placement_group()
+    bundles = replica_bundles(llm_config)
+    replica = bundles[0]
+    actor: dict[str, Any] = {"num_cpus": replica.get("CPU", 0), "num_gpus": replica.get("GPU", 0)}
+    # Custom resources of the replica's bundle (accelerator_type:..., node labels).
+    custom = {k: v for k, v in replica.items() if k not in ("CPU", "GPU")}
+    if custom:
+        actor["resources"] = custom
+    if llm_config.runtime_env:
+        actor["runtime_env"] = llm_config.runtime_env
+    opts.update(name=deployment_name(llm_config.model_id), ray_actor_options=actor,
+                placement_group_bundles=bundles,
+                placement_group_strategy=pg.strategy)
+    return opts
+
+
+def ingress_options(app_config: OpenAIAppConfig) -> dict[str, Any]:
+    max_replicas = max(c.deployment_config.num_replicas
+                       or c.deployment_config.autoscaling_config.max_replicas
+                       for c in app_config.llm_configs)
+    return {"name": "OpenAIIngress", "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+            "ray_actor_options": {"num_cpus": 0},
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": max(1, max_replicas),
+                                   "target_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS // 8}}
+
+
+def with_default_devices(app_config: OpenAIAppConfig) -> OpenAIAppConfig:
+    """Each model's ranks take GPUs by default on a cluster that has them (read now, when
+    the app is built: a cluster whose GPU nodes are all scaled to zero shows none, so the
+    Helm chart sets num_gpus_per_worker itself)."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
+    configs = [c.with_default_devices(gpus) for c in app_config.llm_configs]
+    for before, after in zip(app_config.llm_configs, configs, strict=True):
+        if after is not before:
+            logger.info("model %r: the cluster has %g GPUs, each of its ranks takes one "
+                        "(num_gpus_per_worker=0 keeps it on CPU).", after.model_id, gpus)
+    return app_config.model_copy(update={"llm_configs": configs})
+
+
+def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
+    """``build_openai_app`` with an injectable engine factory (tests, custom engines)."""
+    from ray import serve
+
+    if isinstance(config, list):
+        config = {"llm_configs": config}
+    app_config = with_default_devices(load_app_config(config))
+    if app_config.ingress_in_replica:
+        (llm_config,) = app_config.llm_configs
+        server = serve.deployment(serve.ingress()(LLMIngressServer)).options(
+            **llm_server_options(llm_config))
+        return server.bind(llm_config.model_dump(exclude_unset=True), engine_factory)
+    handles = {}
+    for llm_config in app_config.llm_configs:
+        server = serve.deployment(LLMServer).options(**llm_server_options(llm_config))
+        handles[llm_config.model_id] = server.bind(llm_config.model_dump(exclude_unset=True), engine_factory)
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
+        **ingress_options(app_config))
+    api_keys = {c.model_id: c.api_key for c in app_config.llm_configs}
+    return ingress.bind(handles, api_keys)
+
+
+def build_openai_app(args: Any) -> Any:
+    """The Serve app builder: ``args`` is ``{"llm_configs": [<LLMConfig dict>, ...]}``
+    (or an LLMConfig, a list of them, or anything ``load_app_config`` accepts)."""
+    if isinstance(args, LLMConfig):
+        args = [args]
+    if isinstance(args, list):
+        args = {"llm_configs": [c.model_dump(exclude_unset=True) if isinstance(c, LLMConfig) else c
+                                for c in args]}
+    return build_app(args)

@@ -1,0 +1,185 @@
+"""Prometheus metrics of one served model, vLLM's names with the ``raylm:`` prefix.
+
+Each ``ServingMetrics`` owns its ``CollectorRegistry`` (never the process-global one: tests
+and several models in one process must not share series). Latency histograms are measured
+from the token stream the server sees; gauges and counters of the engine are read from
+``EngineClient.get_stats()`` at scrape time. Every series carries ``model_name``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from raylm.cluster.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0,
+                 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.5, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+                300.0, 600.0, 1800.0)
+
+# get_stats() key -> (metric name, help); counters get "_total" appended on exposition.
+_GAUGES = {
+    "num_requests_running": ("raylm:num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("raylm:num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("raylm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
+}
+_COUNTERS = {
+    "prompt_tokens_total": ("raylm:prompt_tokens", "Prefill tokens processed."),
+    "generation_tokens_total": ("raylm:generation_tokens", "Generation tokens produced."),
+    "num_preemptions_total": ("raylm:num_preemptions", "Cumulative preemptions."),
+    "prefix_cache_queries_total": ("raylm:prefix_cache_queries", "Prefix cache tokens queried."),
+    "prefix_cache_hits_total": ("raylm:prefix_cache_hits", "Prefix cache tokens hit."),
+}
+# Speculative decoding (only when the engine reports them: speculation is configured).
+_SPEC_COUNTERS = {
+    "spec_decode_num_drafts_total": ("raylm:spec_decode_num_drafts",
+                                     "Steps of a request that verified drafts."),
+    "spec_decode_num_draft_tokens_total": ("raylm:spec_decode_num_draft_tokens",
+                                           "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens_total": ("raylm:spec_decode_num_accepted_tokens",
+                                              "Draft tokens accepted."),
+}
+_SPEC_PER_POS = ("raylm:spec_decode_num_accepted_tokens_per_pos",
+                 "Draft tokens accepted, per draft position.")
+
+
+def spec_decode_stats(metrics: dict[str, Any]) -> dict[str, Any]:
+    """get_metrics() -> the get_stats() keys of speculative decoding (none when off)."""
+    if "raylm:spec_decode_num_drafts" not in metrics:
+        return {}
+    stats: dict[str, Any] = {key: metrics[name] for key, (name, _) in _SPEC_COUNTERS.items()}
+    prefix = _SPEC_PER_POS[0] + '{position="'
+    per_pos = {int(k[len(prefix):-2]): v for k, v in metrics.items() if k.startswith(prefix)}
+    stats["spec_decode_num_accepted_tokens_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return stats
+
+
+class _EngineStatsCollector:
+    """Reads the engine's gauges and counters when Prometheus scrapes."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]]):
+        self._model_name = model_name
+        self._stats_fn = stats_fn
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._stats_fn() or {}
+        except Exception as e:  # a dead engine must not break the scrape of the rest
+            logger.warning("get_stats() failed during a metrics scrape: %s", e)
+            return
+        for key, (name, doc) in _GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(stats.get(key, 0.0)))
+            yield family
+        for key, (name, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(stats.get(key, 0)))
+            yield family
+        if stats.get("devices"):
+            family = GaugeMetricFamily(
+                "raylm:device_info", "Engine ranks by the device they run on (cuda, cpu).",
+                labels=["model_name", "device_kind", "device_name"])
+            for kind, name, count in stats["devices"]:
+                family.add_metric([self._model_name, kind, name], float(count))
+            yield family
+        if "spec_decode_num_drafts_total" in stats:
+            for key, (name, doc) in _SPEC_COUNTERS.items():
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], float(stats[key]))
+                yield family
+            family = CounterMetricFamily(*_SPEC_PER_POS, labels=["model_name", "position"])
+            for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric([self._model_name, str(pos)], float(n))
+            yield family
+
+
+class RequestTimer:
+    """Turns one request's stream of cumulative outputs into latency observations."""
+
+    def __init__(self, metrics: ServingMetrics):
+        self._m = metrics
+        self._arrival = time.perf_counter()
+        self._last_token: float | None = None
+        self._num_tokens = 0
+        self._done = False
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens > self._num_tokens:
+            if self._last_token is None:
+                self._m.ttft.observe(now - self._arrival)
+            else:
+                self._m.itl.observe(now - self._last_token)
+            self._last_token = now
+            self._num_tokens = num_tokens
+        if output.finished and not self._done:
+            self._done = True
+            self._m.e2e.observe(now - self._arrival)
+            for c in output.outputs:
+                self._m.request_success.labels(self._m.model_name, c.finish_reason or "abort").inc()
+
+
+    def on_abort(self) -> None:
+        """The stream ended before the request finished (client gone, engine failure)."""
+        if not self._done:
+            self._done = True
+            self._m.request_success.labels(self._m.model_name, "abort").inc()
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg, label = self.registry, ["model_name"]
+        self.ttft = Histogram("raylm:time_to_first_token_seconds", "Time to first token.",
+                              label, registry=reg, buckets=_TTFT_BUCKETS).labels(model_name)
+        self.itl = Histogram("raylm:inter_token_latency_seconds", "Time between output tokens.",
+                             label, registry=reg, buckets=_ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram("raylm:e2e_request_latency_seconds", "Request latency, end to end.",
+                             label, registry=reg, buckets=_E2E_BUCKETS).labels(model_name)
+        self.request_success = Counter("raylm:request_success", "Finished requests, by reason.",
+                                       ["model_name", "finished_reason"], registry=reg)
+        reg.register(_EngineStatsCollector(model_name, stats_fn))
+
+    def request_timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def families(self) -> list[Metric]:
+        """A picklable snapshot (a replica sends it to the HTTP ingress)."""
+        return list(self.registry.collect())
+
+
+class _Snapshot:
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def render(groups: Iterable[list[Metric]]) -> bytes:
+    """Prometheus text for several models' snapshots: one family per name, all samples."""
+    merged: dict[str, Metric] = {}
+    for families in groups:
+        for fam in families:
+            target = merged.get(fam.name)
+            if target is None:
+                target = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            # "_created" timestamps are prometheus_client noise that vLLM's names don't have.
+            target.samples.extend(s for s in fam.samples if not s.name.endswith("_created"))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(list(merged.values())))
+    return generate_latest(registry)

@@ -1,0 +1,221 @@
+"""Turn the engine's cumulative RequestOutputs into OpenAI responses and SSE chunks.
+
+Completions number their choices ``prompt_index * n + output.index`` (as OpenAI and vLLM).
+Streaming sends deltas: the text and tokens each choice gained since its previous chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
+from raylm.cluster.serve.errors import from_exception
+from raylm.cluster.serve.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    CompletionResponse,
+    CompletionResponseChoice,
+    UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
+)
+
+if TYPE_CHECKING:
+    from raylm.cluster.serve.serving import PreparedRequest
+
+DONE = "data: [DONE]\n\n"
+Streams = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
+
+
+def sse(payload: Any) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class _Format:
+    """What differs between completions and chat, for one prepared request."""
+
+    def __init__(self, prepared: PreparedRequest, tokenizer: Any):
+        from raylm.cluster.serve.serving import CHAT_COMPLETIONS
+
+        self.p = prepared
+        self.req = prepared.request
+        self.chat = prepared.kind == CHAT_COMPLETIONS
+        self.tokenizer = tokenizer
+        self.top_n = (self.req.top_logprobs or 0) if self.chat else self.req.logprobs
+        self.wants_logprobs = self.req.logprobs if self.chat else self.req.logprobs is not None
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def echo_text(self, prompt_index: int) -> str:
+        if self.chat or not self.req.echo:
+            return ""
+        r = self.p.engine_requests[prompt_index]
+        return r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
+
+    @property
+    def scoring(self) -> bool:
+        """echo + max_tokens=0: the response holds the prompt only."""
+        return not self.chat and self.req.echo_without_generation
+
+    def logprobs(self, c: CompletionOutput, start: int, offset: int,
+                 prompt: RequestOutput | None = None):
+        """The logprobs of ``c``'s tokens from ``start``; with ``prompt`` (echo), those of
+        the prompt's tokens first."""
+        if not self.wants_logprobs or c.logprobs is None:
+            return None
+        ids, lps = c.token_ids[start:], c.logprobs[start:]
+        if self.chat:
+            return chat_logprobs(ids, lps, self.top_n, self.decode)
+        out = None
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            out = completion_logprobs(prompt.prompt_token_ids, prompt.prompt_logprobs,
+                                      self.top_n, 0, self.decode)
+            if self.scoring:
+                return out
+        return completion_logprobs(ids, lps, self.top_n, offset, self.decode, out)
+
+    def usage(self, finals_tokens: int) -> UsageInfo:
+        prompt = sum(len(r.prompt_token_ids) for r in self.p.engine_requests)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=finals_tokens,
+                         total_tokens=prompt + finals_tokens)
+
+    def response(self, choices: list, usage: UsageInfo | None, chunk: bool):
+        common = dict(id=self.p.response_id, created=self.p.created, model=self.p.model,
+                      choices=choices, usage=usage)
+        if self.chat:
+            return ChatCompletionResponse(
+                object="chat.completion.chunk" if chunk else "chat.completion", **common)
+        return CompletionResponse(**common)
+
+
+def full_response(prepared: PreparedRequest, finals: list[RequestOutput],
+                  tokenizer: Any) -> dict[str, Any]:
+    fmt = _Format(prepared, tokenizer)
+    n, choices, generated = fmt.req.n, [], 0
+    for i, final in enumerate(finals):
+        echo = fmt.echo_text(i)
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = fmt.logprobs(c, 0, len(echo), final if echo else None)
+            if fmt.scoring:  # the one token the engine sampled is not part of the answer
+                c = CompletionOutput(index=c.index, text="", token_ids=[],
+                                     finish_reason="length")
+            generated += len(c.token_ids)
+            if fmt.chat:
+                choices.append(ChatCompletionResponseChoice(
+                    index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            else:
+                choices.append(CompletionResponseChoice(
+                    index=i * n + c.index, text=echo + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return fmt.response(choices, fmt.usage(generated), chunk=False).model_dump(mode="json")
+
+
+@dataclass
+class _ChoiceState:
+    text_len: int = 0
+    num_tokens: int = 0
+    offset: int = 0  # characters already sent (echoed prompt included)
+    started: bool = False
+    done: bool = False
+
+
+async def sse_lines(prepared: PreparedRequest, streams: Streams, tokenizer: Any) -> AsyncIterator[str]:
+    fmt = _Format(prepared, tokenizer)
+    states: dict[int, _ChoiceState] = {}
+    # Chat's role chunks (one per choice) travel in the same item as the first token, so
+    # that no transport batching can put the first token behind them.
+    head = ""
+    if fmt.chat:
+        head = "".join(sse(fmt.response([ChatCompletionStreamChoice(
+            index=index, delta={"role": "assistant", "content": ""})], None, chunk=True))
+            for index in range(fmt.req.n))
+    try:
+        async with aclosing(_merged(streams)) as merged:
+            async for i, out in merged:
+                lines = [sse(fmt.response([choice], None, chunk=True))
+                         for c in sorted(out.outputs, key=lambda c: c.index)
+                         if (choice := _delta_choice(fmt, states, i, c)) is not None]
+                if lines:
+                    yield head + "".join(lines)
+                    head = ""
+        if fmt.req.include_usage:
+            generated = sum(st.num_tokens for st in states.values())
+            yield head + sse(fmt.response([], fmt.usage(generated), chunk=True))
+            head = ""
+    except Exception as e:  # headers are gone: the error travels as an SSE event
+        yield head + sse(from_exception(e).to_dict())
+        head = ""
+    yield head + DONE
+
+
+def _delta_choice(fmt: _Format, states: dict[int, _ChoiceState], prompt_index: int,
+                  c: CompletionOutput):
+    """The chunk choice for what ``c`` gained since the last chunk, or None if nothing."""
+    index = c.index if fmt.chat else prompt_index * fmt.req.n + c.index
+    st = states.setdefault(index, _ChoiceState())
+    if st.done:
+        return None
+    echo = "" if st.started else fmt.echo_text(prompt_index)
+    st.started = True
+    delta = echo + c.text[st.text_len:]
+    new_tokens = len(c.token_ids) - st.num_tokens
+    if not delta and new_tokens <= 0 and c.finish_reason is None:
+        return None
+    logprobs = fmt.logprobs(c, st.num_tokens, st.offset + len(echo)) if new_tokens > 0 else None
+    st.text_len, st.num_tokens = max(st.text_len, len(c.text)), len(c.token_ids)
+    st.offset += len(delta)
+    st.done = c.finish_reason is not None
+    if fmt.chat:
+        return ChatCompletionStreamChoice(
+            index=index, delta={"content": delta} if delta else {}, logprobs=logprobs,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    return CompletionResponseChoice(index=index, text=delta, logprobs=logprobs,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+async def _merged(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine requests as they come, tagged with the prompt index."""
+    for i, (first, _) in enumerate(streams):
+        yield i, first
+    if len(streams) == 1:  # the common case: no queue hop, no extra task
+        async with aclosing(streams[0][1]) as it:
+            async for out in it:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in it:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, (_, it) in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,284 @@
+"""OpenAI completions and chat completions over an EngineClient: validate, run, format.
+
+One code path for the HTTP server and for batch runs. A call returns either a response
+dict (non-streaming) or an async iterator of SSE lines. Requests are validated explicitly
+(schema, model, chat template, sampling parameters, prompt length and vocabulary) before the
+engine sees them; what fails there is a 400 (``raylm.cluster.serve.errors``). Streams are primed
+(their first output awaited) before returning, so an engine-side refusal (an
+``InvalidRequestError``, e.g. a request larger than the KV pool) is a 400 too, not a broken
+stream; any other exception is a logged 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from raylm.cluster.engine.chat_utils import apply_chat_template
+from raylm.cluster.engine.engine_protocol import EngineClient
+from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.serve import responses as openai_responses
+from raylm.cluster.serve.errors import (
+    OpenAIError,
+    bad_request,
+    from_exception,
+    not_found,
+    overloaded,
+    pydantic_message,
+)
+from raylm.cluster.serve.metrics import ServingMetrics
+from raylm.cluster.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    random_id,
+)
+from raylm.scheduler.core.executor_base import EngineDeadError
+from raylm.scheduler.request import check_max_tokens, check_prompt
+from raylm.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+@dataclass
+class EngineRequest:
+    """One prompt of an API request, as the engine receives it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PreparedRequest:
+    """An API request after validation: what to run and how to answer."""
+
+    kind: str  # COMPLETIONS or CHAT_COMPLETIONS
+    request: CompletionRequest | ChatCompletionRequest
+    response_id: str
+    created: int
+    model: str
+    engine_requests: list[EngineRequest]
+
+
+class OpenAIServing:
+    """Serves one model. ``max_pending_requests`` bounds the sequences in flight (running
+    plus queued, n counted per request); beyond it requests get 503 at once."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str | None = None,
+                 max_pending_requests: int | None = None,
+                 metrics: ServingMetrics | None = None):
+        self.engine = engine
+        self.model_name = served_model_name or engine.model_config.name
+        self.max_model_len = engine.model_config.max_model_len
+        self.max_pending_requests = max_pending_requests
+        self.metrics = metrics or ServingMetrics(self.model_name, engine.get_stats)
+        # Engine request id -> sequences (n) admitted and not yet finished. Keyed, not a bare
+        # counter, so that releasing twice, or a stream that never started, stays correct.
+        self._pending: dict[str, int] = {}
+
+    # ---- model information ---------------------------------------------------------------
+    def model_card(self) -> dict[str, Any]:
+        return ModelCard(id=self.model_name, root=self.engine.model_config.model,
+                         max_model_len=self.max_model_len).model_dump()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    @property
+    def num_pending(self) -> int:
+        """Sequences in flight (a request with n=4 counts 4, as in the engine's batch)."""
+        return sum(self._pending.values())
+
+    # ---- entry points ----------------------------------------------------------------------
+    async def handle(self, route: str, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+        """Run one API call; raises OpenAIError for anything the client did wrong."""
+        prepared = self.prepare(route, body)
+        return await self.run(prepared)
+
+    def prepare(self, route: str, body: Any) -> PreparedRequest:
+        if route == COMPLETIONS:
+            request: Any = _parse(CompletionRequest, body)
+            self._check_model(request.model)
+            prompts = [self._tokenize(p) for p in request.prompts()]
+            prefix = "cmpl"
+        elif route == CHAT_COMPLETIONS:
+            request = _parse(ChatCompletionRequest, body)
+            self._check_model(request.model)
+            prompts = [self._apply_chat_template(request)]
+            prefix = "chatcmpl"
+        else:
+            raise not_found(f"route {route!r} does not exist.")
+        response_id = random_id(prefix)
+        engine_requests = [
+            EngineRequest(f"{response_id}-{i}", text, ids, self._sampling_params(request, ids))
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        return PreparedRequest(route, request, response_id, int(time.time()), self.model_name,
+                               engine_requests)
+
+    async def run(self, prepared: PreparedRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self._admit(prepared.engine_requests)
+        try:
+            streams = await self._open(prepared.engine_requests)
+        except BaseException:
+            self._release(prepared.engine_requests)
+            raise
+        if prepared.request.stream:
+            return self._stream(prepared, streams)
+        try:
+            finals = await asyncio.gather(*(_last(first, it) for first, it in streams))
+        except Exception as e:  # not CancelledError: a gone client's cancel must propagate
+            raise from_exception(e) from e
+        finally:
+            self._release(prepared.engine_requests)
+        return openai_responses.full_response(prepared, finals, self.engine.tokenizer)
+
+    # ---- validation ----------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise not_found(f"The model `{model}` does not exist.", "model")
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.engine.tokenizer(prompt).input_ids)
+        return None, list(prompt)
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        try:
+            return apply_chat_template(
+                self.engine.tokenizer, request.conversation(),
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs)
+        except ValueError as e:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise bad_request(str(e), param) from e
+
+    def _sampling_params(self, request: Any, prompt_ids: list[int]) -> SamplingParams:
+        n, max_len = len(prompt_ids), self.max_model_len
+        check_prompt(prompt_ids, max_len, self.engine.model_config.vocab_size)
+        try:
+            params = request.to_sampling_params(default_max_tokens=max_len - n)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field
+            raise bad_request(str(e), field if field in type(request).model_fields else None) from e
+        if params.max_tokens is not None:
+            check_max_tokens(n, params.max_tokens, max_len)
+        return params
+
+    # ---- running -------------------------------------------------------------------------
+    def _admit(self, engine_requests: list[EngineRequest]) -> None:
+        limit, wanted = self.max_pending_requests, sum(r.params.n for r in engine_requests)
+        if limit is not None and wanted > limit:  # would never fit: not a retry-later case
+            raise bad_request(f"this request needs {wanted} sequences (prompts x n), more than "
+                              f"the {limit} this server admits at once.", "n")
+        if limit is not None and self.num_pending + wanted > limit:
+            raise overloaded(
+                f"The server is overloaded: {self.num_pending} sequences in flight and this "
+                f"request adds {wanted}, at most {limit} allowed. Retry later.")
+        self._pending.update((r.request_id, r.params.n) for r in engine_requests)
+
+    def _release(self, engine_requests: list[EngineRequest]) -> None:
+        for r in engine_requests:
+            self._pending.pop(r.request_id, None)
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        timer = self.metrics.request_timer()
+        finished = False
+        try:
+            stream = self.engine.generate(req.prompt_token_ids, req.params, req.request_id,
+                                          prompt=req.prompt)
+            async with aclosing(stream) if hasattr(stream, "aclose") else nullcontext(stream) as it:
+                async for out in it:
+                    if out.error:
+                        raise EngineDeadError(out.error)
+                    timer.on_output(out)
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+        finally:
+            self._pending.pop(req.request_id, None)
+            if not finished:
+                timer.on_abort()
+                # The client went away (or the engine failed): free the request's KV now.
+                try:
+                    await asyncio.shield(self.engine.abort(req.request_id))
+                except EngineDeadError as e:  # nothing left to free
+                    logger.debug("abort(%s) after an unfinished stream: %r", req.request_id, e)
+                except Exception:
+                    logger.exception("abort(%s) after an unfinished stream failed",
+                                     req.request_id)
+                # CancelledError propagates: the caller is being cancelled (the shielded
+                # abort still runs to completion).
+
+    async def _open(self, engine_requests: list[EngineRequest]):
+        """Start every engine request and await its first output (errors surface here)."""
+        iterators = [self._generate(r) for r in engine_requests]
+        tasks = [asyncio.ensure_future(anext(it)) for it in iterators]
+        try:
+            firsts = await asyncio.gather(*tasks)
+        except BaseException as e:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _aclose_all(iterators)
+            if not isinstance(e, Exception) or isinstance(e, OpenAIError):
+                raise  # CancelledError (the client went away) and the like propagate
+            raise from_exception(e) from e
+        return list(zip(firsts, iterators, strict=True))
+
+    async def _stream(self, prepared: PreparedRequest, streams) -> AsyncIterator[str]:
+        try:
+            lines = openai_responses.sse_lines(prepared, streams, self.engine.tokenizer)
+            async with aclosing(lines):
+                async for line in lines:
+                    yield line
+        finally:
+            self._release(prepared.engine_requests)
+            await _aclose_all([it for _, it in streams])
+
+
+async def _aclose_all(iterators: list[AsyncIterator[RequestOutput]]) -> None:
+    """Close every iterator (each aborts its request if unfinished), even when a close is
+    cancelled mid-way; then re-raise the first exception (a CancelledError included)."""
+    error: BaseException | None = None
+    for it in iterators:
+        try:
+            await it.aclose()  # type: ignore[attr-defined]
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
+async def _last(first: RequestOutput, it: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = first
+    async with aclosing(it):
+        async for out in it:
+            last = out
+    return last
+
+
+def _parse(model: type, body: Any):
+    if isinstance(body, model):
+        return body
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        message, param = pydantic_message(e)
+        raise bad_request(message, param) from e

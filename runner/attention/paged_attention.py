@@ -1,0 +1,267 @@
+"""Paged attention in plain torch (CPU and CUDA, no extra packages).
+
+KV cache, per layer: key and value tensors ``[num_blocks, num_kv_heads, block_size,
+head_dim]`` (vLLM's block-major layout); token ``p`` of a request lives at offset
+``p % bs`` of block ``block_table[p // bs]``. ``num_kv_heads`` is this rank's KV heads
+(whatever the TP split gave the layer); nothing here depends on the global count. Each
+step first writes the new keys/values, then attends. A step's query rows have any length,
+causal inside the row (a query at position ``p`` sees keys ``0..p`` of its sequence):
+
+- short rows (at most ``RAGGED_MAX_QUERY_LEN`` tokens: decodes, speculative rows of
+  1 + k tokens, short chunks) go through the ragged kernel (``ragged_attention.py``) token
+  by token: one (query token, KV block) pair per block the token can see, a partial
+  softmax per pair, the partials combined per token; on CPU, a C++ kernel
+  (``cpu_attention.py``) that walks each token's blocks in place. Either way the cost is
+  the sum of the tokens' contexts rounded up to a block, not ``batch x longest context``.
+- long rows (prompts and prefill chunks) run one ``scaled_dot_product_attention`` each; a
+  chunk with earlier context reads that context from the cache with a causal mask shifted
+  by its offset.
+
+The metadata is built once per step on the host (numpy), uploaded in one copy (non-blocking
+from pinned memory on CUDA, so a step never waits for the device here) and shared by
+every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.runner.attention.cpu_kernel import load_cpu_attention_kernel
+from raylm.runner.attention.ragged import (
+    RaggedTokens,
+    build_ragged_tokens,
+    ragged_paged_attention,
+)
+from raylm.runner.host_memory import huge_page_zeros
+
+# Query rows up to this long take the ragged kernel (each token its own pairs); longer
+# rows are prefill-like and one sdpa per row is cheaper than repeating their context.
+RAGGED_MAX_QUERY_LEN = 8
+# Device memory the torch ragged kernel may take per layer call: its pairs copy K/V block
+# by block, so an unbounded step (128 rows x 128k context) would need tens of GiB. Tokens
+# past it run in further chunks (ragged_attention.pair_chunks).
+RAGGED_WORKSPACE_BYTES = 1 << 30
+
+
+def ragged_bytes_per_pair(num_heads: int, num_kv_heads: int, head_dim: int,
+                          block_size: int, elem: int) -> int:
+    """Device bytes the torch ragged kernel holds per (token, block) pair at its peak: the
+    pair's K and V blocks, its query copy, float32 scores (and their cast), float32
+    outputs, and the mask row."""
+    kv = 2 * num_kv_heads * block_size * head_dim * elem
+    scores = num_heads * block_size * (4 + 2 * elem)
+    out = num_heads * head_dim * (4 + 2 * elem)
+    return kv + scores + out + block_size * 4
+
+
+def max_ragged_pairs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     elem: int, workspace_bytes: int = RAGGED_WORKSPACE_BYTES) -> int:
+    """Pairs the torch ragged kernel takes at once within ``workspace_bytes``."""
+    per_pair = ragged_bytes_per_pair(num_heads, num_kv_heads, head_dim, block_size, elem)
+    return max(1, workspace_bytes // per_pair)
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # token range [start, end) in the flattened batch
+    end: int
+    context_len: int  # tokens already in the KV cache before this chunk
+    block_ids: torch.Tensor | None = None  # [nb] blocks of context + chunk; None if no context
+    mask: torch.Tensor | None = None  # [q_len, context_len + q_len] bool; None if no context
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token
+    ragged: RaggedTokens | None = None  # the short rows' tokens; None when there are none
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Per num_kv_heads: the cache write index [T * H]; every layer of one rank has the same
+    # head count, so the first layer builds it.
+    _write_index: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def write_index(self, num_kv_heads: int) -> torch.Tensor:
+        """Rows of the cache seen as ``[num_blocks * H * block_size, D]`` for each new
+        token and head."""
+        if num_kv_heads not in self._write_index:
+            bs = self.block_size
+            heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)
+            block, offset = self.slot_mapping // bs, self.slot_mapping % bs
+            self._write_index[num_kv_heads] = (
+                (block[:, None] * num_kv_heads + heads[None, :]) * bs
+                + offset[:, None]).reshape(-1)
+        return self._write_index[num_kv_heads]
+
+
+def head_rows(block_ids: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """``[..., nb]`` block ids -> ``[..., H, nb]`` rows of the cache viewed as
+    ``[num_blocks * H, block_size, D]``: (block b, head h) is row ``b * H + h``."""
+    return block_ids.unsqueeze(-2) * heads.numel() + heads[:, None]
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (key, value) cache ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+    Zeros, not empty: masked positions of a partly filled block are still multiplied (by a
+    zero weight), and 0 * NaN garbage would poison the attention output. On the CPU in
+    huge pages (see ``huge_page_zeros``): decode reads scattered blocks."""
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if torch.device(device).type == "cpu":
+        return huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))
+
+
+class HostUpload:
+    """Host int64 arrays gathered for one upload: a step's metadata crosses to the device
+    in a single copy (pinned and non-blocking on CUDA), then is sliced there."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, array: np.ndarray) -> tuple[int, int]:
+        start = self._size
+        self._parts.append(np.asarray(array, dtype=np.int64).reshape(-1))
+        self._size += self._parts[-1].size
+        return start, self._size
+
+    def upload(self) -> torch.Tensor:
+        host = torch.from_numpy(np.concatenate(self._parts) if self._parts
+                                else np.empty(0, np.int64))
+        if self.device.type == "cpu":
+            return host
+        # The caching host allocator keeps the pinned buffer alive until the copy is done.
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def build_attention_metadata(
+    query_start_loc: np.ndarray,  # [B + 1] cumulative query lengths
+    seq_lens: np.ndarray,  # [B] context + this step's tokens
+    slot_mapping: torch.Tensor,  # [T] on the device
+    block_table: np.ndarray | torch.Tensor,  # [B, nb] host block ids (a CPU tensor is taken)
+    block_size: int,
+    cpu_kernel: bool | None = None,
+    max_pairs: int | None = None,
+) -> AttentionMetadata:
+    """``cpu_kernel``: whether the short rows may take the C++ kernel (default: on CPU);
+    they do when it is available. ``max_pairs``: the torch kernel's chunk (max_ragged_pairs)."""
+    device = slot_mapping.device
+    cpu_kernel = (device.type == "cpu" if cpu_kernel is None else cpu_kernel) and \
+        load_cpu_attention_kernel()
+    table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
+    query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    num_tokens = int(query_start_loc[-1])
+    query_lens = np.diff(query_start_loc)
+    meta = AttentionMetadata(num_tokens=num_tokens, block_size=block_size,
+                             slot_mapping=slot_mapping)
+    pack = HostUpload(device)
+    short = np.flatnonzero(query_lens <= RAGGED_MAX_QUERY_LEN)
+    finish_ragged = None
+    if short.size:
+        finish_ragged = build_ragged_tokens(query_start_loc, seq_lens, table, short,
+                                            block_size, num_tokens, pack, pairs=not cpu_kernel,
+                                            max_pairs=max_pairs)
+    # Long rows: few per step (bounded by the token budget), one sdpa each.
+    spans: list[tuple[PrefillSpan, tuple[int, int] | None]] = []
+    for row in np.flatnonzero(query_lens > RAGGED_MAX_QUERY_LEN).tolist():
+        start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
+        seq_len = int(seq_lens[row])
+        span = PrefillSpan(start, end, seq_len - (end - start))
+        spans.append((span, pack.add(table[row, :-(-seq_len // block_size)])
+                      if span.context_len > 0 else None))
+    uploaded = pack.upload()
+    if finish_ragged is not None:
+        meta.ragged = finish_ragged(uploaded)
+    for span, where in spans:
+        if where is not None:
+            seq_len = span.context_len + span.end - span.start
+            span.block_ids = uploaded[where[0]:where[1]]
+            q_pos = torch.arange(span.context_len, seq_len, device=device)
+            span.mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        meta.prefills.append(span)
+    return meta
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of the (block, head) ``rows`` [..., H, nb] of a
+    ``[num_blocks, H, bs, D]`` cache, as ``[..., H, length, D]`` (each (.., head) slab
+    contiguous; index_select is several times faster on CPU than advanced indexing)."""
+    num_blocks, num_heads, bs, head_dim = cache.shape
+    out = cache.view(num_blocks * num_heads, bs, head_dim).index_select(0, rows.reshape(-1))
+    nb = rows.shape[-1]
+    return out.view(*rows.shape[:-1], nb * bs, head_dim)[..., :length, :]
+
+
+class Attention(nn.Module):
+    """Attention over the paged KV cache for one layer (this rank's heads only)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}.")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.scale = scale
+        # (key_cache, value_cache), bound by the model runner once the cache is allocated.
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq * D]."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
+        key_cache, value_cache = self.kv_cache
+        write = meta.write_index(self.num_kv_heads)
+        tokens = (-1, self.head_dim)
+        key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))
+        value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
+        ragged = meta.ragged
+        if ragged is not None and ragged.token_index is None:  # every token is ragged
+            return ragged_paged_attention(query, key_cache, value_cache, ragged, self.scale)
+        out = query.new_empty((query.shape[0], self.num_heads * self.head_dim))
+        if ragged is not None:
+            idx = ragged.token_index
+            out.index_copy_(0, idx, ragged_paged_attention(
+                query.index_select(0, idx), key_cache, value_cache, ragged, self.scale))
+        for span in meta.prefills:
+            out[span.start:span.end] = self._prefill(query, key, value, key_cache, value_cache,
+                                                     span)
+        return out
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 span: PrefillSpan) -> torch.Tensor:
+        q_len = span.end - span.start
+        q = query[span.start:span.end].reshape(
+            q_len, self.num_kv_heads, self.num_queries_per_kv, self.head_dim).permute(1, 2, 0, 3)
+        if span.block_ids is None:  # [S, Hkv, D] -> [Hkv, S, D]
+            k = key[span.start:span.end].transpose(0, 1)
+            v = value[span.start:span.end].transpose(0, 1)
+        else:
+            heads = torch.arange(self.num_kv_heads, device=span.block_ids.device)
+            rows = head_rows(span.block_ids, heads)
+            seq_len = span.context_len + q_len
+            k, v = _gather(key_cache, rows, seq_len), _gather(value_cache, rows, seq_len)
+        # [Hkv, S, D] -> [Hkv, G, S, D] as a stride-0 view over the G query heads of each KV
+        # head (no copy; equal shapes keep every sdpa backend eligible).
+        shape = (self.num_kv_heads, self.num_queries_per_kv, k.shape[1], self.head_dim)
+        k = k.unsqueeze(1).expand(shape)
+        v = v.unsqueeze(1).expand(shape)
+        if span.mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale)
+        return o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads * self.head_dim)

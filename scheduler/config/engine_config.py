@@ -1,0 +1,287 @@
+"""Frozen configuration, one dataclass per layer. Pure Python: read by every layer.
+
+Each config validates itself and raises ``ValueError`` naming the bad value.
+``EngineConfig`` ties them together and resolves ``async_scheduling`` (the one place it is
+resolved; every layer below reads the resolved value). The value sets that several layers
+name (dtypes, architectures, executor backends, placement strategies) are defined here once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
+
+from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.config.validation import check_at_least
+
+logger = logging.getLogger(__name__)
+
+# Qwen2 (qkv bias) and Qwen3 (q/k norm) run on the Llama decoder with flags.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
+# bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
+DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+DTYPES: tuple[str, ...] = get_args(DType)
+ExecutorBackend = Literal["uni", "ray"]
+EXECUTOR_BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)
+
+
+def _bad(name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{name} {why}, got {value!r}.")
+
+
+def _check_at_least_1(config: object, *names: str) -> None:
+    """Each named field of ``config`` is at least 1 (or None: optional, unset)."""
+    for name in names:
+        check_at_least(name, getattr(config, name))
+
+
+def supported_architecture(architectures: list[str], model: str = "") -> str:
+    """The first of a config.json's ``architectures`` that raylm runs; ValueError if none."""
+    for arch in architectures:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    of = f" of model {model!r}" if model else ""
+    raise ValueError(f"architecture {architectures!r}{of} is not supported; "
+                     f"supported: {list(SUPPORTED_ARCHITECTURES)}.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # resolved by the runner: the checkpoint's, fp32 -> bf16 where fast
+    max_model_len: int = 0  # 0: take max_position_embeddings from config.json
+    seed: int = 0
+    served_model_name: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Called on every node that loads the weights (each rank, in its own process) and
+    # returns that node's checkpoint folder: a node-local cache or download. None: ``model``
+    # is a folder every node can read at the same path. Must pickle (a module-level
+    # function, or functools.partial of one); ``model`` is the driver's own resolution.
+    model_resolver: Callable[[], str] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The checks that need no checkpoint come first: the Serve config runs them early.
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.max_model_len < 0:
+            raise _bad("max_model_len", self.max_model_len, "must be positive (0: the model's)")
+        if self.seed < 0:
+            raise _bad("seed", self.seed, "must be non-negative")
+        if not self.hf_config:
+            path = os.path.join(self.model, "config.json")
+            if not os.path.isfile(path):
+                raise ValueError(f"model {self.model!r} is not a folder with a config.json "
+                                 "(nor a GGUF file).")
+            with open(path) as f:
+                object.__setattr__(self, "hf_config", json.load(f))
+        supported_architecture(self.hf_config.get("architectures") or [], self.model)
+        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        if self.max_model_len == 0:
+            object.__setattr__(self, "max_model_len", limit)
+        elif self.max_model_len > limit:
+            raise _bad("max_model_len", self.max_model_len,
+                       f"must not exceed the model's max_position_embeddings={limit}")
+        if self.tokenizer is None:
+            object.__setattr__(self, "tokenizer", self.model)
+
+    def on_this_node(self) -> ModelConfig:
+        """This config with ``model`` pointing at this node's copy of the checkpoint."""
+        if self.model_resolver is None:
+            return self
+        path = self.model_resolver()
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            found = os.listdir(path) if os.path.isdir(path) else "no such folder"
+            raise ValueError(f"model_resolver {self.model_resolver!r} returned {path!r}, "
+                             f"which is not a folder with a config.json on this node "
+                             f"(it holds: {found}).")
+        return replace(self, model=path, model_resolver=None)
+
+    @property
+    def architecture(self) -> str:
+        return supported_architecture(self.hf_config["architectures"], self.model)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return frozenset()
+        return frozenset(eos if isinstance(eos, list) else [eos])
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # explicit pool size (tests force preemption with it)
+    kv_cache_memory_bytes: int | None = None  # else: a share of free device memory
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise _bad("block_size", self.block_size, "must be a positive power of two")
+        _check_at_least_1(self, "num_kv_blocks", "kv_cache_memory_bytes")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    async_scheduling: bool | None = None  # None: auto; EngineConfig resolves it to a bool
+    max_queued_requests: int | None = None  # serving: reject beyond this many waiting
+
+    def __post_init__(self) -> None:
+        _check_at_least_1(self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend | None = None
+    placement_group_strategy: PlacementStrategy = "PACK"
+    dp_sync_interval: int = 16
+    # CPU ranks: torch threads of a step of at least CPU_BURST_MIN_TOKENS tokens (None:
+    # the rank's own threads for every step).
+    cpu_burst_threads: int | None = None
+    # How long the workers' placement group may wait for its resources (an autoscaler
+    # adding a GPU node takes minutes).
+    placement_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        _check_at_least_1(self, "tensor_parallel_size", "pipeline_parallel_size",
+                          "data_parallel_size", "dp_sync_interval", "cpu_burst_threads")
+        if not self.placement_timeout_s > 0:
+            raise _bad("placement_timeout_s", self.placement_timeout_s, "must be positive")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise _bad("distributed_executor_backend", self.distributed_executor_backend,
+                       f"must be one of {EXECUTOR_BACKENDS} or None")
+        if self.distributed_executor_backend is None:
+            multi = self.world_size > 1 or self.data_parallel_size > 1
+            object.__setattr__(self, "distributed_executor_backend", "ray" if multi else "uni")
+        if self.distributed_executor_backend == "uni" and (
+            self.world_size > 1 or self.data_parallel_size > 1
+        ):
+            raise ValueError(
+                "distributed_executor_backend='uni' cannot run tensor_parallel_size="
+                f"{self.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}, data_parallel_size={self.data_parallel_size}; "
+                "use 'ray' or leave it unset.")
+        if self.placement_group_strategy not in PLACEMENT_STRATEGIES:
+            raise _bad("placement_group_strategy", self.placement_group_strategy,
+                       f"must be one of {PLACEMENT_STRATEGIES}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def stage_bundles(tensor_parallel_size: int, pipeline_parallel_size: int,
+                  worker_bundle: dict) -> list[dict]:
+    """One bundle per pipeline stage holding its TP group's workers (``tensor_parallel_size``
+    x ``worker_bundle``). A bundle lands on one node, so a TP group never spans nodes (its
+    all-reduce stays on the node's links); stages may. Rank r sits in bundle r // TP."""
+    check_at_least("tensor_parallel_size", tensor_parallel_size)
+    check_at_least("pipeline_parallel_size", pipeline_parallel_size)
+    stage = {k: v * tensor_parallel_size for k, v in worker_bundle.items()}
+    return [dict(stage) for _ in range(pipeline_parallel_size)]
+
+
+def dp_rank_bundles(tensor_parallel_size: int, pipeline_parallel_size: int,
+                    engine_bundle: dict, worker_bundle: dict) -> list[dict]:
+    """The bundles of one DP rank. With TP = PP = 1 the rank actor runs the model itself,
+    so its one bundle is the worker's; otherwise bundle 0 is the rank's EngineCore actor
+    and bundles 1.. its pipeline stages (``stage_bundles``)."""
+    if tensor_parallel_size * pipeline_parallel_size == 1:
+        return [dict(worker_bundle)]
+    return [dict(engine_bundle)] + stage_bundles(tensor_parallel_size, pipeline_parallel_size,
+                                                 worker_bundle)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            spec.check_draft_vocab(self.model_config.hf_config)
+        if self.scheduler_config.max_model_len != self.model_config.max_model_len:
+            object.__setattr__(self, "scheduler_config", replace(
+                self.scheduler_config, max_model_len=self.model_config.max_model_len))
+        self._resolve_async_scheduling()
+
+    def _resolve_async_scheduling(self) -> None:
+        """The one place async_scheduling is resolved (docs/architecture.md §3 rule 8):
+        None turns on unless an option rules it out (then off, with a log line); True with
+        such an option is an error naming it. Every layer below reads the resolved bool."""
+        requested = self.scheduler_config.async_scheduling
+        why = self.async_scheduling_incompatibility()
+        if requested is True and why is not None:
+            raise ValueError(f"async_scheduling=True is not supported with {why}.")
+        if requested is not None:
+            return
+        if why is not None:
+            logger.info("Async scheduling disabled: not supported with %s.", why)
+        object.__setattr__(self, "scheduler_config", replace(
+            self.scheduler_config, async_scheduling=why is None))
+
+    def async_scheduling_incompatibility(self) -> str | None:
+        """The option that rules out async scheduling, or None. Both executor backends
+        execute non-blocking and every engine argument today can overlap (speculation with
+        PP included: the PP ring carries accepted runs); one that cannot names itself here."""
+        return None
+
+    @property
+    def async_scheduling(self) -> bool:
+        resolved = self.scheduler_config.async_scheduling
+        assert resolved is not None, "EngineConfig.__post_init__ resolves async_scheduling"
+        return resolved
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens per decode step (0: no speculative decoding)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots booked past each step's tokens for a request: a draft model without
+        PP drafts the next step right after verification, writing its own KV up to k
+        positions beyond the step's (runner/spec_decode/speculator.py). Under PP the
+        stages draft at the start of the step instead, inside its booking."""
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return 0
+        return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
+            else 0
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        # PP needs pp_size batches in flight to fill the pipeline; async needs one more
+        # so the scheduler plans step t+1 while step t runs.
+        pp = self.parallel_config.pipeline_parallel_size
+        return pp + 1 if self.async_scheduling else pp

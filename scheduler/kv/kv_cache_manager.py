@@ -1,0 +1,208 @@
+"""Per-request KV blocks on top of the BlockPool: prefix hits, allocation, deferred frees.
+
+Deferred free with a step fence (docs/architecture.md §3 rule 5): a request's blocks may still be
+written by a step that is in flight when the request finishes, aborts or is preempted.
+``free`` therefore tags them with the newest step scheduled with them (the fence) and
+``on_step_processed(step_id)`` returns them to the pool once that step's result is back.
+In synchronous mode the fence is already passed when a request is freed outside
+``update_from_output`` (preemption), and is passed at the end of the same
+``update_from_output`` otherwise, so the same code path frees at once.
+
+Prefix caching registers a block only when its KV is settled (the step that computed it
+has returned) and all its tokens are known: ``cache_blocks`` is called from
+``update_from_output`` with the settled token count.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from raylm.scheduler.kv.block_pool import BlockPool, KVCacheBlock
+from raylm.scheduler.kv.kv_cache_utils import cdiv
+from raylm.scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are indexed in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        # Newest step id scheduled with each request's blocks.
+        self.req_to_fence: dict[str, int] = {}
+        # Min-heap of (fence, seq, blocks tail first) waiting for their fence to pass.
+        self._deferred: list[tuple[int, int, list[KVCacheBlock]]] = []
+        self._deferred_seq = itertools.count()
+        self.num_deferred_blocks = 0
+        self.current_step = 0
+        self.last_processed_step = 0
+        # Cumulative prefix-cache counters, in tokens (as vLLM's queries / hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def begin_step(self, step_id: int) -> None:
+        """Blocks allocated from now on are fenced by ``step_id``."""
+        self.current_step = step_id
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in whole blocks.
+
+        Never the whole sequence: the last known token must be computed to sample from it.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.sampling_params.prompt_logprobs is not None:
+            # A cached position is never computed, so its prompt logprob would be missing.
+            max_blocks = min(max_blocks, request.num_prompt_logprobs_done // self.block_size)
+        blocks: list[KVCacheBlock] = []
+        get = self.block_pool.get_cached_block
+        for h in request.block_hashes[:max_blocks]:
+            block = get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def _num_new_blocks(
+        self, request: Request, num_new_tokens: int, new_computed: list[KVCacheBlock],
+        num_lookahead_tokens: int,
+    ) -> int:
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens,
+                            self.block_size)
+        return max(num_required - num_held - len(new_computed), 0)
+
+    def get_num_blocks_to_allocate(
+        self, request: Request, num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free blocks the allocation would consume (new ones plus evictable prefix hits)."""
+        new_computed = new_computed_blocks or []
+        num_evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
+        return self._num_new_blocks(request, num_new_tokens, new_computed,
+                                    num_lookahead_tokens) + num_evictable
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens, and ``num_lookahead_tokens`` slots
+        past them that a draft model writes before they are scheduled; None when the pool
+        is too short.
+
+        Returns the blocks appended to the request's block table (prefix hits first).
+        """
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        if held is not None and not new_computed_blocks:
+            # Hot path (a running request, once per step): usually no new block at all.
+            num_new = cdiv(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                           self.block_size) - len(held)
+            if num_new > 0:
+                if num_new > self.block_pool.get_num_free_blocks():
+                    return None
+                new_blocks = self.block_pool.get_new_blocks(num_new)
+                held.extend(new_blocks)
+            else:
+                new_blocks = []
+            self.req_to_fence[rid] = self.current_step
+            return new_blocks
+        new_computed = new_computed_blocks or []
+        assert not (new_computed and held), (
+            f"prefix hits for {rid} that already holds {len(held or ())} blocks")
+        num_new = self._num_new_blocks(request, num_new_tokens, new_computed,
+                                       num_lookahead_tokens)
+        num_evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
+        if num_new + num_evictable > self.block_pool.get_num_free_blocks():
+            return None
+        # Touch the hits first: get_new_blocks could otherwise evict them.
+        self.block_pool.touch(new_computed)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        if held is None:
+            held = self.req_to_blocks[rid] = []
+            self.num_cached_block[rid] = len(new_computed)  # hits are indexed already
+        held.extend(new_computed)
+        held.extend(new_blocks)
+        self.req_to_fence[rid] = self.current_step
+        return new_computed + new_blocks if new_computed else new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks among its first ``num_tokens`` settled tokens."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_cached = self.num_cached_block.get(rid)
+        if num_cached is None or num_tokens // self.block_size <= num_cached:
+            return  # no new full block (the common case)
+        blocks = self.req_to_blocks[rid]
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+            self.num_cached_block[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, deferred until their fence step has returned."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.num_cached_block.pop(rid, None)
+        fence = self.req_to_fence.pop(rid, 0)
+        if not blocks:
+            return
+        blocks.reverse()  # tail first: a request's last blocks are the first evicted
+        if fence <= self.last_processed_step:
+            self.block_pool.free_blocks(blocks)
+        else:
+            heapq.heappush(self._deferred, (fence, next(self._deferred_seq), blocks))
+            self.num_deferred_blocks += len(blocks)
+
+    def on_step_processed(self, step_id: int) -> None:
+        """Step ``step_id`` (and every earlier one) has returned: pass its fences."""
+        if step_id > self.last_processed_step:
+            self.last_processed_step = step_id
+        deferred = self._deferred
+        while deferred and deferred[0][0] <= self.last_processed_step:
+            _, _, blocks = heapq.heappop(deferred)
+            self.num_deferred_blocks -= len(blocks)
+            self.block_pool.free_blocks(blocks)
+
+    def has_deferred_frees(self) -> bool:
+        return bool(self._deferred)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: each ref_cnt equals the holders (requests, deferred)."""
+        self.block_pool.check_integrity()
+        holders = [0] * self.block_pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] += 1
+        num_deferred = 0
+        for _, _, blocks in self._deferred:
+            num_deferred += len(blocks)
+            for b in blocks:
+                holders[b.block_id] += 1
+        assert num_deferred == self.num_deferred_blocks, (
+            f"deferred count {self.num_deferred_blocks} != {num_deferred} deferred blocks")
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} "
+                f"but {holders[block.block_id]} holders")
