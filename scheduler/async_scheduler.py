@@ -1,27 +1,28 @@
-"""AsyncScheduler: books each decode's output token before the step has run.
+"""AsyncScheduler: books each decode's output tokens before the step has run.
 
-The scheduler plans step t+1 while step t is in flight, so it cannot wait for t's token
-to know a request's length. After scheduling, each request that will sample gets
-``1 + len(drafts)`` output placeholders (§3 rule 1), settled by ``update_from_output`` when
-the step returns (the drafts themselves are ``-1`` placeholders the worker fills in, booked
-by the base class in both modes).
-Everything else (the §3 rule 2 skip, stale outputs, deferred frees) lives in the base class.
+It plans step t+1 while step t is in flight, so it cannot wait for t's token to know a
+request's length: each request that samples books ``1 + len(drafts)`` output placeholders
+(docs/architecture.md §3 rule 1), settled when the step returns, and waits out the PP
+decode cadence (§4). Everything else is the base class's, so both modes share one path.
 """
 
 from __future__ import annotations
 
+from raylm.scheduler.async_ledger import book_output_placeholders
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import SchedulerOutput
 from raylm.scheduler.scheduler import Scheduler
+from raylm.scheduler.structured.manager import StructuredOutputManager
 
 
 class AsyncScheduler(Scheduler):
     books_output_placeholders = True
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
-        super().__init__(config, num_kv_blocks)
-        # A PP stage sees a request's token again only pp steps later (docs/architecture.md §4); with
-        # pp=1 a request is eligible again at the very next step.
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+        super().__init__(config, num_kv_blocks, structured_output_manager)
+        # A PP stage sees a request's token again only pp steps later (docs/architecture.md
+        # §4); with pp=1 a request is eligible again at the very next step.
         self.decode_stagger = config.parallel_config.pipeline_parallel_size
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -35,5 +36,5 @@ class AsyncScheduler(Scheduler):
             request = requests[rid]
             if request.is_prefill_chunk:
                 continue  # a non-final chunk samples nothing
-            request.num_output_placeholders += 1 + len(spec.get(rid, ()))
+            book_output_placeholders(request, len(spec.get(rid, ())))
             request.next_decode_eligible_step = next_eligible

@@ -1,11 +1,10 @@
-"""The synchronous Scheduler (vLLM V1): one token budget, no prefill/decode phases.
+"""The Scheduler (vLLM V1): one token budget, no prefill/decode phases.
 
-Each ``schedule()`` gives every RUNNING request the tokens it still lacks
-(``num_tokens_with_spec + num_output_placeholders - num_computed_tokens``, chunked by the
-budget), preempting the newest running request when KV blocks run out, then admits
-WAITING requests (prefix-cache hits, chunked prefill). ``update_from_output`` settles a
-step's results. AsyncScheduler overrides only ``_update_after_schedule`` (placeholders);
-every other async hazard is handled here, so both modes share one code path.
+Each ``schedule()`` gives every RUNNING request the tokens it still lacks (chunked by the
+budget), preempting the newest running request when KV blocks run out, then admits WAITING
+requests (prefix-cache hits, chunked prefill). It owns two collaborators, a ``StepSettler``
+for returned steps and ``StructuredOutputScheduling`` for grammars; the ledger's rules are
+async_ledger.py's. AsyncScheduler adds only the output placeholders and the PP cadence.
 """
 
 from __future__ import annotations
@@ -14,11 +13,17 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from raylm.scheduler.async_ledger import (
+    book_scheduled_tokens,
+    in_flight_steps_yield_all_tokens,
+    reset_on_preemption,
+)
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
+    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
@@ -29,9 +34,10 @@ from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
 from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
-from raylm.scheduler.scheduler_update import UpdateFromOutputMixin
+from raylm.scheduler.scheduler_update import StepSettler
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters, num_useful_drafts
-from raylm.scheduler.structured.scheduling import StructuredOutputSchedulingMixin
+from raylm.scheduler.structured.manager import StructuredOutputManager
+from raylm.scheduler.structured.scheduling import StructuredOutputScheduling
 
 
 @dataclass
@@ -46,11 +52,12 @@ class _StepPlan:
     blocked_on_kv: bool = False
 
 
-class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
+class Scheduler:
     #: Whether decodes book output placeholders (async scheduling).
     books_output_placeholders = False
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.max_num_running_reqs = config.scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = config.scheduler_config.max_num_batched_tokens
@@ -77,7 +84,28 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
         self._stats_snapshot = (0, 0, 0)
-        self._init_structured_output()
+        self.structured_output = StructuredOutputScheduling(
+            requests=self.requests, waiting=self.waiting, manager=structured_output_manager,
+            num_spec_tokens=self.num_spec_tokens,
+            books_output_placeholders=self.books_output_placeholders,
+            finish_request=self._finish_request)
+        self.step_settler = StepSettler(
+            requests=self.requests, kv_cache_manager=self.kv_cache_manager,
+            counters=self.counters, spec_decode_counters=self.spec_decode_counters,
+            finish_request=self._finish_request,
+            advance_grammar=self.structured_output.advance_grammar,
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            enable_caching=self.enable_caching,
+            books_output_placeholders=self.books_output_placeholders)
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager | None:
+        return self.structured_output.manager
+
+    @property
+    def waiting_for_fsm(self) -> list[Request]:
+        """Constrained requests whose grammar still compiles (WAITING_FOR_FSM)."""
+        return self.structured_output.waiting_for_fsm
 
     # ---- requests in and out -------------------------------------------------------
     def validate_request(self, request: Request) -> None:
@@ -97,7 +125,7 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
                 f"request {request.request_id!r} needs {needed} KV blocks (prompt "
                 f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens{drafts}) "
                 f"but the pool holds only {self.kv_cache_manager.num_blocks}.")
-        self._validate_structured_output(request)
+        self.structured_output.validate_request(request)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
@@ -131,23 +159,26 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
             else:
                 self.waiting.remove(request)
             request.status = finished_status
-            self._free_request(request)
-            outputs.append(self._final_output(request, []))
+            outputs.append(self._finish_request(request, []))
         if removed_running:
             self.running = [r for r in self.running if r.request_id not in removed_running]
         return outputs
 
-    def _free_request(self, request: Request) -> None:
+    def _add_structured_output_request(self, request: Request) -> bool:
+        """Park a constrained request until its grammar is compiled. True if parked."""
+        return self.structured_output.add_request(request)
+
+    def _finish_request(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+        """Free a finished request (its blocks behind their fence, §3 rule 5) and return
+        its final output. The caller has set its finished status."""
+        output = EngineCoreOutput(
+            request.request_id, new_token_ids, finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.counters.num_requests_finished += 1
-
-    @staticmethod
-    def _final_output(request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request.request_id, new_token_ids, finish_reason=request.get_finished_reason(),
-            stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+        return output
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -192,10 +223,7 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
 
     def _num_new_running_tokens(self, request: Request, step: int, budget: int) -> int:
         """Tokens to schedule for a running request this step (0: skip it)."""
-        # Rule 2: the steps in flight already produce every token it may emit.
-        if (request.num_output_placeholders > 0
-                and request.num_computed_tokens + 2 - request.num_output_placeholders
-                >= request.num_prompt_tokens + request.max_tokens):
+        if in_flight_steps_yield_all_tokens(request):  # §3 rule 2
             return 0
         if step < request.next_decode_eligible_step:  # PP decode cadence
             return 0
@@ -309,35 +337,20 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
         steps become stale and will be drained, never appended."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_stale_output_tokens = request.num_in_flight_tokens
-        request.num_output_placeholders = 0
-        request.is_prefill_chunk = False
-        request.next_decode_eligible_step = 0
-        request.num_preemptions += 1
+        reset_on_preemption(request)
         self.counters.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Book the step on each scheduled request's ledger (§3 rule 1)."""
         requests = self.requests
         spec_placeholders = self._spec_token_placeholders
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            request = requests[rid]
-            request.num_computed_tokens += n
-            request.num_in_flight_tokens += n
-            request.is_prefill_chunk = request.num_computed_tokens < (
-                request.num_tokens + request.num_output_placeholders)
-            if spec_placeholders and not request.is_prefill_chunk:
-                # Drafts for the step after this one, proposed by the workers.
-                request.spec_token_ids = spec_placeholders
+            book_scheduled_tokens(requests[rid], n, spec_placeholders)
 
     # ---- queries -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose worker state is still to drop."""
@@ -353,9 +366,16 @@ class Scheduler(UpdateFromOutputMixin, StructuredOutputSchedulingMixin):
             kv_cache_usage=kv.usage, num_preemptions=now[0] - last[0],
             prefix_cache_queries=now[1] - last[1], prefix_cache_hits=now[2] - last[2])
 
-    def _engine_core_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+    # ---- results -------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Settle a returned step (the StepSettler) and emit its outputs with the stats."""
+        outputs, any_stopped = self.step_settler.settle(scheduler_output, model_runner_output)
+        if any_stopped:
+            self.running = [r for r in self.running if not r.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
     def check_integrity(self, no_steps_in_flight: bool = False) -> None:
         """Pool invariants and per-request ledger sanity; stricter with nothing in flight."""
-        check_scheduler_integrity(self, no_steps_in_flight)
+        check_scheduler_integrity(self.kv_cache_manager, self.requests, self.waiting,
+                                  self.running, self.waiting_for_fsm, no_steps_in_flight)

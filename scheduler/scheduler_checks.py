@@ -1,33 +1,37 @@
-"""Scheduler.check_integrity: the invariants tests and the idle EngineCore assert."""
+"""The invariants the tests and the idle EngineCore assert (``Scheduler.check_integrity``).
+
+A function of the parts it checks (the KV manager, the request dict and the three queues),
+so it needs nothing of the Scheduler itself.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
 
-from raylm.scheduler.request import RequestStatus
-
-if TYPE_CHECKING:
-    from raylm.scheduler.scheduler import Scheduler
+from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
+from raylm.scheduler.request import Request, RequestStatus
 
 
-def check_scheduler_integrity(scheduler: Scheduler, no_steps_in_flight: bool = False) -> None:
+def check_scheduler_integrity(kv: KVCacheManager, requests: Mapping[str, Request],
+                              waiting: Collection[Request], running: Collection[Request],
+                              waiting_for_fsm: Collection[Request],
+                              no_steps_in_flight: bool = False) -> None:
     """Block pool and ref counts; every request in exactly one queue with a sane ledger.
 
     With nothing in flight, also: no placeholders, in-flight or stale tokens, no deferred
     frees, and an empty pool when no request is left.
     """
-    kv = scheduler.kv_cache_manager
     kv.check_integrity()
-    num_queued = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.waiting_for_fsm)
-    assert len(scheduler.requests) == num_queued, (
-        f"{len(scheduler.requests)} requests but {len(scheduler.waiting)} waiting + "
-        f"{len(scheduler.running)} running + {len(scheduler.waiting_for_fsm)} waiting for FSM")
-    for r in scheduler.running:
+    num_queued = len(waiting) + len(running) + len(waiting_for_fsm)
+    assert len(requests) == num_queued, (
+        f"{len(requests)} requests but {len(waiting)} waiting + {len(running)} running + "
+        f"{len(waiting_for_fsm)} waiting for FSM")
+    for r in running:
         assert r.status == RequestStatus.RUNNING and r.request_id in kv.req_to_blocks, r
-    for r in scheduler.waiting:
+    for r in waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
         assert r.request_id not in kv.req_to_blocks, r
-    for r in scheduler.requests.values():
+    for r in requests.values():
         assert min(r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
                    r.num_stale_output_tokens) >= 0, r
         if no_steps_in_flight:
@@ -36,6 +40,6 @@ def check_scheduler_integrity(scheduler: Scheduler, no_steps_in_flight: bool = F
     if no_steps_in_flight:
         assert not kv.has_deferred_frees(), (
             f"{kv.num_deferred_blocks} blocks still deferred with no step in flight")
-        if not scheduler.requests:
+        if not requests:
             free = kv.block_pool.get_num_free_blocks()
             assert free == kv.num_blocks, f"idle with {kv.num_blocks - free} blocks in use"

@@ -49,11 +49,6 @@ class SpecDecodingCounters:
         for pos in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] += 1
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per draft-verifying step: 1 (the target's own) + accepted drafts."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {
             "raylm:spec_decode_num_drafts": self.num_drafts,

@@ -5,7 +5,6 @@ Methods:
   occurrence of the request's last ``n`` tokens (``prompt_lookup_max >= n >=
   prompt_lookup_min``) in its prompt + output.
 - ``"draft_model"``: a smaller checkpoint with the target's vocabulary proposes the drafts.
-
 Pure Python (read by the scheduler and the runner alike).
 """
 
@@ -36,8 +35,8 @@ class SpeculativeConfig:
     # A step's fixed cost in units of one position's: a verified draft position in a step
     # of B requests costs B / (B + this) emitted tokens, and a request proposes draft j
     # only while its estimated acceptance p**j pays for it (runner/spec_decode/
-    # draft_gate.py). 24 was measured with the 6m checkpoints on a CPU; a GPU step's
-    # overhead is worth far more positions.
+    # draft_gate.py). The default suits a CPU step; a GPU step's fixed cost is worth far
+    # more positions.
     draft_step_overhead_tokens: float = 24.0
 
     def __post_init__(self) -> None:
@@ -99,7 +98,3 @@ class SpeculativeConfig:
             raise _bad("model", self.model,
                        f"has vocab_size={draft.get('vocab_size')}; the target model has "
                        f"{target_hf_config.get('vocab_size')} (they must share a tokenizer)")
-
-    @property
-    def use_ngram(self) -> bool:
-        return self.method == "ngram"

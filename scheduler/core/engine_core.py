@@ -1,25 +1,11 @@
 """EngineCore: the schedule -> execute -> update loop against the Executor protocol.
 
-Two loops, picked by config (``step_fn``): ``step`` (one step in flight; the device idles
-while the CPU updates and schedules) and ``step_with_batch_queue`` (up to
-``max_concurrent_batches`` steps in flight; the CPU plans step t+1 while step t runs and
-applies results one step late). Hazards of the overlap, where they are handled:
-
-- an abort racing a step: aborts are queued by any thread and applied only at two points
-  of the loop thread, before each schedule and before each result is applied; the
-  scheduler then skips the aborted request's in-flight results (§3 rule 5);
-- blocks of a finished request still written by an in-flight step: freed behind the
-  step fence (KVCacheManager);
-- a failed step: every request is finished with ABORT and EngineDeadError is raised;
-- a grammar-constrained request scheduled while its previous token is in flight (rule 7):
-  its step's forward is launched at once, but its sampling (``sample_tokens`` with the
-  grammar bitmask) is sent only after the previous step's result has advanced the
-  grammar; no step is scheduled meanwhile (``_deferred``). With speculative decoding the
-  bitmask also needs the drafts that step's forward placed: its ``execute_model`` result
-  (DraftTokenIds) is awaited first, so the grammar can cut them before verification.
-
-Threading: ``add_request`` and the step functions run on one thread (the engine loop);
-``abort_requests`` and ``get_metrics`` may be called from any thread.
+Two loops, picked by config (``step_fn``): ``step`` keeps one step in flight;
+``step_with_batch_queue`` keeps up to ``max_concurrent_batches`` (its ``BatchQueue``), so
+the CPU plans step t+1 while step t runs and applies results one step late
+(docs/architecture.md §3). Aborts from any thread are queued and applied on the loop thread
+only, before a schedule or a result (§3 rule 5); a failed step aborts every request.
+Threading: ``abort_requests`` and ``get_metrics`` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -31,6 +17,7 @@ from typing import Any
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
 from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core.batch_queue import BatchQueue, InFlightStep, StepState
 from raylm.scheduler.core.executor_base import EngineDeadError, Executor
 from raylm.scheduler.core_outputs import (
     DraftTokenIds,
@@ -62,15 +49,11 @@ class EngineCore:
         self.num_kv_blocks = self._init_kv_cache()
         self.device_info = executor.device_info()
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
-        self.scheduler: Scheduler = scheduler_cls(config, self.num_kv_blocks)
-        self.scheduler.structured_output_manager = structured_output_manager
+        self.scheduler: Scheduler = scheduler_cls(config, self.num_kv_blocks,
+                                                  structured_output_manager)
+        self.structured_output = self.scheduler.structured_output  # grammars (rule 7)
         self.batch_queue_size = config.max_concurrent_batches
-        # A deferred step's future is None until its sampling is sent.
-        self.batch_queue: deque[tuple[Future[ModelRunnerOutput] | None, SchedulerOutput]] = (
-            deque())
-        # The deferred step, with its execute_model future (speculative decoding: the
-        # drafts its bitmask needs).
-        self._deferred: tuple[SchedulerOutput, Future[Any]] | None = None
+        self.batch_queue = BatchQueue(self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         # Empty steps still advance the PP ring on the workers, so they are sent there.
         self._send_empty_steps = config.parallel_config.pipeline_parallel_size > 1
@@ -115,75 +98,72 @@ class EngineCore:
         scheduler_output = self._schedule()
         if not self._should_execute(scheduler_output):
             return self._take_pending(), False
-        future = self._execute(scheduler_output)
-        assert not scheduler_output.pending_structured_output_tokens, (
+        step = self._send(scheduler_output)
+        assert step.state is not StepState.WAITING_FOR_BITMASK, (
             f"step {scheduler_output.step_id}: no token can be in flight in the synchronous loop")
-        if scheduler_output.structured_output_request_ids:
-            future = self._sample_tokens(scheduler_output, future)
-        outputs = self._process_result(future, scheduler_output)
+        outputs = self._process_result(step)
         return outputs, not scheduler_output.is_empty
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
-        """Overlapped: keep up to batch_queue_size steps in flight, block on the oldest
-        only when the queue is full or nothing more can be scheduled."""
+        """Overlapped: schedule and send while the queue has room and no step waits for
+        its grammar; otherwise pop the oldest step, wait for its result and apply it, then
+        send the sampling of a step whose grammar that result made ready."""
         self._check_alive()
         self._process_aborts()
         executed = False
         queue = self.batch_queue
-        if (self._deferred is None and self.scheduler.has_requests()
-                and len(queue) < self.batch_queue_size):
+        if (queue.waiting_for_bitmask() is None and self.scheduler.has_requests()
+                and queue.has_room()):
             scheduler_output = self._schedule()
             if self._should_execute(scheduler_output):
-                executed_future = self._execute(scheduler_output)
-                future: Future[ModelRunnerOutput] | None = executed_future
-                if scheduler_output.pending_structured_output_tokens:
-                    # Rule 7: the forward runs now; the sampling waits for the grammar to
-                    # see the token still in flight.
-                    self._deferred, future = (scheduler_output, executed_future), None
-                elif scheduler_output.structured_output_request_ids:
-                    future = self._sample_tokens(scheduler_output, executed_future)
-                queue.append((future, scheduler_output))
+                step = self._send(scheduler_output)
+                queue.push(step)
                 executed = not scheduler_output.is_empty
-                if self._deferred is None and len(queue) < self.batch_queue_size and (
-                        executed or self.scheduler.has_requests()):
+                if (step.state is not StepState.WAITING_FOR_BITMASK and queue.has_room()
+                        and (executed or self.scheduler.has_requests())):
                     # Room for another step and more to plan: don't wait on the device.
                     return self._take_pending_or_none(), executed
         if not queue:
             return self._take_pending_or_none(), executed
-        future, scheduler_output = queue.popleft()
-        assert future is not None, (
-            f"deferred step {scheduler_output.step_id} reached the head of the batch queue "
-            "before the steps its grammar waits for")
-        outputs = self._process_result(future, scheduler_output)
-        if self._deferred is not None and self.scheduler.structured_output_ready(
-                self._deferred[0]):
-            deferred, executed_future = self._deferred
-            assert queue and queue[-1][1] is deferred, "the deferred step is the newest"
-            queue[-1] = (self._sample_tokens(deferred, executed_future), deferred)
-            self._deferred = None
+        outputs = self._process_result(queue.pop_head())
+        deferred = queue.waiting_for_bitmask()
+        if deferred is not None and self.structured_output.structured_output_ready(
+                deferred.scheduler_output):
+            deferred.sampling_sent(self._sample_tokens(deferred))
         return outputs, executed
 
     def _schedule(self) -> SchedulerOutput:
-        self._pending_outputs.extend(self.scheduler.admit_structured_output_requests())
+        self._pending_outputs.extend(self.structured_output.admit_structured_output_requests())
         scheduler_output = self.scheduler.schedule()
-        self.scheduler.mark_structured_output(scheduler_output)
+        self.structured_output.mark_structured_output(scheduler_output)
         return scheduler_output
 
-    def _sample_tokens(self, scheduler_output: SchedulerOutput,
-                       executed_future: Future[Any]) -> Future[ModelRunnerOutput]:
-        """Send the grammar bitmask of a step whose forward was sent (``executed_future``:
-        its execute_model's); the future of its sampling."""
+    def _send(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+        """Send a step's forward and, unless its grammar must first see a token still in
+        flight (§3 rule 7), its sampling."""
+        step = InFlightStep(scheduler_output, self._execute(scheduler_output))
+        if scheduler_output.pending_structured_output_tokens:
+            step.state = StepState.WAITING_FOR_BITMASK
+        elif scheduler_output.structured_output_request_ids:
+            step.sampling_sent(self._sample_tokens(step))
+        return step
+
+    def _sample_tokens(self, step: InFlightStep) -> Future[ModelRunnerOutput]:
+        """Send the grammar bitmask of a step whose forward was sent; the future of its
+        sampling. With speculative decoding the bitmask also needs the drafts the forward
+        placed (its execute_model result), so the grammar can cut them before verification."""
+        scheduler_output = step.scheduler_output
         try:
             drafts = None
-            if self.scheduler.needs_draft_token_ids(scheduler_output):
-                # The worker proposed the drafts; their check needs them back (the forward
-                # has run by then: only the sampling waits).
-                placed = executed_future.result()
+            if self.structured_output.needs_draft_token_ids(scheduler_output):
+                # The forward has run by then: only the sampling waits.
+                placed = step.forward_future.result()
                 assert isinstance(placed, DraftTokenIds), (
                     f"step {scheduler_output.step_id}: execute_model returned "
                     f"{type(placed).__name__}, not the drafts of its constrained requests")
                 drafts = dict(zip(placed.req_ids, placed.draft_token_ids, strict=True))
-            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output, drafts)
+            grammar_output = self.structured_output.get_grammar_bitmask(scheduler_output,
+                                                                        drafts)
             result = self.executor.sample_tokens(grammar_output, non_block=True)
         except Exception as e:
             raise self._fail(e) from e
@@ -201,7 +181,7 @@ class EngineCore:
         # Nothing to run: with steps in flight, their results will change that.
         if self.scheduler.waiting_for_fsm and not self.batch_queue:
             # Grammars compiling and nothing else to do: wait a little, don't spin.
-            self.scheduler.wait_for_grammars(timeout=0.01)
+            self.structured_output.wait_for_grammars(timeout=0.01)
             return False
         if not self.batch_queue and self.scheduler.has_unfinished_requests():
             self._num_idle_empty_steps += 1
@@ -223,8 +203,10 @@ class EngineCore:
             return done
         return result
 
-    def _process_result(self, future: Future[ModelRunnerOutput],
-                        scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+    def _process_result(self, step: InFlightStep) -> EngineCoreOutputs:
+        """Wait for a step's result (it has left the batch queue) and apply it."""
+        scheduler_output = step.scheduler_output
+        future = step.result_future
         try:
             model_output = future.result()
         except Exception as e:
@@ -254,7 +236,6 @@ class EngineCore:
         """
         self._dead = cause
         self.batch_queue.clear()
-        self._deferred = None
         self._process_aborts()
         outputs = self._pending_outputs + self.scheduler.finish_requests(
             list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)

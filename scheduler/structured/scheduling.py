@@ -1,62 +1,59 @@
 """The scheduler's side of structured outputs (docs/architecture.md §3, rule 7).
 
-- Admission: a constrained request waits in ``waiting_for_fsm`` (WAITING_FOR_FSM) while its
-  grammar compiles on the manager's threads; ``admit_structured_output_requests`` moves the
-  ready ones to ``waiting`` before each schedule and ends failed ones with ERROR.
-- Marking: after ``schedule()``, ``mark_structured_output`` lists the constrained requests
-  that sample in the step (the workers then wait for a bitmask before sampling) and sets
-  ``pending_structured_output_tokens`` when one of them still has a token in flight: its
-  grammar state, and so its bitmask, is known only after that step's result is applied.
-- Advancing: grammars move only on settled tokens, in ``update_from_output``; a token the
-  grammar rejects ends that request with finish_reason "error", never the engine.
-- Speculative decoding: the workers propose a step's drafts, so the EngineCore hands
-  ``get_grammar_bitmask`` the drafts that step's forward placed; the bitmask has a row per
-  verified position (the matcher advanced through the drafts and rolled back), and the
-  drafts are cut at the first token the grammar refuses before they are verified. The
-  grammar then advances only on the tokens verification accepted.
+``StructuredOutputScheduling`` is owned by the Scheduler and handed the state it touches:
+it parks constrained requests while their grammar compiles (``waiting_for_fsm``), marks
+the steps whose sampling needs a bitmask, builds that bitmask, and advances grammars on
+settled tokens only. A token a grammar rejects ends that request with finish_reason
+"error", never the engine.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import wait
-from typing import TYPE_CHECKING
 
+from raylm.scheduler.async_ledger import has_unsettled_earlier_tokens
 from raylm.scheduler.core_outputs import EngineCoreOutput, SchedulerOutput
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.structured.manager import GrammarOutput, StructuredOutputManager
 
-if TYPE_CHECKING:
-    from raylm.scheduler.scheduler import Scheduler
-
 logger = logging.getLogger(__name__)
 
 
-class StructuredOutputSchedulingMixin:
-    structured_output_manager: StructuredOutputManager | None
-    waiting_for_fsm: list[Request]
+class StructuredOutputScheduling:
+    def __init__(self, *, requests: Mapping[str, Request], waiting: deque[Request],
+                 manager: StructuredOutputManager | None, num_spec_tokens: int,
+                 books_output_placeholders: bool,
+                 finish_request: Callable[[Request, list[int]], EngineCoreOutput]) -> None:
+        self.requests = requests
+        self.waiting = waiting
+        self.manager = manager  # None: this engine has no structured-output backend
+        self.num_spec_tokens = num_spec_tokens
+        self.books_output_placeholders = books_output_placeholders
+        self.finish_request = finish_request  # frees it, returns its final output
+        # Constrained requests whose grammar still compiles (WAITING_FOR_FSM), in arrival order.
+        self.waiting_for_fsm: list[Request] = []
 
-    def _init_structured_output(self) -> None:
-        self.structured_output_manager = None  # the EngineCore hands one in
-        self.waiting_for_fsm = []
-
-    def _validate_structured_output(self: Scheduler, request: Request) -> None:
-        if request.use_structured_output and self.structured_output_manager is None:
+    # ---- admission -----------------------------------------------------------------
+    def validate_request(self, request: Request) -> None:
+        if request.use_structured_output and self.manager is None:
             raise ValueError(f"request {request.request_id!r} asks for structured outputs "
                              "but this engine has no structured-output backend.")
 
-    def _add_structured_output_request(self: Scheduler, request: Request) -> bool:
+    def add_request(self, request: Request) -> bool:
         """Park a constrained request until its grammar is compiled. True if parked."""
         so_request = request.structured_output_request
         if so_request is None:
             return False
-        assert self.structured_output_manager is not None
+        assert self.manager is not None
         request.status = RequestStatus.WAITING_FOR_FSM
-        self.structured_output_manager.grammar_init(so_request)
+        self.manager.grammar_init(so_request)
         self.waiting_for_fsm.append(request)
         return True
 
-    def admit_structured_output_requests(self: Scheduler) -> list[EngineCoreOutput]:
+    def admit_structured_output_requests(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar is ready to ``waiting`` (arrival order); finish those
         whose grammar failed to compile. Returns their final outputs."""
         if not self.waiting_for_fsm:
@@ -72,22 +69,23 @@ class StructuredOutputSchedulingMixin:
                 logger.error("request %s: its grammar did not compile: %s",
                              request.request_id, so_request.error)
                 request.status = RequestStatus.FINISHED_ERROR
-                self._free_request(request)
-                outputs.append(self._final_output(request, []))
+                outputs.append(self.finish_request(request, []))
             else:
                 request.status = RequestStatus.WAITING
                 self.waiting.append(request)
         self.waiting_for_fsm = still
         return outputs
 
-    def wait_for_grammars(self: Scheduler, timeout: float) -> None:
+    def wait_for_grammars(self, timeout: float) -> None:
         """Block up to ``timeout`` for the oldest compiling grammar (nothing else to run)."""
         so_request = self.waiting_for_fsm[0].structured_output_request
         if so_request is not None and so_request.future is not None:
             wait([so_request.future], timeout=timeout)
 
-    def mark_structured_output(self: Scheduler, scheduler_output: SchedulerOutput) -> None:
-        """Called right after ``schedule()`` (placeholders for the step already booked)."""
+    # ---- a step's sampling ---------------------------------------------------------
+    def mark_structured_output(self, scheduler_output: SchedulerOutput) -> None:
+        """List the constrained requests that sample in the step and whether one of them
+        waits for earlier tokens. Called right after ``schedule()`` (its booking done)."""
         ids: list[str] = []
         pending = False
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -97,11 +95,11 @@ class StructuredOutputSchedulingMixin:
                 continue
             ids.append(rid)
             booked = (1 + len(spec.get(rid, ()))) if self.books_output_placeholders else 0
-            pending = pending or request.num_output_placeholders > booked
+            pending = pending or has_unsettled_earlier_tokens(request, booked)
         scheduler_output.structured_output_request_ids = ids
         scheduler_output.pending_structured_output_tokens = pending
 
-    def structured_output_ready(self: Scheduler, scheduler_output: SchedulerOutput) -> bool:
+    def structured_output_ready(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether every grammar of a deferred step has seen all tokens before it (only
         the step's own booking is still unsettled)."""
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -109,18 +107,18 @@ class StructuredOutputSchedulingMixin:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue
-            if request.num_output_placeholders > 1 + len(spec.get(rid, ())):
+            if has_unsettled_earlier_tokens(request, 1 + len(spec.get(rid, ()))):
                 return False
         return True
 
-    def needs_draft_token_ids(self: Scheduler, scheduler_output: SchedulerOutput) -> bool:
+    def needs_draft_token_ids(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether the step's bitmask needs the drafts its forward placed (a constrained
         request of it verifies drafts)."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         return bool(spec) and any(
             rid in spec for rid in scheduler_output.structured_output_request_ids)
 
-    def get_grammar_bitmask(self: Scheduler, scheduler_output: SchedulerOutput,
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput,
                             draft_token_ids: dict[str, list[int]] | None = None,
                             ) -> GrammarOutput:
         """One bitmask row per constrained request of the step, in the step's order; a
@@ -129,7 +127,7 @@ class StructuredOutputSchedulingMixin:
         With speculative decoding, ``draft_token_ids`` are the drafts the step placed:
         each request gets a row per verified position, its drafts cut at the first one
         its grammar refuses (a request finished meanwhile keeps none)."""
-        assert self.structured_output_manager is not None
+        assert self.manager is not None
         ids = scheduler_output.structured_output_request_ids
         grammars = []
         for rid in ids:
@@ -142,9 +140,10 @@ class StructuredOutputSchedulingMixin:
             placed = draft_token_ids or {}
             drafts = [list(placed.get(rid, ())) if g is not None else []
                       for rid, g in zip(ids, grammars, strict=True)]
-        return self.structured_output_manager.build_bitmask(list(ids), grammars, drafts)
+        return self.manager.build_bitmask(list(ids), grammars, drafts)
 
-    def _advance_grammar(self: Scheduler, request: Request, new_token_ids: list[int]) -> int:
+    # ---- settled tokens ------------------------------------------------------------
+    def advance_grammar(self, request: Request, new_token_ids: list[int]) -> int:
         """Feed settled tokens (a step's accepted run) to the request's grammar, one by
         one. Returns how many of them to keep: all, unless
 

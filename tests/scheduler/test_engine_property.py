@@ -71,11 +71,12 @@ def _check_step(engine: EngineCore, fenced: dict[int, set[int]]) -> None:
     sched = engine.scheduler
     sched.check_integrity()
     free = sched.kv_cache_manager.block_pool.free_block_queue
-    for _, so in engine.batch_queue:  # §3 rule 5: nothing an in-flight step writes is free
+    in_flight_steps = [step.scheduler_output for step in engine.batch_queue]
+    for so in in_flight_steps:  # §3 rule 5: nothing an in-flight step writes is free
         early = [b for b in fenced[so.step_id] if b in free]
         assert not early, f"blocks {early} free while step {so.step_id} is in flight"
     in_flight: dict[str, int] = {}
-    for _, so in engine.batch_queue:
+    for so in in_flight_steps:
         for rid, n in so.num_scheduled_tokens.items():
             in_flight[rid] = in_flight.get(rid, 0) + n
     idle = not engine.batch_queue

@@ -1,4 +1,5 @@
-"""The ledger rules of docs/architecture.md §3, each driven step by step against the fake runner."""
+"""The ledger rules of docs/architecture.md §3 (their operations: scheduler/async_ledger.py),
+each driven step by step through the Scheduler against the fake runner."""
 
 from __future__ import annotations
 
