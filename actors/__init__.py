@@ -1,4 +1,5 @@
-"""Ray actors: the EngineCore actor, worker actors and the executor that drives them."""
+"""Ray actors: the EngineCore actor and its client (any data_parallel_size), worker actors
+and the executor that drives them."""
 
 from raylm.actors.engine_core_actor import EngineCoreActor
 from raylm.actors.placement import PlacementGroupError

@@ -1,16 +1,10 @@
-"""DP coordination: least-loaded routing (driver side) and wave starts (a Ray actor).
+"""DP coordination: least-loaded routing on the driver, wave starts in a Ray actor.
 
-Two jobs, split by where they must run:
-
-- ``DPLoadBalancer`` lives in the DP client, on the request path: it picks the rank with
-  the fewest unfinished requests (ties: lowest rank) and learns of finishes from the
-  outputs the client already reads, so routing costs no extra Ray call. With one client
-  per set of ranks its counts are exact.
-- ``DPCoordinator`` is a Ray actor because the *ranks* call it: a paused rank that gets
-  work starts the next wave itself and asks the coordinator to start it on the others.
-  The actor serves one call at a time, so deduplicating wave starts needs no lock; the
-  ranks ignore start_wave for waves they already started or finished, so a duplicate
-  that slips through (or arrives late) is harmless either way.
+``DPLoadBalancer`` sits in the client, on the request path, and learns of finishes from
+the outputs the client reads anyway, so routing costs no Ray call. ``DPCoordinator`` is an
+actor because the ranks call it: a paused rank that gets work starts the next wave itself
+and asks it to start the wave on the others. It serves one call at a time, so its
+check-and-set needs no lock; ranks ignore starts of waves they already began.
 """
 
 from __future__ import annotations

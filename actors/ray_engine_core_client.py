@@ -1,10 +1,10 @@
-"""RayEngineCoreClient: the EngineCoreClient protocol over an EngineCoreActor.
+"""RayEngineCoreClient: the EngineCoreClient protocol over d >= 1 EngineCore actors.
 
-Same synchronous API as ``InprocEngineCoreClient``. The client owns one placement group:
-bundle 0 (``{"CPU": 1}``) holds the EngineCore actor, bundles 1..world_size hold the
-workers, so under PACK the EngineCore sits next to rank 0. A driver-side thread long-polls
-the actor for outputs and queues them; a dead actor or engine becomes one
-EngineDeadError that every later ``get_output`` raises.
+Same synchronous API as ``InprocEngineCoreClient``, whatever data_parallel_size d is. Each
+rank is an EngineCoreActor in a placement group of its own, or in its slice of the Serve
+replica's group. With d > 1 a DPCoordinator starts waves on the ranks and a DPLoadBalancer
+routes each new request to the least-loaded rank. One thread per rank long-polls its
+outputs; a dead rank becomes one EngineDeadError that every later ``get_output`` raises.
 """
 
 from __future__ import annotations
@@ -12,144 +12,337 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import get_current_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raylm.actors.engine_core_actor import EngineCoreActor
+from raylm.actors.dp_coordinator import DPCoordinator, DPLoadBalancer
+from raylm.actors.engine_core_actor import EngineCoreActor, model_in_rank_actor
 from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
     ensure_ray_initialized,
-    worker_bundles,
+    get_within,
+    threads_for_cpus,
+    worker_bundle,
 )
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
+from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler.config import envs
-from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.config.engine_config import (
+    EngineConfig,
+    ParallelConfig,
+    dp_rank_bundles,
+    stage_bundles,
+)
 from raylm.scheduler.core.engine_core_loop import next_output
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.core_outputs import EngineCoreOutputs
+from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
 
 if TYPE_CHECKING:
     from raylm.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
+# Gauges averaged over ranks in get_metrics; every other number is summed.
+_AVERAGED = ("raylm:kv_cache_usage_perc",)
+
+
+def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """One view of the ranks' latest stats: counts summed, KV usage averaged."""
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats))
+
+
+def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters and counts summed, KV usage averaged; the per-rank dicts under ``dp_ranks``."""
+    merged: dict[str, Any] = {}
+    for key, value in per_rank[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total = sum(m.get(key, 0) for m in per_rank)
+            merged[key] = total / len(per_rank) if key in _AVERAGED else total
+    merged["dp_ranks"] = per_rank
+    return merged
+
+
+def rank_bundles(pc: ParallelConfig, engine: dict, worker: dict) -> list[dict]:
+    """One rank's bundles: its EngineCore actor's, then one per pipeline stage; a DP rank
+    that runs the model itself (``model_in_rank_actor``) has one, its device's."""
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    if pc.data_parallel_size == 1:
+        return [dict(engine)] + stage_bundles(tp, pp, worker)
+    return dp_rank_bundles(tp, pp, engine, worker)
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where a rank's EngineCore actor runs: bundle ``bundle`` of ``group``, taking ``cpus``
+    and ``gpus`` of it; the rank's workers take the bundles after it."""
+
+    group: Any
+    bundle: int
+    cpus: float
+    gpus: float
+
+
+class _OneRank:
+    """Routing with d = 1: everything to rank 0, nothing counted (the engine itself
+    rejects a request id in use and hears every abort)."""
+
+    def select(self, request_id: str) -> int:
+        return 0
+
+    def finish(self, request_id: str) -> int:
+        return 0
+
+    def owner(self, request_id: str) -> int:
+        return 0
+
 
 class RayEngineCoreClient(RemoteEngineCalls):
     def __init__(self, config: EngineConfig, *, resource: str | None = None,
-                 cpus_per_worker: float = 1.0, engine_core_cpus: float = 1.0,
+                 cpus_per_rank: float = 1.0, cpus_per_worker: float = 1.0,
                  placement_timeout_s: float | None = None,
                  init_timeout_s: float = 600.0, poll_timeout_s: float = 0.5,
-                 call_timeout_s: float = 60.0, **executor_kwargs: Any) -> None:
-        """``executor_kwargs`` go to RayExecutor (``dispatch``, ``worker_cls``, timeouts)."""
+                 call_timeout_s: float = 60.0, dp_sync_timeout_s: float = DEFAULT_DP_TIMEOUT_S,
+                 **executor_kwargs: Any) -> None:
+        """``cpus_per_rank``: each EngineCore actor's CPUs (a DP rank that runs the model
+        runs it on them); ``executor_kwargs`` go to each rank's RayExecutor."""
         pc = config.parallel_config
-        ensure_ray_initialized(engine_core_cpus + pc.world_size * cpus_per_worker)
         self.config = config
+        self.dp_size = pc.data_parallel_size
+        self._who = "EngineCore actor" if self.dp_size == 1 else "DP rank actor"
         self.poll_timeout_s = poll_timeout_s
         self.call_timeout_s = call_timeout_s
-        current = get_current_placement_group()
-        if current is not None and len(current.bundle_specs) >= 1 + pc.pipeline_parallel_size:
-            # Inside a Serve replica whose deployment reserved [replica, stage 0..P-1]: reuse
-            # those bundles (reserving a second group would hold every CPU/GPU twice). The
-            # EngineCore actor shares bundle 0 with the replica.
-            self.placement_group, self._owns_placement_group = current, False
-            engine_core_cpus = 0.0
-        else:
-            bundles = [{"CPU": float(engine_core_cpus)}] + worker_bundles(
-                pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                resource or default_worker_resource(), cpus_per_worker)
-            self.placement_group = create_placement_group(
-                bundles, pc.placement_group_strategy,
-                placement_timeout_s or pc.placement_timeout_s)
-            self._owns_placement_group = True
-        env = envs.forwarded_to_actors()
-        self.actor = EngineCoreActor.options(
-            num_cpus=engine_core_cpus,
-            runtime_env={"env_vars": env} if env else None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=0),
-        ).remote(config, self.placement_group, 1, executor_kwargs)
+        self.balancer = DPLoadBalancer(self.dp_size) if self.dp_size > 1 else _OneRank()
+        self.slots: list[RankSlot] = []
+        self._owns_placement_groups = True
+        self.ranks: list[Any] = []
+        self.coordinator: Any = None
+        self.rank_infos: list[dict[str, Any]] = []
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._latest_stats: dict[int, SchedulerStats] = {}
+        self._stopped = threading.Event()
+        self._init_death_tracking()
+        self._pollers: list[threading.Thread] = []
+        # A local Ray this starts must hold every rank's bundles, were they all CPU ones.
+        rank_cpus = cpus_per_rank + (0.0 if model_in_rank_actor(pc)
+                                     else pc.world_size * cpus_per_worker)
+        ensure_ray_initialized(self.dp_size * rank_cpus)
         try:
-            self.info = ray.get(self.actor.start.remote(), timeout=init_timeout_s)
+            self._init_placement(resource, cpus_per_rank, cpus_per_worker,
+                                 placement_timeout_s or pc.placement_timeout_s)
+            self._init_ranks(cpus_per_rank, executor_kwargs, init_timeout_s)
+            if self.dp_size > 1:
+                self._init_dp_group(pc.dp_sync_interval, dp_sync_timeout_s)
         except BaseException:
             self._teardown()
             raise
-        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        self._stopped = threading.Event()
-        self._init_death_tracking()
-        self._poller = threading.Thread(target=self._poll, name="raylm-engine-core-poll",
-                                        daemon=True)
-        self._poller.start()
+        self._init_pollers()
 
-    # ---- EngineCoreClient protocol --------------------------------------------------------
+    @property
+    def info(self) -> dict[str, Any]:
+        """What rank 0's ``start`` reported (the only rank's, with d = 1)."""
+        return self.rank_infos[0]
 
+    # ---- startup ---------------------------------------------------------------------
+    def _init_placement(self, resource: str | None, cpus_per_rank: float,
+                        cpus_per_worker: float, timeout_s: float) -> None:
+        pc = self.config.parallel_config
+        per_rank = len(rank_bundles(pc, {}, {}))
+        # A Serve replica's deployment reserved [replica] + d x [rank]: reserving groups of
+        # our own would hold every CPU/GPU twice. With d = 1 the replica's bundle is the
+        # rank's first: the EngineCore actor shares it and takes nothing of it.
+        first = 0 if self.dp_size == 1 else 1
+        current = get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= first + self.dp_size * per_rank:
+            self._owns_placement_groups = False
+            for rank in range(self.dp_size):
+                base = first + rank * per_rank
+                spec = current.bundle_specs[base] if base else {}
+                self.slots.append(RankSlot(current, base, spec.get("CPU", 0.0),
+                                           spec.get("GPU", 0.0)))
+            return
+        # A rank that runs the model has one bundle, which its actor's CPUs size.
+        worker = worker_bundle(resource or default_worker_resource(),
+                               cpus_per_rank if model_in_rank_actor(pc) else cpus_per_worker)
+        bundles = rank_bundles(pc, {"CPU": float(cpus_per_rank)}, worker)
+        for rank in range(self.dp_size):
+            pg = create_placement_group(bundles, pc.placement_group_strategy, timeout_s)
+            self.slots.append(RankSlot(pg, 0, bundles[0].get("CPU", 0.0),
+                                       bundles[0].get("GPU", 0.0)))
+            logger.info("EngineCore rank %d placement group: %s", rank, bundles)
+
+    def _init_ranks(self, cpus_per_rank: float, executor_kwargs: dict[str, Any],
+                    timeout_s: float) -> None:
+        if self.dp_size > 1:
+            self.coordinator = DPCoordinator.remote(self.dp_size)
+        env = envs.forwarded_to_actors()
+        for rank, slot in enumerate(self.slots):
+            self.ranks.append(EngineCoreActor.options(
+                num_cpus=slot.cpus, num_gpus=slot.gpus,
+                runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    slot.group, placement_group_bundle_index=slot.bundle),
+            ).remote(self.config, rank, self.coordinator, slot.group,
+                     threads_for_cpus(slot.cpus or cpus_per_rank), executor_kwargs,
+                     bundle_offset=slot.bundle + 1))
+        if self.coordinator is not None:
+            ray.get(self.coordinator.register_ranks.remote(self.ranks), timeout=timeout_s)
+        self.rank_infos = self._get([r.start.remote() for r in self.ranks], timeout_s,
+                                    "starting the EngineCores")
+
+    def _init_dp_group(self, sync_interval: int, timeout_s: float) -> None:
+        host, port = self._get([self.ranks[0].publish_dp_rendezvous.remote(timeout_s)],
+                               self.call_timeout_s, "publishing the DP rendezvous")[0]
+        self._get([r.join_dp_group.remote(host, port, sync_interval, timeout_s)
+                   for r in self.ranks], timeout_s + 30, "joining the DP Gloo group")
+
+    def _init_pollers(self) -> None:
+        for rank in range(self.dp_size):
+            name = "raylm-engine-core-poll" if self.dp_size == 1 else f"raylm-dp{rank}-poll"
+            t = threading.Thread(target=self._poll, args=(rank,), daemon=True, name=name)
+            t.start()
+            self._pollers.append(t)
+
+    def _get(self, refs: list, timeout_s: float, what: str) -> list:
+        return get_within(refs, timeout_s, what, on=f"{self.dp_size} x {self._who}")
+
+    # ---- EngineCoreClient protocol -----------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Raises ValueError when the request can never be served, EngineDeadError if dead."""
+        """To the least-loaded rank. Raises ValueError when the request can never be
+        served, EngineDeadError if the engine is dead."""
         self._check_not_dead()
-        self._call(submit(self.actor.add_request, request), "add_request")
+        rank = self.balancer.select(request.request_id)
+        try:
+            # Synchronous: the rank's ValueError reaches the caller, and a later abort
+            # cannot overtake the add on the (threaded, so unordered) actor.
+            self._call(submit(self.ranks[rank].add_request, request), "add_request")
+        except BaseException:
+            self.balancer.finish(request.request_id)
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """To each request's rank; with d > 1 ids already finished are dropped here."""
         self._check_not_dead()
-        self._call(submit(self.actor.abort_requests, list(request_ids)), "abort_requests")
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self.balancer.owner(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+        refs = [submit(self.ranks[rank].abort_requests, ids) for rank, ids in by_rank.items()]
+        if refs:
+            self._call(refs, "abort_requests")
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        return next_output(self._outputs, timeout)
+        """A rank's next batch; with d > 1 what is ready from every rank, merged (each
+        rank's outputs in its order)."""
+        item = next_output(self._outputs, timeout)
+        if item is None or self.dp_size == 1:
+            return item
+        merged = EngineCoreOutputs()
+        has_stats = False
+        while item is not None:
+            merged.outputs.extend(item.outputs)
+            has_stats = has_stats or item.scheduler_stats is not None
+            try:
+                item = next_output(self._outputs, 0)
+            except EngineDeadError:
+                break  # deliver what came before the death first; it stays queued
+        if has_stats:
+            merged.scheduler_stats = merge_scheduler_stats(list(dict(self._latest_stats).values()))
+        return merged
 
     def get_metrics(self) -> dict[str, Any]:
-        return self._call(submit(self.actor.get_metrics), "get_metrics")
+        per_rank = self._call([submit(r.get_metrics) for r in self.ranks], "get_metrics")
+        if self.dp_size == 1:
+            return per_rank[0]
+        merged = merge_metrics(per_rank)
+        merged["raylm:dp_num_waves"] = per_rank[0]["dp"]["num_waves_completed"]
+        merged["dp_unfinished_requests"] = self.balancer.num_unfinished()
+        merged["dp_routed_requests"] = self.balancer.num_routed()
+        return merged
+
+    def get_dp_state(self) -> dict[str, Any]:
+        """Waves and routing (d > 1): per-rank loop stats, the coordinator's view, the
+        balancer's."""
+        if self.coordinator is None:
+            raise ValueError("get_dp_state needs data_parallel_size > 1.")
+        return {"ranks": self._call([r.get_dp_stats.remote() for r in self.ranks], "get_dp_stats"),
+                "coordinator": self._call(self.coordinator.get_state.remote(), "get_state"),
+                "unfinished": self.balancer.num_unfinished(),
+                "routed": self.balancer.num_routed()}
 
     def check_health(self) -> None:
         self._check_not_dead()
-        self._call(submit(self.actor.check_health), "check_health")
+        self._call([submit(r.check_health) for r in self.ranks], "check_health")
 
     def shutdown(self) -> None:
         """Idempotent; after Ray itself has shut down (interpreter exit) there is nothing
         left to release."""
-        if getattr(self, "_shut_down", False):
+        if self._stopped.is_set():
             return
-        self._shut_down = True
-        if getattr(self, "_stopped", None) is not None:
-            self._stopped.set()
-            self._poller.join(timeout=self.poll_timeout_s + 10)
+        self._stopped.set()
+        for t in self._pollers:
+            t.join(timeout=self.poll_timeout_s + 10)
         if not ray.is_initialized():
             return
-        if self._dead is None:
+        if self._dead is None and self.ranks:
+            # Concurrently: a running DP rank leaves at its wave's next collective, which
+            # needs every peer to reach it.
             try:
-                ray.get(self.actor.shutdown.remote(), timeout=self.call_timeout_s)
+                ray.get([r.shutdown.remote() for r in self.ranks], timeout=self.call_timeout_s)
             except ray.exceptions.RayError as e:
-                logger.warning("EngineCore actor shutdown did not complete: %s", e)
+                logger.warning("%s shutdown did not complete: %s", self._who, e)
         self._teardown()
 
-    # ---- internals ---------------------------------------------------------------------------
-
-    def _poll(self) -> None:
-        ref = None
+    # ---- internals -----------------------------------------------------------------------
+    def _poll(self, rank: int) -> None:
+        actor = self.ranks[rank]
+        what = "get_outputs" if self.dp_size == 1 else f"get_outputs of DP rank {rank}"
         while not self._stopped.is_set():
             try:
-                ref = self.actor.get_outputs.remote(self.poll_timeout_s)
-                batches = ray.get(ref, timeout=self.poll_timeout_s + self.call_timeout_s)
+                batches = ray.get(actor.get_outputs.remote(self.poll_timeout_s),
+                                  timeout=self.poll_timeout_s + self.call_timeout_s)
             except ray.exceptions.RayError as e:
                 if not self._stopped.is_set():
-                    self._mark_dead(as_engine_dead(e, self._who, "get_outputs"))
+                    self._mark_dead(as_engine_dead(e, self._who, what))
                 return
             for batch in batches:
+                for out in batch.outputs:
+                    if out.finished:
+                        self.balancer.finish(out.request_id)
+                if batch.scheduler_stats is not None:
+                    self._latest_stats[rank] = batch.scheduler_stats
                 self._outputs.put(batch)
 
     def _teardown(self) -> None:
-        try:
-            ray.kill(self.actor)
-        except Exception as e:  # already gone
-            logger.debug("ray.kill(EngineCore actor): %s", e)
-        if self._owns_placement_group:
+        for actor in [*self.ranks, self.coordinator]:
+            if actor is None:
+                continue
             try:
-                remove_placement_group(self.placement_group)
-            except Exception as e:  # already removed
-                logger.debug("remove_placement_group: %s", e)
+                ray.kill(actor)
+            except Exception as e:  # already gone
+                logger.debug("ray.kill(%s): %s", self._who, e)
+        if self._owns_placement_groups:
+            for slot in self.slots:
+                try:
+                    remove_placement_group(slot.group)
+                except Exception as e:  # already removed
+                    logger.debug("remove_placement_group: %s", e)
 
 
 def make_ray_engine_core_client(config: EngineConfig, **kwargs: Any) -> RayEngineCoreClient:
-    """What ``raylm.cluster`` calls for ``distributed_executor_backend="ray"``."""
+    """What ``raylm.cluster`` calls for ``distributed_executor_backend="ray"``, any DP size."""
     return RayEngineCoreClient(config, **kwargs)
+
+
+__all__ = ["RayEngineCoreClient", "make_ray_engine_core_client"]

@@ -1,12 +1,10 @@
 """RayExecutor: the Executor protocol over one Ray worker actor per TP x PP rank.
 
-Ray does placement (a placement group, one bundle per rank), lifecycle and failure
-detection. Steps travel over the step stream (``actors/step_channel.py``, the default,
-``dispatch="channel"``) or as plain Ray actor calls (``dispatch="ray"``); ``bench/dispatch.py``
-measures both, and a Ray Compiled Graph (figures in the README). Compiled Graphs are not
-offered: slower than the stream, seconds to compile, a fixed bound on in-flight executions,
-and one more moving part in failure handling. Both paths keep several steps in flight
-(async scheduling) and fail every pending future with EngineDeadError when a worker dies.
+Ray does placement, lifecycle and failure detection. Steps go over the step stream
+(``actors/step_channel.py``, ``dispatch="channel"``, the default) or as Ray actor calls
+(``dispatch="ray"``). Both keep several steps in flight and fail every pending future with
+EngineDeadError when a worker dies. Ray Compiled Graphs are not offered: slower than the
+stream (``bench/dispatch.py``), seconds to compile, a fixed bound on steps in flight.
 """
 
 from __future__ import annotations

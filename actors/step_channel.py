@@ -1,16 +1,11 @@
 """The per-step path from the executor to its workers: one TCP stream per worker.
 
-Ray places the workers, starts them and reports their deaths; the steps themselves go over
-a plain socket, as vLLM's Ray executor does with its message queue, because a Ray actor call
-per worker per step costs several times a pickled frame on a socket (``bench/dispatch.py``
-measures both, and Ray Compiled Graphs; figures in the README).
-
-Frames are ``kind`` (1 byte) + ``length`` (8 bytes) + pickle. The executor sends each
-SchedulerOutput to every worker, and the GrammarOutput (token bitmask) of a step whose
-sampling waits for it (structured outputs; the last stage samples with it); TCP keeps them
-in order, so workers run steps strictly in submission order. Only the output rank answers each step (RESULT); any rank answers ERROR
-when a step raises. A closed stream means the worker died. The first frame on a stream is a
-random token handed over through Ray, so only the executor can drive a worker.
+Ray places, starts and watches the workers; the steps go over a plain socket, because a
+Ray call per worker per step costs several times a pickled frame (``bench/dispatch.py``).
+A frame is kind (1 byte) + length (8 bytes) + pickle; TCP keeps each worker's steps in
+order. Only the output rank answers a step (RESULT), any rank answers ERROR when one
+raises, and a closed stream is a dead worker. The first frame is a token handed over
+through Ray, so that only the executor can drive a worker.
 """
 
 from __future__ import annotations

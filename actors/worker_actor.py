@@ -1,17 +1,10 @@
-"""One TP x PP rank as a Ray actor, wrapping ``raylm.runner.worker.Worker``.
+"""One TP x PP rank as a Ray actor around ``raylm.runner.worker.Worker``.
 
-Every rank receives every SchedulerOutput and runs ``Worker.execute_model`` for every
-step (a PP stage receives/sends its intermediate tensors inside it over torch.distributed);
-only the output rank (TP rank 0 of the last PP stage) sends its result back. Steps arrive
-either over the step stream (``open_step_server`` + ``serve_steps``, the default) or as Ray
-calls (``execute_model``); setup calls (init, load, KV cache) are Ray calls.
-
-One thread runs every torch call of a rank, setup and steps alike: OpenMP keeps a thread
-team per calling thread, and a second thread's parallel regions ran markedly slower on CPU
-than those of the thread that loaded the model (README, offline throughput). That thread is the actor's default
-concurrency group (one thread); ``serve_steps`` occupies it for as long as the stream is
-open, so the calls that must answer meanwhile (health, node info, ``call``, shutdown) run
-in the ``control`` group.
+Every rank runs every step (``Worker.run``); only the output rank, TP rank 0 of the last
+stage, sends results back. Steps come over the step stream (``serve_steps``, the default)
+or as Ray calls (``execute_model``). One thread, the default concurrency group, makes all
+of the rank's torch calls (OpenMP keeps a team per calling thread); ``serve_steps`` holds
+it while the stream is open, so health, node info, ``call`` and shutdown use ``control``.
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ import ray
 
 from raylm.actors.step_channel import StepServer
 from raylm.scheduler.config.engine_config import EngineConfig
-from raylm.scheduler.structured.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +108,12 @@ class WorkerActor:
                 tensor_parallel_size=tp, pipeline_parallel_size=pp, local_rank=local_rank,
                 timeout_s=dist_timeout_s, expect_cuda=device.expect_cuda,
                 rendezvous=self._rendezvous if self.rank == 0 else None)
-        if worker_cls is None:
-            from raylm.runner.worker import Worker as worker_cls
-        self.worker = worker_cls(engine_config, rank=self.rank, local_rank=local_rank,
-                                 distributed_init_method=distributed_init_method)
+        from raylm.runner.worker import Worker
+
+        self._run = Worker.run  # the one step dispatch, for a stand-in worker_cls too
+        self.worker = (worker_cls or Worker)(engine_config, rank=self.rank,
+                                             local_rank=local_rank,
+                                             distributed_init_method=distributed_init_method)
         # The Worker sets torch's thread count itself; hand it this rank's CPU share.
         self.worker.init_device(ctx, num_threads=self.num_threads,
                                 expect_cuda=device.expect_cuda)
@@ -166,11 +160,8 @@ class WorkerActor:
     # ---- steps ---------------------------------------------------------------------------
 
     def _run_step(self, message: Any) -> Any:
-        """A step (SchedulerOutput) or the sampling of a deferred one (GrammarOutput)."""
-        if isinstance(message, GrammarOutput):
-            out = self.worker.sample_tokens(message)
-        else:
-            out = self.worker.execute_model(message)
+        """``Worker.run``; only the output rank's result goes back."""
+        out = self._run(self.worker, message)
         return out if self.is_output_rank else None
 
     def execute_model(self, seq: int, scheduler_output: Any) -> Any:

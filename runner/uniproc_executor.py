@@ -76,7 +76,7 @@ class UniProcExecutor:
         """Run ``fn`` on the step thread, in order with the steps. Every torch call of this
         worker happens on that one thread: on CPU, intra-op parallel regions issued from a
         second thread after another thread's (OpenMP keeps a team per calling thread) run
-        slower (README, offline throughput)."""
+        slower (docs/performance.md)."""
         future: Future = Future()
         self._steps.put((_Call(fn, args), future))
         return future.result()
@@ -131,11 +131,10 @@ class UniProcExecutor:
             if item is _STOP:
                 self._outputs.put(_STOP)
                 return
-            scheduler_output, future = item
-            if isinstance(scheduler_output, _Call):  # setup work, answered directly
-                call = scheduler_output
+            message, future = item
+            if isinstance(message, _Call):  # setup work, answered directly
                 try:
-                    future.set_result(call.fn(*call.args))
+                    future.set_result(message.fn(*message.args))
                 except BaseException as e:  # noqa: BLE001 - raised in the caller
                     future.set_exception(e)
                 continue
@@ -143,10 +142,7 @@ class UniProcExecutor:
                 self._outputs.put((_Failed(self._dead), future))
                 continue
             try:
-                if isinstance(scheduler_output, GrammarOutput):
-                    out = self.worker.sample_tokens(scheduler_output)
-                else:
-                    out = self.worker.execute_model(scheduler_output)
+                out = Worker.run(self.worker, message)
             except BaseException as e:  # noqa: BLE001 - any failure kills the engine
                 out = _Failed(self._mark_dead(e))
             self._outputs.put((out, future))

@@ -89,10 +89,9 @@ def default_intra_op_threads() -> int:
     return usable_cpus() if override is None else override
 
 
-# A CPU step of at least this many tokens takes ParallelConfig.cpu_burst_threads. The 6m
-# model's forward, one thread against two: a 2048-token prefill 148 vs 82 ms, a 32-row
-# decode 4.2 vs 3.0 ms; under `raylm serve` on two cores, bursts from 64 tokens on gave
-# the lowest time to first token (256: mixed workload 211 ms, 64: 190 ms; README, Serving).
+# A CPU step of at least this many tokens takes ParallelConfig.cpu_burst_threads: large
+# steps gain from more threads, small decodes hardly do, and under `raylm serve` this
+# threshold gave the lowest time to first token (measurements: docs/performance.md).
 CPU_BURST_MIN_TOKENS = 64
 
 
@@ -105,9 +104,7 @@ def step_threads(num_tokens: int, own_threads: int, burst_threads: int | None) -
 
 def set_intra_op_threads(num_threads: int) -> None:
     """torch.set_num_threads, skipped when torch already uses that many (the call is not
-    free: libgomp resizes its team). An earlier torch made the CPU sdpa kernel several
-    times slower after any such call; on torch 2.13 here a prefill with its sdpa ran as
-    fast after switching between one and two threads every step as on two throughout."""
+    free: libgomp resizes its team)."""
     if num_threads != torch.get_num_threads():
         torch.set_num_threads(num_threads)
 
@@ -224,7 +221,9 @@ class Worker:
 
     def run(self, message: SchedulerOutput | GrammarOutput
             ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
-        """One message of the step stream: a step, or the sampling of a deferred step."""
+        """One step message: a step, or the sampling of a step deferred for its bitmask.
+        Both executors call it as ``Worker.run(worker, message)``, so a stand-in worker
+        (tests, benchmarks) needs only ``execute_model`` and ``sample_tokens``."""
         if isinstance(message, GrammarOutput):
             return self.sample_tokens(message)
         return self.execute_model(message)

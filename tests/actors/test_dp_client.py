@@ -12,7 +12,7 @@ import pytest
 import ray
 from local_ray import local_ray
 
-from raylm.actors.dp_client import DPEngineCoreClient
+from raylm.actors.ray_engine_core_client import RayEngineCoreClient
 from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.runner.uniproc_executor import UniProcExecutor
 from raylm.scheduler.config.engine_config import EngineConfig
@@ -78,7 +78,7 @@ class Collector:
             self.read(timeout=1.0)
 
 
-def _wait_paused(client: DPEngineCoreClient) -> dict:
+def _wait_paused(client: RayEngineCoreClient) -> dict:
     """Until every rank has ended its wave; the DP state then."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -119,7 +119,7 @@ def test_dp2_greedy_matches_hf_and_single_process_under_preemption_and_chunking(
     # a 16-token budget for prompts of 10-30 tokens: chunked prefill.
     config = _config(llama_path, async_scheduling=async_scheduling, num_kv_blocks=10,
                      max_num_batched_tokens=16)
-    client = DPEngineCoreClient(config)
+    client = RayEngineCoreClient(config)
     try:
         assert [i["async_scheduling"] for i in client.rank_infos] == [async_scheduling] * 2
         col = Collector(client)
@@ -149,7 +149,7 @@ def test_dp2_tp2_ranks_run_their_own_worker_groups(llama_path, reference):
     prompts, max_tokens, hf, _ = reference
     config = _config(llama_path, tp=2, num_kv_blocks=64)
     # Per rank: the EngineCore actor and two TP workers in the rank's own placement group.
-    client = DPEngineCoreClient(config, cpus_per_rank=0.5, cpus_per_worker=0.5)
+    client = RayEngineCoreClient(config, cpus_per_rank=0.5, cpus_per_worker=0.5)
     try:
         assert [i["executor"] for i in client.rank_infos] == ["RayExecutor"] * 2
         col = Collector(client)
@@ -174,7 +174,7 @@ def test_dp2_tp2_ranks_run_their_own_worker_groups(llama_path, reference):
 def test_uneven_load_routes_least_loaded_ends_wave_and_serves_a_new_wave(llama_path, hf_oracle):
     config = _config(llama_path)
     hf = hf_oracle(llama_path)
-    client = DPEngineCoreClient(config)
+    client = RayEngineCoreClient(config)
     try:
         col = Collector(client)
         long_prompt = _prompts(1, seed=7)[0]
@@ -233,7 +233,7 @@ def test_uneven_load_routes_least_loaded_ends_wave_and_serves_a_new_wave(llama_p
 
 def test_bad_request_is_value_error_and_a_killed_rank_is_engine_dead(llama_path):
     config = _config(llama_path, num_kv_blocks=64)
-    client = DPEngineCoreClient(config, dp_sync_timeout_s=20.0)
+    client = RayEngineCoreClient(config, dp_sync_timeout_s=20.0)
     try:
         # 100 + 900 tokens need 125 blocks of 8; a rank holds 64.
         with pytest.raises(ValueError, match="KV blocks"):
@@ -269,7 +269,7 @@ def test_llm_with_data_parallel_size_2(llama_path, hf_oracle):
 
     llm = LLM(llama_path, data_parallel_size=2, num_kv_blocks=128, block_size=8)
     try:
-        assert isinstance(llm.llm_engine.core, DPEngineCoreClient)
+        assert isinstance(llm.llm_engine.core, RayEngineCoreClient)
         prompts = _prompts(4, seed=11)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             UserSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

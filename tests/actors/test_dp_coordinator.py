@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from raylm.actors.dp_client import merge_metrics, merge_scheduler_stats
 from raylm.actors.dp_coordinator import DPLoadBalancer, DPWaveCoordinator
+from raylm.actors.ray_engine_core_client import merge_metrics, merge_scheduler_stats
 from raylm.scheduler.core_outputs import SchedulerStats
 
 

@@ -108,7 +108,7 @@ def test_ray_engine_core_client_tp2(llama_path, hf_oracle):
     try:
         assert client.info["async_scheduling"] is True
         assert client.info["max_concurrent_batches"] == 2
-        workers = ray.get(client.actor.worker_handles.remote())
+        workers = ray.get(client.ranks[0].worker_handles.remote())
         shards = ray.get([w.__ray_call__.remote(_o_proj_shape) for w in workers])
         assert shards == [(0, (64, 32)), (1, (64, 32))]  # each rank holds half of o_proj
         prompts = _prompts(4, seed=1)
@@ -162,7 +162,7 @@ def test_killed_worker_makes_engine_dead_without_hang(llama_path):
         for r in reqs:
             client.add_request(r)
         assert client.get_output(timeout=30) is not None  # generation is under way
-        workers = ray.get(client.actor.worker_handles.remote())
+        workers = ray.get(client.ranks[0].worker_handles.remote())
         start = time.monotonic()
         ray.kill(workers[1])
         error, finals = _wait_dead(client)
@@ -187,7 +187,7 @@ def test_killed_engine_core_actor_makes_engine_dead(llama_path):
     try:
         client.add_request(_requests(config, _prompts(1), [600])[0])
         assert client.get_output(timeout=30) is not None
-        ray.kill(client.actor)
+        ray.kill(client.ranks[0])
         error, _ = _wait_dead(client)
         assert "EngineCore actor" in str(error), str(error)
         with pytest.raises(EngineDeadError):

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from raylm.actors.engine_core_actor import model_in_rank_actor, rank_config
+from raylm.actors.ray_engine_core_client import rank_bundles
 from raylm.actors.ray_executor import rank_order
-from raylm.scheduler.config.engine_config import dp_rank_bundles, stage_bundles
+from raylm.scheduler.config.engine_config import ParallelConfig, dp_rank_bundles, stage_bundles
 
 
 def test_one_bundle_per_stage_holds_its_tp_group():
@@ -16,6 +18,34 @@ def test_one_bundle_per_stage_holds_its_tp_group():
     assert dp_rank_bundles(2, 2, {"CPU": 1.0}, {"GPU": 1.0}) == [
         {"CPU": 1.0}, {"GPU": 2.0}, {"GPU": 2.0}]
     assert dp_rank_bundles(1, 1, {"CPU": 1.0}, {"GPU": 1.0}) == [{"GPU": 1.0}]
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp", "bundles", "in_actor"), [
+    # One engine: the EngineCore's own bundle, then its stages, TP = PP = 1 included.
+    (1, 1, 1, [{"CPU": 1.0}, {"GPU": 1.0}], False),
+    (1, 2, 2, [{"CPU": 1.0}, {"GPU": 2.0}, {"GPU": 2.0}], False),
+    # A DP rank with TP = PP = 1 runs the model in its actor: one bundle, the device's.
+    (2, 1, 1, [{"GPU": 1.0}], True),
+    (2, 2, 1, [{"CPU": 1.0}, {"GPU": 2.0}], False),
+])
+def test_rank_layout_by_data_parallel_size(dp, tp, pp, bundles, in_actor):
+    pc = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                        data_parallel_size=dp, distributed_executor_backend="ray")
+    assert rank_bundles(pc, {"CPU": 1.0}, {"GPU": 1.0}) == bundles
+    assert model_in_rank_actor(pc) is in_actor
+
+
+def test_rank_config_drops_dp_and_keeps_a_lone_engine_as_is(llama_path):
+    from raylm.cluster.engine.engine_args import EngineArgs
+
+    one = EngineArgs(model=llama_path, distributed_executor_backend="ray").create_engine_config()
+    assert rank_config(one) is one
+    two = EngineArgs(model=llama_path, data_parallel_size=2).create_engine_config()
+    pc = rank_config(two).parallel_config
+    assert (pc.data_parallel_size, pc.distributed_executor_backend) == (1, "uni")
+    tp2 = EngineArgs(model=llama_path, data_parallel_size=2,
+                     tensor_parallel_size=2).create_engine_config()
+    assert rank_config(tp2).parallel_config.distributed_executor_backend == "ray"
 
 
 def test_ranks_of_a_stage_follow_their_gpu_ids():

@@ -57,8 +57,8 @@ def reference(llama_path, hf_oracle) -> list[list[int]]:
 
 
 def _worker_pp_stats(llm: LLM) -> list[dict[str, int]]:
-    core = llm.llm_engine.core  # RayEngineCoreClient
-    workers = ray.get(core.actor.worker_handles.remote(), timeout=30)
+    core = llm.llm_engine.core  # RayEngineCoreClient, d = 1
+    workers = ray.get(core.ranks[0].worker_handles.remote(), timeout=30)
     return ray.get([w.call.remote("pp_stats") for w in workers], timeout=30)
 
 

@@ -96,12 +96,12 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
     scheduling, the default); the tokens equal transformers (so equal no speculation),
     drafts are accepted, and every block comes back."""
     from raylm import LLM
-    from raylm.actors.dp_client import DPEngineCoreClient
+    from raylm.actors.ray_engine_core_client import RayEngineCoreClient
 
     llm = LLM(loopy_llama_path, data_parallel_size=2, block_size=8, num_kv_blocks=64,
               max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
-        assert isinstance(llm.llm_engine.core, DPEngineCoreClient)
+        assert isinstance(llm.llm_engine.core, RayEngineCoreClient)
         assert llm.llm_engine.engine_config.async_scheduling
         rng = random.Random(2)
         passages = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 11, 9, 14)]

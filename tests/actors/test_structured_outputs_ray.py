@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ray = pytest.importorskip("ray")
+import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from structured_workload import check, wait_for_free_kv, workload  # noqa: E402
