@@ -30,35 +30,17 @@ class InvalidRequestError(ValueError):
         return type(self), (str(self), self.param)
 
 
-def check_prompt(prompt_token_ids: list[int], max_model_len: int,
-                 vocab_size: int | None = None) -> None:
-    """The one check of a prompt against the model, for every entry point (HTTP server,
-    offline LLM, Request)."""
-    n = len(prompt_token_ids)
-    if n == 0:
+def check_prompt_room(num_prompt_tokens: int, max_model_len: int) -> None:
+    """A Request needs at least one prompt token and room for one output token. The
+    intake's ``validate_prompt`` (raylm.scheduler.intake) reports this to the client; here it
+    is the ledger's invariant, kept for whoever builds a Request directly."""
+    if num_prompt_tokens == 0:
         raise InvalidRequestError("prompt is empty (0 tokens); at least one token is required.",
                                   "prompt")
-    if n >= max_model_len:
+    if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
-            f"prompt of {n} tokens leaves no room to generate within "
+            f"prompt of {num_prompt_tokens} tokens leaves no room to generate within "
             f"max_model_len={max_model_len} (the model's maximum context length).", "prompt")
-    if vocab_size is not None:
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}).",
-                "prompt")
-
-
-def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """An explicit max_tokens must fit beside the prompt (the HTTP API refuses what the
-    offline API silently caps)."""
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"prompt of {num_prompt_tokens} tokens + max_tokens {max_tokens} = "
-            f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len={max_model_len} "
-            "(the model's maximum context length); reduce the prompt or max_tokens.",
-            "max_tokens")
 
 
 class RequestStatus(IntEnum):
@@ -101,7 +83,7 @@ class Request:
         sampling_seed: int,
         arrival_time: float | None = None,
     ) -> None:
-        check_prompt(prompt_token_ids, max_model_len)
+        check_prompt_room(len(prompt_token_ids), max_model_len)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -17,7 +17,8 @@ from typing import Any
 
 from raylm.cluster.serve.errors import OpenAIError, from_exception
 from raylm.cluster.serve.protocol import random_id
-from raylm.cluster.serve.serving import CHAT_COMPLETIONS, COMPLETIONS, OpenAIServing
+from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS
+from raylm.cluster.serve.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,16 @@
 """AsyncLLM: the asyncio engine client the Serve deployment owns (implements EngineClient).
 
 An output thread pulls engine outputs and hands each RequestOutput to the asyncio queue of
-its request on the owning event loop. Cancelling a ``generate`` iterator (the HTTP client
-went away) aborts the request in the EngineCore, which frees its KV blocks.
+its request on the owning event loop. AsyncLLM owns its requests' aborts: closing a
+``generate`` iterator early (the HTTP client went away) is the one abort the engine gets,
+and the EngineCore then frees the request's KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -16,9 +19,9 @@ from typing import Any
 from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.processor import ValidatedPrompt
 from raylm.cluster.serve.metrics import spec_decode_stats
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.scheduler_stats import parse_device_info
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,7 @@ class AsyncLLM:
         self.engine = LLMEngine(engine_args, model_resolver)
         self.model_config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
+        self.input_processor = self.engine.input_processor
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._queues_lock = threading.Lock()
         self.dead_error: BaseException | None = None
@@ -64,7 +68,7 @@ class AsyncLLM:
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their requests' queues with one wake-up per event loop,
         not one per request: each ``call_soon_threadsafe`` writes the loop's self-pipe and
-        costs the loop a turn, which at 32 streams is most of a serving step's overhead."""
+        costs the loop a turn."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._queues_lock:
             for request_id, item in items:
@@ -81,10 +85,11 @@ class AsyncLLM:
                        for request_id in ids])
 
     # -- EngineClient ------------------------------------------------------------------
-    async def generate(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: ValidatedPrompt,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; ``prompt`` comes from ``self.input_processor``.
+        Closing the iterator before the last output (client gone, cancelled, failed) is
+        what aborts the request: this is its one abort."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         q: asyncio.Queue = asyncio.Queue()
@@ -92,13 +97,15 @@ class AsyncLLM:
             if request_id in self._queues:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self._queues[request_id] = (asyncio.get_running_loop(), q)
+        # Building the Requests is CPU work: off the event loop. Shielded, so that a cancel
+        # never leaves the add running unseen in its thread (see the finally below).
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        added = loop.run_in_executor(None, functools.partial(
+            context.run, self.engine.add_request, request_id, prompt))
         finished = False
         try:
-            # add_request tokenizes and validates (CPU work): keep it off the event loop.
-            await asyncio.to_thread(
-                self.engine.add_request, request_id,
-                {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, sampling_params,
-            )
+            await asyncio.shield(added)
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -111,10 +118,29 @@ class AsyncLLM:
             with self._queues_lock:
                 self._queues.pop(request_id, None)
             if not finished:
-                # Cancelled, client gone, or failed: make sure the engine lets it go.
-                self.engine.abort_request(request_id)
+                if added.done():
+                    self._abort_if_added(request_id, added)
+                else:  # cancelled while adding: abort once the add is in
+                    added.add_done_callback(
+                        functools.partial(self._abort_if_added, request_id))
+
+    def _abort_if_added(self, request_id: str, added: asyncio.Future) -> None:
+        """A failed ``add_request`` has let its request go already: nothing to abort."""
+        if not added.cancelled() and added.exception() is None:
+            self._abort_unfinished(request_id)
+
+    def _abort_unfinished(self, request_id: str) -> None:
+        """The abort of a stream closed before its last output. Never raises: it runs while
+        another exception (a cancel, the engine's death) is on its way out."""
+        try:
+            self.engine.abort_request(request_id)
+        except EngineDeadError as e:  # nothing left to free
+            logger.debug("abort(%s) of an unfinished stream: %r", request_id, e)
+        except Exception:
+            logger.exception("abort(%s) of an unfinished stream failed", request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Abort by id; the request's stream ends with its final (aborted) output."""
         final = self.engine.abort_request(request_id)
         if final is not None:
             self._deliver([(request_id, final)])
@@ -123,10 +149,6 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         await asyncio.to_thread(self.engine.check_health)
-
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_error is not None
 
     def get_stats(self) -> dict[str, Any]:
         m = self.engine.get_metrics()

@@ -14,8 +14,8 @@ _INITIAL_CONTEXT = 5
 def fast_decoder(tokenizer: Any) -> Any:
     """``tokenizer.decode``, or the Rust tokenizer's own ``decode`` where that returns the
     same text: a Hugging Face fast tokenizer that does no ``clean_up_tokenization_spaces``
-    post-processing adds only Python overhead around it (~2 us a call, against ~1 us for
-    the decode itself; two calls per token per request every step)."""
+    post-processing only adds Python overhead around it, paid twice per token per request
+    every step."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if (backend is not None and type(backend).__module__.startswith("tokenizers")
             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):

@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
 from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.processor import InputProcessor, ValidatedPrompt
 from raylm.scheduler.config.engine_config import ModelConfig
-from raylm.scheduler.sampling_params import SamplingParams
 
 
 @runtime_checkable
 class EngineClient(Protocol):
     model_config: ModelConfig
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    input_processor: InputProcessor  # the intake: every prompt goes through it once
 
-    def generate(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: ValidatedPrompt,
+                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Yield CUMULATIVE RequestOutputs (text and token_ids so far, one CompletionOutput
-        per n) as tokens arrive; the last has finished=True. Raises ValueError for bad
-        input (over-long prompt, ...) before anything is yielded, EngineDeadError when the
-        engine dies. Cancelling the iterator (client gone) aborts the request."""
+        per n) as tokens arrive; the last has finished=True. Raises ValueError for a request
+        the engine cannot take (InvalidRequestError: e.g. larger than its KV pool) before
+        anything is yielded, EngineDeadError when the engine dies. Closing the iterator
+        before the last output (client gone) aborts the request: callers never abort."""
         ...
-
-    async def abort(self, request_id: str) -> None: ...
 
     async def check_health(self) -> None:
         """Raise EngineDeadError once the engine is dead."""

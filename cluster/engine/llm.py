@@ -75,21 +75,19 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts."
                 )
-        # Validate everything before anything is queued: a bad prompt fails the call cleanly.
-        tokenized = []
-        for prompt in prompts:
-            text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
-            self.llm_engine.input_processor.validate(token_ids)
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         # Only final outputs are read here: build none per step (vLLM's LLM does the same).
         final_only: dict[int, SamplingParams] = {}
         for p in params_list:
             if id(p) not in final_only:
                 final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-        params_list = [final_only[id(p)] for p in params_list]
+        # Every prompt through the intake before anything is queued: a bad one fails the
+        # call cleanly.
+        intake = self.llm_engine.input_processor
+        validated = [intake.process(prompt, final_only[id(p)])
+                     for prompt, p in zip(prompts, params_list, strict=True)]
         ids = [str(next(self._ids)) for _ in prompts]
-        for request_id, prompt, params in zip(ids, tokenized, params_list, strict=True):
-            self.llm_engine.add_request(request_id, prompt, params)
+        for request_id, prompt in zip(ids, validated, strict=True):
+            self.llm_engine.add_request(request_id, prompt)
         return self._run_engine(ids, use_tqdm)
 
     def chat(

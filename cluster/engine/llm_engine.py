@@ -16,7 +16,7 @@ from typing import Any
 from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.cluster.engine.output_processor import OutputProcessor
 from raylm.cluster.engine.outputs import RequestOutput
-from raylm.cluster.engine.processor import InputProcessor, PromptType
+from raylm.cluster.engine.processor import InputProcessor, PromptType, ValidatedPrompt
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core.engine_core_loop import EngineCoreClient
@@ -26,11 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:
-    """Start the EngineCore where the config says: in process, or in Ray actors."""
-    if config.parallel_config.data_parallel_size > 1:
-        from raylm.actors.dp_client import make_dp_engine_core_client
-
-        return make_dp_engine_core_client(config)
+    """Start the EngineCore where the config says: in process, or in Ray actors (one per
+    DP rank)."""
+    # ParallelConfig makes data_parallel_size > 1 imply the "ray" backend.
     if config.parallel_config.distributed_executor_backend == "ray":
         from raylm.actors.ray_engine_core_client import make_ray_engine_core_client
 
@@ -101,11 +99,18 @@ class LLMEngine:
         self._lock = threading.Lock()
         self.core = make_engine_core_client(self.engine_config)
 
-    def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
-    ) -> None:
-        text, token_ids = self.input_processor.tokenize(prompt)
-        parent, requests = self.input_processor.make_requests(request_id, text, token_ids, params)
+    def add_request(self, request_id: str, prompt: PromptType | ValidatedPrompt,
+                    params: SamplingParams | None = None) -> None:
+        """Queue one request. A ValidatedPrompt (with its own params) went through the
+        intake already; any other prompt goes through it here, with ``params``."""
+        if not isinstance(prompt, ValidatedPrompt):
+            if params is None:
+                raise TypeError("add_request needs params for a prompt that is not a "
+                                "ValidatedPrompt.")
+            prompt = self.input_processor.process(prompt, params)
+        elif params is not None:
+            raise TypeError("a ValidatedPrompt carries its own params; pass none.")
+        parent, requests = self.input_processor.make_requests(request_id, prompt)
         with self._lock:
             self.output_processor.add_request(parent, [r.request_id for r in requests])
         try:

@@ -1,15 +1,10 @@
 """Turn EngineCoreOutputs into user-facing RequestOutputs: detokenize, stop strings, logprobs.
 
-One ``RequestState`` per engine request. ``n > 1`` requests fan out into child engine
-requests ``"{i}_{parent_id}"`` whose outputs are gathered into one RequestOutput.
-Stop strings are found here, after detokenization; the processor then reports the request
-for abort so the engine frees its KV blocks. Tokens that arrive after a request finished
-here (in flight when the stop string matched) are ignored: nothing is delivered twice.
-
-What a RequestOutput carries follows ``SamplingParams.output_kind``: everything so far
-(CUMULATIVE, the default), only what is new (DELTA), or nothing until the request
-finishes (FINAL_ONLY: no per-step output is built at all). A cumulative output copies a
-request's token ids and logprobs each step (O(length) per step); the other two do not.
+One ``RequestState`` per engine request; ``n > 1`` requests fan out into child engine
+requests ``"{i}_{parent_id}"`` gathered into one RequestOutput. Stop strings are found here,
+after detokenization; the request is then reported for abort so the engine frees its KV
+blocks, and its tokens still in flight are dropped. ``SamplingParams.output_kind`` says what
+an output carries: everything so far, only what is new, or nothing until the end.
 """
 
 from __future__ import annotations

@@ -1,18 +1,47 @@
-"""Validate user input and build engine Requests (the input side of the engine client)."""
+"""The intake: a user's prompt in, a ValidatedPrompt out, then the engine's Requests.
+
+``InputProcessor.process`` tokenizes a text prompt (token ids never meet the tokenizer) and
+runs ``validate_prompt`` on it, each exactly once per request; the HTTP server, the offline
+``LLM`` and ``AsyncLLM`` all come through here, and nothing after it checks the prompt again.
+"""
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.engine.output_processor import ParentRequest
 from raylm.cluster.engine.outputs import RequestMetrics
 from raylm.scheduler.config.engine_config import ModelConfig
-from raylm.scheduler.request import Request, check_prompt
+from raylm.scheduler.intake import validate_prompt
+from raylm.scheduler.request import Request
 from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.structured.params import StructuredOutputsParams
 
 PromptType = str | dict[str, Any] | list[int]
+# Params, or a function of the prompt's length in tokens that builds them (the HTTP API's
+# default max_tokens is whatever room the prompt leaves).
+ParamsSource = SamplingParams | Callable[[int], SamplingParams]
+
+
+@dataclass(frozen=True)
+class ValidatedPrompt:
+    """A prompt that went through ``InputProcessor.process``: its text (None when it came
+    as token ids), its token ids, and the params it was validated with."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def _compile_structured_outputs(params: StructuredOutputsParams) -> None:
+    # xgrammar imports torch: loaded on the first constrained request only.
+    from raylm.runner.structured.xgrammar_backend import validate
+
+    validate(params)
 
 
 class InputProcessor:
@@ -23,35 +52,39 @@ class InputProcessor:
         # and a request's randomness never depends on what else is in its batch.
         self._seed_rng = random.Random(model_config.seed)
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def process(self, prompt: PromptType, params: ParamsSource, *,
+                strict_max_tokens: bool = False) -> ValidatedPrompt:
+        """Tokenize (text only) and validate, once each. Raises InvalidRequestError (a
+        ValueError) for input the client must fix; ``params`` built from the prompt's
+        length raise their own ValueError. ``strict_max_tokens``: see ``validate_prompt``."""
+        text, token_ids = self._tokenize(prompt)
+        if not isinstance(params, SamplingParams):
+            params = params(len(token_ids))
+        validate_prompt(token_ids, params, max_model_len=self.model_config.max_model_len,
+                        vocab_size=self.model_config.vocab_size,
+                        strict_max_tokens=strict_max_tokens,
+                        check_structured_outputs=_compile_structured_outputs)
+        return ValidatedPrompt(text, token_ids, params)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
+                return self._tokenize(prompt["prompt"])
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}.")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}.")
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raises InvalidRequestError (a ValueError). The params validated themselves."""
-        check_prompt(prompt_token_ids, self.model_config.max_model_len,
-                     self.model_config.vocab_size)
-
-    def make_requests(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
-    ) -> tuple[ParentRequest, list[Request]]:
+    def make_requests(self, request_id: str, prompt: ValidatedPrompt
+                      ) -> tuple[ParentRequest, list[Request]]:
         """One ParentRequest and its n engine Requests (ids ``"{i}_{request_id}"`` when n > 1)."""
-        self.validate(prompt_token_ids)
-        if params.structured_outputs is not None:
-            from raylm.runner.structured.xgrammar_backend import validate
-
-            validate(params.structured_outputs)  # a bad schema fails here, not in the engine
+        params, prompt_token_ids = prompt.params, prompt.prompt_token_ids
         parent = ParentRequest(
-            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+            request_id=request_id, prompt=prompt.prompt, prompt_token_ids=prompt_token_ids,
             params=params, metrics=RequestMetrics(arrival_time=time.monotonic()),
         )
         requests = []

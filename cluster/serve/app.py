@@ -1,16 +1,7 @@
-"""The Ray Serve OpenAI app: one ``LLMServer`` deployment per model, behind an HTTP ingress.
-
-``build_openai_app({"llm_configs": [...]})`` is the builder named by
-``import_path: raylm.cluster:build_openai_app``. Each LLMServer replica owns an engine client
-(``AsyncLLM`` unless a factory is injected) and reserves its placement group: bundle 0 for the
-replica (co-located with rank 0), then one bundle per TP x PP worker.
-
-An ``OpenAIIngress`` deployment routes by ``model`` and tokens stream from the replica to it
-through a DeploymentHandle with ``stream=True``; when a replica dies mid-stream, the ingress
-ends its streams with an error event. With ``ingress_in_replica`` (one model; `raylm serve`
-sets it) the LLMServer replica is the ingress itself (``LLMIngressServer``): every streamed
-chunk would otherwise cross one more process and be serialized twice, which on a small host
-costs a large share of the CPU a token takes (docs/architecture.md §2).
+"""The Ray Serve OpenAI app: one ``LLMServer`` deployment per model behind an HTTP ingress,
+which routes by ``model`` and ends a dead replica's streams with an error event. With
+``ingress_in_replica`` (one model; `raylm serve` sets it) the replica answers HTTP itself:
+one process fewer per streamed chunk (docs/architecture.md §2).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The serving-facing config of raylm, shaped like Ray Serve LLM's ``LLMConfig``.
-
-This config crosses YAML, Helm and HTTP, so it is pydantic (the engine's own configs are the
-frozen dataclasses of ``raylm.scheduler.config.engine_config``). Every model forbids unknown keys: a typo
-fails with the key's dotted path instead of being silently ignored.
-
-The Serve app builder ``raylm.cluster:build_openai_app(args: dict)`` receives, both from
-``serve run config.yaml`` and from a KubeRay RayService's ``spec.serveConfigV2``
-(``applications[].args``), exactly::
-
-    {"llm_configs": [<LLMConfig dict>, ...]}
-
-and turns it into an :class:`OpenAIAppConfig` with :func:`load_app_config`. An item of
-``llm_configs`` may also be the path of a YAML file holding one LLMConfig. The Helm chart
-(``helm/raylm``) renders one LLMConfig from its ``llmConfig`` values; see
-``cluster/serve/example_config.yaml`` for a complete Serve config file.
+"""The serving-facing config, shaped like Ray Serve LLM's ``LLMConfig``: pydantic, because it
+crosses YAML, Helm and HTTP; every model forbids unknown keys, so a typo fails with its
+dotted path. ``raylm.cluster:build_openai_app`` receives ``{"llm_configs": [<LLMConfig>,
+...]}`` from ``serve run`` and KubeRay alike (docs/serving.md; a full file in
+cluster/serve/example_config.yaml).
 """
 
 from __future__ import annotations
@@ -262,8 +251,8 @@ class ExperimentalConfigs(BaseModel):
     # A request's streamed chunks that the replica produces within this window of the
     # first cross the Serve handle (and the HTTP proxy) as one item; the first token is
     # never delayed. Every item costs CPU in the replica, the ingress and the proxy: the
-    # window must span several decode steps to save any (bench/serve.py; figures in the
-    # README). Same key, meaning and default as Ray Serve LLM; 0 sends each chunk on its own.
+    # window must span several decode steps to save any (bench/serve.py; figures in
+    # docs/performance.md). Same key, meaning and default as Ray Serve LLM; 0 sends each chunk on its own.
     stream_batching_interval_ms: NonNegativeFloat = 50.0
 
 
@@ -413,8 +402,8 @@ class OpenAIAppConfig(BaseModel):
 
     llm_configs: list[LLMConfig] = Field(min_length=1)
     # One model only: its LLMServer replicas answer HTTP themselves, with no ingress
-    # deployment. Each streamed chunk then crosses one Python process fewer (README,
-    # Serving, has the cost), but a replica that dies mid-stream cuts its streams: no
+    # deployment. Each streamed chunk then crosses one Python process fewer
+    # (docs/performance.md has the cost), but a replica that dies mid-stream cuts its streams: no
     # process is left to end them with an error event, as the ingress does.
     ingress_in_replica: bool = False
 

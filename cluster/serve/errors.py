@@ -1,12 +1,10 @@
 """OpenAI's error envelope: every failure the HTTP API reports has this one shape.
 
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; ``type`` is the
-name OpenAI's clients map to exception classes (``BadRequestError`` etc.).
-
-A 400 is the client's fault and only ever comes from explicit validation: an ``OpenAIError``
-raised by the server's checks, or an ``InvalidRequestError`` raised by the prompt checks and
-the engine's admission checks. Any other exception is the server's fault: a 500, logged with
-its traceback (a ``ValueError`` from a bug is not the client's to fix).
+name OpenAI's clients map to exception classes (``BadRequestError`` etc.). A 400 is the
+client's fault and comes only from explicit checks: an ``OpenAIError`` from the server's, an
+``InvalidRequestError`` from the intake's or the engine's admission. Anything else is the
+server's fault: a 500 logged with its traceback (a ``ValueError`` from a bug included).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Ray Serve settings for the Ray instance that ``raylm serve`` starts itself.
 
-Serve reads these from its processes' environment when they start, so they can only be set
-for an instance raylm starts (the driver's environment is inherited by the raylet and every
-worker); a cluster raylm joins keeps the settings it was started with (its operator sets the
-same variables on every node, e.g. in the Helm chart's ``env``).
-
-``proxy="haproxy"`` is Ray Serve's HAProxy ingress: an HAProxy process listens on the HTTP
-port and forwards each connection to the ingress replica's own HTTP server (direct ingress),
-with Serve's Python proxy kept only as its fallback. Every streamed chunk then crosses one
-Python process, the replica, instead of two, and user code runs on the replica's own event
-loop instead of a second one. Measured by ``bench/serve.py`` (README, Serving): it is what
-brings the served path near the engine's own speed on a small host.
+Serve reads them from its processes' environment when they start, so only an instance raylm
+starts gets them; a cluster raylm joins keeps its own (its operator sets the same variables
+on every node, e.g. in the Helm chart's ``env``). ``proxy="haproxy"`` is Serve's HAProxy
+ingress: HAProxy forwards each connection to the ingress replica's own HTTP server, so each
+streamed chunk crosses one Python process instead of two (Serve's proxy is the fallback).
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
 from raylm.cluster.serve.errors import from_exception
+from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, PreparedRequest
 from raylm.cluster.serve.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -26,9 +27,6 @@ from raylm.cluster.serve.protocol import (
     chat_logprobs,
     completion_logprobs,
 )
-
-if TYPE_CHECKING:
-    from raylm.cluster.serve.serving import PreparedRequest
 
 DONE = "data: [DONE]\n\n"
 Streams = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
@@ -43,8 +41,6 @@ class _Format:
     """What differs between completions and chat, for one prepared request."""
 
     def __init__(self, prepared: PreparedRequest, tokenizer: Any):
-        from raylm.cluster.serve.serving import CHAT_COMPLETIONS
-
         self.p = prepared
         self.req = prepared.request
         self.chat = prepared.kind == CHAT_COMPLETIONS
@@ -58,8 +54,10 @@ class _Format:
     def echo_text(self, prompt_index: int) -> str:
         if self.chat or not self.req.echo:
             return ""
-        r = self.p.engine_requests[prompt_index]
-        return r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
+        inputs = self.p.engine_requests[prompt_index].inputs
+        if inputs.prompt is not None:
+            return inputs.prompt
+        return self.tokenizer.decode(inputs.prompt_token_ids)
 
     @property
     def scoring(self) -> bool:
@@ -84,7 +82,7 @@ class _Format:
         return completion_logprobs(ids, lps, self.top_n, offset, self.decode, out)
 
     def usage(self, finals_tokens: int) -> UsageInfo:
-        prompt = sum(len(r.prompt_token_ids) for r in self.p.engine_requests)
+        prompt = sum(len(r.inputs.prompt_token_ids) for r in self.p.engine_requests)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=finals_tokens,
                          total_tokens=prompt + finals_tokens)
 

@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raylm.cluster.serve import metrics as metrics_mod
 from raylm.cluster.serve.errors import OpenAIError, error_body, from_exception, pydantic_message
-from raylm.cluster.serve.serving import CHAT_COMPLETIONS, COMPLETIONS, OpenAIServing
+from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS
+from raylm.cluster.serve.serving import OpenAIServing
 
 
 class ModelBackend(Protocol):

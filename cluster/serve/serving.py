@@ -1,22 +1,19 @@
 """OpenAI completions and chat completions over an EngineClient: validate, run, format.
 
-One code path for the HTTP server and for batch runs. A call returns either a response
-dict (non-streaming) or an async iterator of SSE lines. Requests are validated explicitly
-(schema, model, chat template, sampling parameters, prompt length and vocabulary) before the
-engine sees them; what fails there is a 400 (``raylm.cluster.serve.errors``). Streams are primed
-(their first output awaited) before returning, so an engine-side refusal (an
-``InvalidRequestError``, e.g. a request larger than the KV pool) is a 400 too, not a broken
-stream; any other exception is a logged 500.
+One code path for the HTTP server and for batch runs; a call returns a response dict or an
+async iterator of SSE lines. Every prompt goes once through the engine client's intake
+(``input_processor.process``) before anything runs; what fails there is a 400
+(``raylm.cluster.serve.errors``). Streams are primed (their first output awaited) before
+returning, so an engine-side refusal is a 400 too, not a broken stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, nullcontext
-from dataclasses import dataclass
+from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,6 +31,12 @@ from raylm.cluster.serve.errors import (
     pydantic_message,
 )
 from raylm.cluster.serve.metrics import ServingMetrics
+from raylm.cluster.serve.prepared import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EngineRequest,
+    PreparedRequest,
+)
 from raylm.cluster.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,35 +44,7 @@ from raylm.cluster.serve.protocol import (
     random_id,
 )
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.request import check_max_tokens, check_prompt
 from raylm.scheduler.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
-
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
-
-
-@dataclass
-class EngineRequest:
-    """One prompt of an API request, as the engine receives it."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class PreparedRequest:
-    """An API request after validation: what to run and how to answer."""
-
-    kind: str  # COMPLETIONS or CHAT_COMPLETIONS
-    request: CompletionRequest | ChatCompletionRequest
-    response_id: str
-    created: int
-    model: str
-    engine_requests: list[EngineRequest]
 
 
 class OpenAIServing:
@@ -108,10 +83,11 @@ class OpenAIServing:
         return await self.run(prepared)
 
     def prepare(self, route: str, body: Any) -> PreparedRequest:
+        prompts: list[Any]
         if route == COMPLETIONS:
             request: Any = _parse(CompletionRequest, body)
             self._check_model(request.model)
-            prompts = [self._tokenize(p) for p in request.prompts()]
+            prompts = request.prompts()  # text, or token ids (never tokenized)
             prefix = "cmpl"
         elif route == CHAT_COMPLETIONS:
             request = _parse(ChatCompletionRequest, body)
@@ -121,9 +97,12 @@ class OpenAIServing:
         else:
             raise not_found(f"route {route!r} does not exist.")
         response_id = random_id(prefix)
+        intake = self.engine.input_processor
+        params = partial(self._sampling_params, request)
         engine_requests = [
-            EngineRequest(f"{response_id}-{i}", text, ids, self._sampling_params(request, ids))
-            for i, (text, ids) in enumerate(prompts)
+            EngineRequest(f"{response_id}-{i}",
+                          intake.process(prompt, params, strict_max_tokens=True))
+            for i, prompt in enumerate(prompts)
         ]
         return PreparedRequest(route, request, response_id, int(time.time()), self.model_name,
                                engine_requests)
@@ -150,14 +129,10 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise not_found(f"The model `{model}` does not exist.", "model")
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.engine.tokenizer(prompt).input_ids)
-        return None, list(prompt)
-
-    def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The rendered conversation, tokenized once (by the template's renderer)."""
         try:
-            return apply_chat_template(
+            text, token_ids = apply_chat_template(
                 self.engine.tokenizer, request.conversation(),
                 add_generation_prompt=request.add_generation_prompt,
                 chat_template=request.chat_template,
@@ -165,22 +140,22 @@ class OpenAIServing:
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise bad_request(str(e), param) from e
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
-    def _sampling_params(self, request: Any, prompt_ids: list[int]) -> SamplingParams:
-        n, max_len = len(prompt_ids), self.max_model_len
-        check_prompt(prompt_ids, max_len, self.engine.model_config.vocab_size)
+    def _sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
+        """The request's params for a prompt of that length. An unset max_tokens is the
+        room the prompt leaves (at least 1: a prompt that leaves none is the intake's to
+        report)."""
+        default_max_tokens = max(1, self.max_model_len - num_prompt_tokens)
         try:
-            params = request.to_sampling_params(default_max_tokens=max_len - n)
+            return request.to_sampling_params(default_max_tokens=default_max_tokens)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field
             raise bad_request(str(e), field if field in type(request).model_fields else None) from e
-        if params.max_tokens is not None:
-            check_max_tokens(n, params.max_tokens, max_len)
-        return params
 
     # ---- running -------------------------------------------------------------------------
     def _admit(self, engine_requests: list[EngineRequest]) -> None:
-        limit, wanted = self.max_pending_requests, sum(r.params.n for r in engine_requests)
+        limit, wanted = self.max_pending_requests, sum(r.inputs.params.n for r in engine_requests)
         if limit is not None and wanted > limit:  # would never fit: not a retry-later case
             raise bad_request(f"this request needs {wanted} sequences (prompts x n), more than "
                               f"the {limit} this server admits at once.", "n")
@@ -188,7 +163,7 @@ class OpenAIServing:
             raise overloaded(
                 f"The server is overloaded: {self.num_pending} sequences in flight and this "
                 f"request adds {wanted}, at most {limit} allowed. Retry later.")
-        self._pending.update((r.request_id, r.params.n) for r in engine_requests)
+        self._pending.update((r.request_id, r.inputs.params.n) for r in engine_requests)
 
     def _release(self, engine_requests: list[EngineRequest]) -> None:
         for r in engine_requests:
@@ -198,9 +173,9 @@ class OpenAIServing:
         timer = self.metrics.request_timer()
         finished = False
         try:
-            stream = self.engine.generate(req.prompt_token_ids, req.params, req.request_id,
-                                          prompt=req.prompt)
-            async with aclosing(stream) if hasattr(stream, "aclose") else nullcontext(stream) as it:
+            # Closing the engine's stream before its last output is what aborts the request
+            # (the engine client owns that abort).
+            async with aclosing(self.engine.generate(req.inputs, req.request_id)) as it:
                 async for out in it:
                     if out.error:
                         raise EngineDeadError(out.error)
@@ -213,16 +188,6 @@ class OpenAIServing:
             self._pending.pop(req.request_id, None)
             if not finished:
                 timer.on_abort()
-                # The client went away (or the engine failed): free the request's KV now.
-                try:
-                    await asyncio.shield(self.engine.abort(req.request_id))
-                except EngineDeadError as e:  # nothing left to free
-                    logger.debug("abort(%s) after an unfinished stream: %r", req.request_id, e)
-                except Exception:
-                    logger.exception("abort(%s) after an unfinished stream failed",
-                                     req.request_id)
-                # CancelledError propagates: the caller is being cancelled (the shielded
-                # abort still runs to completion).
 
     async def _open(self, engine_requests: list[EngineRequest]):
         """Start every engine request and await its first output (errors surface here)."""

@@ -1,8 +1,8 @@
 """OpenAI's ``response_format`` and vLLM's ``structured_outputs`` extra, as request fields.
 
-Both become one ``StructuredOutputsParams`` on the request's SamplingParams. The spec is
-compiled once here (without a tokenizer), so a schema, regex or grammar that cannot
-compile is a 400 naming the problem before anything reaches the engine.
+Both become one ``StructuredOutputsParams`` on the request's SamplingParams. The intake
+(``validate_prompt``) compiles the spec once, without a tokenizer, so a schema, regex or
+grammar that cannot compile is a 400 naming the problem before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class StructuredOutputsRequest(BaseModel):
 def to_structured_outputs_params(response_format: ResponseFormat | None,
                                  structured_outputs: StructuredOutputsRequest | None
                                  ) -> StructuredOutputsParams | None:
-    """The request's constraint, compiled once to check it; ValueError names the field."""
+    """The request's constraint (not compiled here: the intake does that); ValueError
+    names the field."""
     params = None
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
@@ -68,8 +69,4 @@ def to_structured_outputs_params(response_format: ResponseFormat | None,
         params = StructuredOutputsParams(
             json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
             json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
-    if params is not None:
-        from raylm.runner.structured.xgrammar_backend import validate
-
-        validate(params)
     return params

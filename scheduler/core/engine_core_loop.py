@@ -8,6 +8,7 @@ EngineCore in a Ray actor that runs this same loop).
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -56,16 +57,53 @@ def next_output(outputs: queue.Queue, timeout: float | None) -> Any:
     return item
 
 
+class _Inbox:
+    """The FIFO of adds from other threads to the loop thread. It remembers which request
+    ids it holds, so that an abort can tell an add the loop has not admitted yet."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, Any]] = collections.deque()
+        self.lock = threading.Lock()
+        self.queued: collections.Counter[str] = collections.Counter()  # ids of queued adds
+
+    def put(self, item: tuple[str, Any]) -> None:
+        request_id = _add_id(item)
+        with self.lock:
+            self._items.append(item)
+            if request_id is not None:
+                self.queued[request_id] += 1
+
+    def get_nowait(self) -> tuple[str, Any]:
+        with self.lock:
+            if not self._items:
+                raise queue.Empty
+            item = self._items.popleft()
+            request_id = _add_id(item)
+            if request_id is not None:
+                self.queued[request_id] -= 1
+                if not self.queued[request_id]:
+                    del self.queued[request_id]
+            return item
+
+
+def _add_id(item: tuple[str, Any]) -> str | None:
+    kind, payload = item
+    return getattr(payload[0], "request_id", None) if kind == "add" else None
+
+
 class EngineCoreLoop:
     """Steps an EngineCore whenever it has work; sleeps on a condition otherwise.
 
-    Requests and aborts arrive from other threads; the loop thread is the only one that
-    calls into the scheduler, so the scheduler itself needs no locks.
+    Adds arrive from other threads through the inbox; the loop thread is the only one that
+    calls into the scheduler, so the scheduler itself needs no locks. Aborts go straight to
+    the EngineCore's own abort queue (thread-safe, applied on the loop thread).
     """
 
     def __init__(self, engine_core: Any) -> None:
         self.engine_core = engine_core
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox = _Inbox()
+        # Aborts of adds still in the inbox: sent right after their add is admitted.
+        self._aborts_after_add: set[str] = set()
         self._wakeup = threading.Event()
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._stopped = False
@@ -77,16 +115,25 @@ class EngineCoreLoop:
         """Queue a request without waiting for the loop thread (which admits new requests
         once per step: waiting here would let only one request join each step).
 
-        Validation that can fail for bad input runs here, in the caller's thread, on state
-        that never changes (pool size, max_model_len)."""
+        The engine-state checks (id in use, KV pool, structured-output backend) run here
+        too, in the caller's thread, so that the caller gets their ValueError at once."""
         self._check_alive()
         self.engine_core.scheduler.validate_request(request)
         self._inbox.put(("add", (request, None)))
         self._wakeup.set()
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        # Through the same FIFO as adds: an abort can never overtake the add it cancels.
-        self._inbox.put(("abort", list(request_ids)))
+        """One hop to the EngineCore's abort queue. An abort must not overtake the add it
+        cancels: one whose add is still in the inbox waits for that add's admission."""
+        now = []
+        with self._inbox.lock:
+            for request_id in request_ids:
+                if request_id in self._inbox.queued:
+                    self._aborts_after_add.add(request_id)
+                else:
+                    now.append(request_id)
+        if now:
+            self.engine_core.abort_requests(now)
         self._wakeup.set()
 
     def _check_alive(self) -> None:
@@ -96,16 +143,13 @@ class EngineCoreLoop:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                _, (request, done) = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "abort":
-                self.engine_core.abort_requests(payload)
-                continue
-            request, done = payload
             try:
                 self.engine_core.add_request(request)
             except ValueError as e:
+                self._send_abort_after_add(request)
                 if done is not None:
                     done.put(e)
                     continue
@@ -115,8 +159,18 @@ class EngineCoreLoop:
                 self.outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
                     request.request_id, [], finish_reason=FinishReason.ABORT)]))
                 continue
+            self._send_abort_after_add(request)
             if done is not None:
                 done.put(None)
+
+    def _send_abort_after_add(self, request: Any) -> None:
+        """Send the abort that waited for this add, once no add of its id is queued."""
+        request_id = getattr(request, "request_id", None)
+        with self._inbox.lock:
+            if request_id not in self._aborts_after_add or request_id in self._inbox.queued:
+                return
+            self._aborts_after_add.discard(request_id)
+        self.engine_core.abort_requests([request_id])
 
     def _run(self) -> None:
         try:

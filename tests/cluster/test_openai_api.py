@@ -8,7 +8,12 @@ import time
 import httpx
 import openai
 import pytest
-from test_openai_fakes import ENGINE_METRIC_NAMES, FakeEngine, running_server
+from test_openai_fakes import (
+    ENGINE_METRIC_NAMES,
+    FakeEngine,
+    cancel_once_running,
+    running_server,
+)
 
 from raylm.cluster.serve.routes import LocalBackend, build_openai_api
 from raylm.cluster.serve.serving import OpenAIServing
@@ -437,17 +442,10 @@ def test_cancelled_non_streaming_request_aborts_in_the_engine(tokenizer):
     slow = _slow_engine(tokenizer)
     serving = OpenAIServing(slow, MODEL)
 
-    async def go():
-        task = asyncio.ensure_future(serving.handle(
-            "/v1/completions", {"model": MODEL, "prompt": "cancel me", "max_tokens": FOREVER}))
-        while not slow.running:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(go())
+    asyncio.run(cancel_once_running(
+        serving.handle("/v1/completions", {"model": MODEL, "prompt": "cancel me",
+                                           "max_tokens": FOREVER}),
+        lambda: bool(slow.running), settle_s=0.1))
     assert slow.running == set() and len(slow.aborted) == 1 and serving.num_pending == 0
 
 

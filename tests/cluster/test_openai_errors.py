@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 import httpx
 import openai
@@ -100,23 +101,26 @@ def test_exception_classes_map_to_statuses():
     assert from_exception(EngineDeadError("worker 2 died")).status_code == 500
 
 
-class _SlowAbortEngine(FakeEngine):
-    """Its abort takes a while, so a cancel can arrive while it runs."""
+class _SlowCloseEngine(FakeEngine):
+    """Its streams take a while to close (an engine client whose abort awaits), so a cancel
+    can arrive meanwhile."""
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer, delay_s=0.02)
-        self.abort_started = asyncio.Event()
-        self.abort_done = False
+        self.close_started = asyncio.Event()
 
-    async def abort(self, request_id: str) -> None:
-        self.abort_started.set()
-        await asyncio.sleep(0.2)
-        await super().abort(request_id)
-        self.abort_done = True
+    async def generate(self, prompt, request_id):
+        try:
+            async with aclosing(super().generate(prompt, request_id)) as stream:
+                async for out in stream:
+                    yield out
+        finally:
+            self.close_started.set()
+            await asyncio.sleep(0.2)
 
 
 def test_cancel_during_the_abort_of_a_closed_stream_propagates(engine):
-    engine = _SlowAbortEngine(engine.tokenizer)
+    engine = _SlowCloseEngine(engine.tokenizer)
     serving = OpenAIServing(engine, MODEL)
 
     async def go():
@@ -124,11 +128,10 @@ def test_cancel_during_the_abort_of_a_closed_stream_propagates(engine):
             "model": MODEL, "prompt": "a", "max_tokens": 50, "stream": True})
         await anext(lines)
         closing = asyncio.ensure_future(lines.aclose())  # the client went away
-        await engine.abort_started.wait()
+        await engine.close_started.wait()
         closing.cancel()  # ... and the server is shutting down
         with pytest.raises(asyncio.CancelledError):
             await closing
-        await asyncio.sleep(0.3)  # the shielded abort still completes
 
     asyncio.run(go())
-    assert engine.abort_done and engine.running == set() and serving.num_pending == 0
+    assert len(engine.aborted) == 1 and engine.running == set() and serving.num_pending == 0

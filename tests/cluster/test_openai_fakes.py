@@ -1,7 +1,8 @@
 """A fake EngineClient (deterministic tokens) and a loopback uvicorn server, for the API tests.
 
 The fake obeys max_tokens, stop strings, stop_token_ids, n and logprobs like the real engine,
-streams cumulative RequestOutputs, counts aborts, and can be told to die.
+streams cumulative RequestOutputs, counts aborts (a stream closed before its last output),
+and can be told to die.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import uvicorn
 
 from raylm.cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from raylm.cluster.engine.processor import InputProcessor, ValidatedPrompt
 from raylm.scheduler.config.engine_config import ModelConfig
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.sampling_params import SamplingParams
@@ -36,6 +38,8 @@ class FakeEngine:
         self.model_config = ModelConfig(model="fake-model", max_model_len=max_model_len, hf_config={
             "architectures": ["LlamaForCausalLM"], "max_position_embeddings": max_model_len,
             "vocab_size": 512, "eos_token_id": 2})
+        # The real intake: the fake validates and tokenizes what the real engine would.
+        self.input_processor = InputProcessor(self.model_config, tokenizer)
         self.delay_s = delay_s
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -58,10 +62,10 @@ class FakeEngine:
             entries[other] = Logprob(-0.25 * r, r, self.tokenizer.decode([other]))
         return entries
 
-    async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
+    async def generate(self, prompt: ValidatedPrompt, request_id: str):
         if self.dead:
             raise EngineDeadError(self.dead)
-        params = sampling_params
+        params, prompt_token_ids = prompt.params, prompt.prompt_token_ids
         self.seen.append((list(prompt_token_ids), params))
         self.running.add(request_id)
         self.prompt_tokens += len(prompt_token_ids)
@@ -77,7 +81,7 @@ class FakeEngine:
                     if c.finish_reason is None:
                         self._append(c, plan[k], params, last=k == len(plan) - 1)
                 finished = all(c.finish_reason is not None for c in choices)
-                yield RequestOutput(request_id, prompt, list(prompt_token_ids),
+                yield RequestOutput(request_id, prompt.prompt, list(prompt_token_ids),
                                     [_copy(c) for c in choices], finished)
                 if finished:
                     return
@@ -105,11 +109,6 @@ class FakeEngine:
         if last:
             c.finish_reason = "length"
 
-    async def abort(self, request_id: str) -> None:
-        if request_id in self.running:
-            self.running.discard(request_id)
-            self.aborted.append(request_id)
-
     async def check_health(self) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
@@ -131,6 +130,21 @@ def _copy(c: CompletionOutput) -> CompletionOutput:
     return CompletionOutput(c.index, c.text, list(c.token_ids), None,
                             list(c.logprobs) if c.logprobs is not None else None,
                             c.finish_reason, c.stop_reason)
+
+
+async def cancel_once_running(request, running, deadline_s: float = 60.0,
+                              settle_s: float = 0.05) -> None:
+    """Start ``request`` (a coroutine), wait until ``running()`` says the engine has it,
+    let it run ``settle_s`` more, cancel it and check the cancellation reached it."""
+    task = asyncio.ensure_future(request)
+    deadline = time.monotonic() + deadline_s
+    while not running():
+        assert time.monotonic() < deadline, "the request never started"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(settle_s)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def free_port() -> int:
@@ -169,7 +183,8 @@ def tokenizer(llama_path):
 
 def _collect(engine, ids, params):
     async def go():
-        return [out async for out in engine.generate(ids, params, "r")]
+        prompt = engine.input_processor.process(ids, params)
+        return [out async for out in engine.generate(prompt, "r")]
     return asyncio.run(go())
 
 

@@ -1,0 +1,35 @@
+"""An OpenAI API call after the intake: what the engine runs and what the answer needs.
+
+``serving`` builds these and ``responses`` formats from them; both import this module and
+``serving`` imports ``responses``, so the dependency runs one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raylm.cluster.engine.processor import ValidatedPrompt
+from raylm.cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+@dataclass
+class EngineRequest:
+    """One prompt of an API call, as the engine receives it."""
+
+    request_id: str
+    inputs: ValidatedPrompt
+
+
+@dataclass
+class PreparedRequest:
+    """An API call after validation: what to run and how to answer."""
+
+    kind: str  # COMPLETIONS or CHAT_COMPLETIONS
+    request: CompletionRequest | ChatCompletionRequest
+    response_id: str
+    created: int
+    model: str
+    engine_requests: list[EngineRequest]
