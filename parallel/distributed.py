@@ -66,7 +66,7 @@ def pick_device(local_rank: int, expect_cuda: bool = False) -> tuple[torch.devic
     """(device, backend) of this rank: CUDA and nccl when present, else CPU and gloo.
 
     ``expect_cuda``: the process was given a GPU (by Ray); then running on CPU would leave
-    the GPU idle and the model ~100x slower, so a missing CUDA is an error, not a fallback.
+    the GPU idle and the model far slower, so a missing CUDA is an error, not a fallback.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)

@@ -1,15 +1,9 @@
 """The Gloo CPU process group that keeps DP ranks in lockstep waves (docs/architecture.md §5).
 
-One EngineCore per DP rank; each rank's workers may own torch.distributed's default
-group (their TP/PP world), so the DP group is *stateless*: a ProcessGroupGloo built
-directly on a TCPStore, never registered as the default group, safe to create in a
-process that already has one. DP rank 0 hosts the store (``StoreRendezvous.publish``,
-OS-picked port, so no port race) and publishes (host, port); every rank then joins
-concurrently.
-
-Every wait is bounded by ``timeout_s``: a rank that never joins or dies mid-collective
-raises (``TimeoutError``/``RuntimeError`` naming the rank and the rendezvous) instead of
-hanging; the DP loop turns that into an EngineDeadError.
+It is stateless (a ProcessGroupGloo on its own TCPStore, never the default group) because
+a rank's workers may already own torch.distributed's default group. DP rank 0 hosts the
+store on an OS-picked port; every wait is bounded by ``timeout_s``, so a lost rank raises
+instead of hanging (the DP loop turns that into an EngineDeadError).
 """
 
 from __future__ import annotations

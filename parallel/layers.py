@@ -1,12 +1,10 @@
 """Tensor-parallel linear layers (Megatron layout, vLLM's names).
 
-Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: it receives
-the *full* checkpoint tensor, or a lazy handle to it (``LazyWeight``), and copies this rank's
-shard into ``param``. A loader only ``narrow``s out its shard (a lazy handle reads just that
-range from the checkpoint, so each TP rank reads ~1/TP of the sharded weights) and reads
-whole, through ``read_whole``, only what every rank keeps entire (a row-parallel bias).
-Column-parallel layers split the output features, row-parallel ones the input features
-(then all-reduce).
+Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: it
+``narrow``s this rank's shard out of the checkpoint tensor or of a lazy handle to it
+(``LazyWeight``: each TP rank then reads only its range), and reads whole, through
+``read_whole``, only what every rank keeps entire (a row-parallel bias). Column-parallel
+layers split the output features, row-parallel ones the input features (then all-reduce).
 """
 
 from __future__ import annotations
@@ -68,18 +66,17 @@ def get_pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
-# Up to this many rows, a CPU linear runs as (W @ x^T)^T: oneDNN/MKL pick a much faster
-# kernel for a tall-skinny weight-major product (measured on lm_head and down_proj at 32
-# rows, fp32); from ~128 rows on the plain product is as fast or faster.
+# Up to this many rows, a CPU linear runs as (W @ x^T)^T: oneDNN/MKL pick a faster kernel
+# for a tall-skinny weight-major product; for larger batches the plain product is as fast.
 _CPU_TRANSPOSED_LINEAR_MAX_ROWS = 64
 
 
 def pack_cpu_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a CPU linear weight (fp32 or bf16), or None where there is
-    none to make. A linear over it runs 1.1-3x faster than MKL's GEMM on the same weight
-    (this machine, an AVX-512 EPYC, 1-512 rows: MKL takes its slower path on non-Intel
-    CPUs, oneDNN does not); vLLM-CPU packs its linears the same way. The rounding differs
-    from MKL's in the last bits, as MKL's own differs between batch sizes."""
+    none to make. A linear over it beats MKL's GEMM on the same weight (MKL takes its
+    slower path on non-Intel CPUs, oneDNN does not); vLLM-CPU packs its linears the same
+    way. The rounding differs from MKL's in the last bits, as MKL's own differs between
+    batch sizes."""
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
             or not torch.backends.mkldnn.is_available()):
         return None
@@ -181,11 +178,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def forward_split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One output per projection (this rank's shard of each). On CPU with MKL each
-        projection is its own matmul over a row block (a view) of the fused weight:
-        measured faster than one wide matmul whose output is then read through strided
-        chunks (the 120m MLP at batch 32). Elsewhere, a packed CPU weight included (one
-        oneDNN matmul measured as fast or faster than two), one fused matmul split into
-        views."""
+        projection is its own matmul over a row block (a view) of the fused weight, which
+        beats one wide matmul whose output is then read through strided chunks. Elsewhere,
+        a packed CPU weight included (one oneDNN matmul is as fast as two), one fused
+        matmul split into views."""
         if x.device.type != "cpu" or self.packed_weight is not None:
             return list(self(x).split(self.output_sizes_per_partition, dim=-1))
         weights = self.weight.split(self.output_sizes_per_partition, dim=0)

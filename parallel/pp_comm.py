@@ -1,23 +1,10 @@
 """Pipeline-parallel transport over torch.distributed (the runner's ``PPTransport``).
 
-Two kinds of traffic, on two groups with the same ranks (one pair of groups per TP index;
-vLLM layout, ``rank = pp_rank * tp + tp_rank``):
-
-- stage to stage, on ``ctx.pp_group``: each step that runs the model, stage p sends its
-  hidden states and residual (``[total_num_scheduled_tokens, hidden_size]`` each) to stage
-  p + 1. Every rank holds the same SchedulerOutput, so the receiver allocates the shape
-  itself and no shape message travels; empty steps send nothing on either side.
-- the last stage's sampled ids, on a broadcast group of their own (async scheduling): one
-  ``[num_scheduled_reqs, width]`` int64 broadcast per step that ran the model (width 1, or
-  with speculative decoding each row's count and accepted run), which the other
-  stages consume pp_size steps later (``raylm.runner.pp_ring``). On its own group it never
-  queues behind hidden states: gloo gives the group its own pairs and worker threads, NCCL
-  its own communicator and stream, so neither side's compute stream waits for it.
-
-Sends are non-blocking: their buffers are kept until the work completes (a gloo send
-reads its buffer after ``isend`` returns; NCCL's caching allocator must not reuse it).
-A peer is never more than ``max_concurrent_batches`` steps behind, so the backlog is
-bounded; the bound below is a backstop that waits for the oldest send.
+Hidden states and residuals go stage to stage on ``ctx.pp_group`` (no shape message: every
+rank holds the same SchedulerOutput); the last stage's sampled ids go on a broadcast group
+of their own, so they never queue behind hidden states (docs/architecture.md §4). Sends are
+non-blocking and keep their buffers until done; a peer is at most
+``max_concurrent_batches`` steps behind, so the backlog is bounded.
 """
 
 from __future__ import annotations

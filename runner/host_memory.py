@@ -1,14 +1,10 @@
 """How CPU workers hold host memory: freed memory stays mapped, the KV cache in huge pages.
 
-glibc returns large freed blocks to the kernel (those above its adaptive mmap threshold)
-and trims the top of the heap; the next step's tensors of a similar size then fault every
-page in again. A CPU step allocates megabytes of activations, logits and gathered KV
-whose sizes change from step to step, so a mixed workload takes tens of thousands of
-minor faults per run (README, offline throughput). Raising both
-thresholds keeps those pages for reuse, the effect vLLM's CPU backend gets from preloading
-tcmalloc. The setting is process-wide and trades a peak-sized heap for it; an engine's
-worker process wants that, and ``RAYLM_CPU_KEEP_FREED_MEMORY=0`` leaves glibc alone.
-The KV cache is allocated apart from the heap (``huge_page_zeros``).
+A CPU step's tensors change size from step to step, and glibc returns large freed blocks
+to the kernel, so the next step faults their pages in again. Raising glibc's mmap and trim
+thresholds keeps them (what vLLM's CPU backend gets from tcmalloc), process-wide, for a
+peak-sized heap; ``RAYLM_CPU_KEEP_FREED_MEMORY=0`` leaves glibc alone. The KV cache is
+allocated apart from the heap (``huge_page_zeros``).
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     pages (Linux).
 
     For the CPU KV cache: a step reads every row's blocks from scattered places in a pool
-    of hundreds of MiB, so with 4 KiB pages nearly every block costs a TLB miss; 2 MiB
-    pages cut the decode attention's time by ~10% (bench/attention.py). The kernel's THP
+    of hundreds of MiB, so with 4 KiB pages nearly every block costs a TLB miss, which
+    2 MiB pages avoid (bench/attention.py measures it). The kernel's THP
     setting "madvise", the common default, gives huge pages only to memory that asks,
     and the heap cannot ask reliably: its pages may already be faulted in as 4 KiB ones.
     Without THP the advice is refused and the mapping works as plain memory."""

@@ -1,14 +1,10 @@
 """Per-request worker state and the persistent batch it lives in.
 
-The scheduler sends diffs, so the worker keeps, for every request it has been told about,
-its tokens, block table and sampling parameters in row-major numpy arrays. Rows stay put
-from step to step (the common case: the batch is unchanged and in order); removals are
-filled by moving the last rows into the holes (``condense``), like vLLM's InputBatch.
-
-Token history: ``token_ids[row, :num_tokens]`` is prompt + outputs. Under async
-scheduling an output the device has sampled but the CPU has not yet seen is ``-1`` (a
-placeholder); it is filled only when something needs its value (penalties, or an input
-that cannot be taken from the previous step's device tensor).
+The scheduler sends diffs, so the worker keeps each request's tokens, block table and
+sampling parameters in row-major numpy arrays whose rows stay put from step to step
+(removals are filled from the end, ``condense``). ``token_ids[row, :num_tokens]`` is prompt
++ outputs; under async scheduling an output not yet on the host is ``-1`` until something
+needs its value (docs/architecture.md §3 rule 6).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """One rank's model runner: apply the SchedulerOutput diff, prepare inputs, run the model,
-sample, and hand back the result (at once in sync mode, as a pending copy in async mode).
+and on the last PP stage sample (or verify drafts) and return the result.
 
-Async scheduling (docs/architecture.md §3, rule 6): the sampled ids stay on the device as
-``input_batch.prev_sampled_token_ids`` and feed the next step's inputs there; the host
-copy starts right after sampling and is awaited only by ``AsyncModelRunnerOutput
-.get_output()`` (the executor's output thread) or when penalties need the history. The
-runner's own token history holds -1 placeholders until then.
-
-Async pipeline parallelism (docs/architecture.md §4): the last stage broadcasts each step's sampled
-ids over the ``SampledTokenTransport`` it is handed; every other stage keeps a
-``SampledTokenRing`` and, before preparing step s, takes the broadcast of step s - pp_size
-as ``prev_sampled_token_ids`` (with the ``sampled_req_id_to_index`` it booked for that
-step), so the first stage writes those ids into its inputs on the device. With
-speculative decoding the broadcast carries each request's accepted run instead (count and
-tokens), which the earlier stages write into their host history (they draft from it).
-Sync PP needs no ring: the scheduler already knows every input and sends it in
-``new_token_ids``.
+Under async scheduling the sampled ids stay on the device for the next step's inputs and
+the host copy is awaited only when needed (docs/architecture.md §3 rule 6). Under async PP
+the other stages book the same -1 placeholders and take the last stage's broadcast from a
+``SampledTokenRing`` pp_size steps later (§4); sync PP needs no ring.
 """
 
 from __future__ import annotations
@@ -184,24 +173,15 @@ class ModelRunner:
         the stages itself sets ``prev_sampled_token_ids`` on the earlier stages.
         ``recv_intermediate`` (speculative decoding, not the first stage) receives the
         hidden states once the drafts have fixed the step's size."""
-        so = scheduler_output
         assert self.deferred_sampling is None, (
-            f"step {so.step_id} arrived before step {self.deferred_sampling.step_id} was "
-            "sampled (sample_tokens must follow a step with structured outputs)")
-        if so.scheduled_spec_decode_tokens and self.speculator is None:
+            f"step {scheduler_output.step_id} arrived before step "
+            f"{self.deferred_sampling.step_id} was sampled (sample_tokens must follow a step "
+            "with structured outputs)")
+        if scheduler_output.scheduled_spec_decode_tokens and self.speculator is None:
             raise ValueError("scheduled_spec_decode_tokens is not empty but this runner has "
                              "no speculative_config.")
-        self._settle_placeholders(block=False)
-        self._update_states(so)
         ring = self.pp_ring if pp_transport is not None else None
-        # After _update_states: a request that left this step drops its tokens.
-        delivery = ring.take() if ring is not None else None
-        if self.speculator is not None:
-            if ring is not None:  # the runs accepted pp_size steps ago, before drafting
-                self.speculator.receive_verified(delivery)
-            so = self.speculator.begin_step(so)  # drafts in, positions from this rank
-        elif ring is not None:
-            self._receive_sampled_token_ids(delivery)
+        so = self._begin_step(scheduler_output, ring)
         if so.total_num_scheduled_tokens == 0:
             if ring is not None:
                 ring.put(None)  # the ring advances on empty steps too
@@ -214,39 +194,73 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             intermediate_tensors)
         if not self.ctx.is_last_pp_rank:
-            if self.speculator is not None:
-                # The accepted runs come back whole through the ring: no placeholders.
-                self.speculator.end_step_non_last(batch)
-                placeholders = None
-                self.sampled_req_id_to_index = {
-                    batch.req_ids[i]: i for i in np.flatnonzero(batch.sample_mask).tolist()}
-            else:
-                placeholders = self._bookkeeping_non_last(batch)
-            if ring is not None:
-                ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs,
-                                                             self._broadcast_width),
-                         self.sampled_req_id_to_index, placeholders)
-            return hidden
+            return self._execute_earlier_stage(batch, hidden, ring, pp_transport)
         if self.speculator is not None:
-            prompt_logprobs = self._prompt_logprobs(batch, hidden)
-            if so.structured_output_request_ids:
-                # The grammar checks the drafts first: they go to the EngineCore, and the
-                # verification waits for sample_tokens with the bitmask of what it kept.
-                self.deferred_sampling = DeferredSampling(so.step_id, batch, hidden,
-                                                          pp_transport, prompt_logprobs)
-                return self.speculator.take_draft_token_ids(so.structured_output_request_ids)
-            result = self.speculator.verify(batch, hidden, self.model, self.sampler)
-            result.prompt_logprobs_dict = prompt_logprobs
-            self._broadcast_verified(result, pp_transport)
-            return result
+            return self._execute_last_stage_speculative(so, batch, hidden, pp_transport)
+        return self._execute_last_stage(so, batch, hidden, pp_transport)
+
+    def _begin_step(self, so: SchedulerOutput, ring: SampledTokenRing | None
+                    ) -> SchedulerOutput:
+        """Settle landed copies, apply the diff, then take the ring's delivery: after the
+        diff, so a request that left drops its tokens; before drafting and input
+        preparation, which read it. Returns the step to prepare (drafts placed)."""
+        self._settle_placeholders(block=False)
+        self._update_states(so)
+        delivery = ring.take() if ring is not None else None
+        if self.speculator is None:
+            if ring is not None:
+                self._receive_sampled_token_ids(delivery)
+            return so
+        if ring is not None:  # the runs accepted pp_size steps ago, before drafting
+            self.speculator.receive_verified(delivery)
+        return self.speculator.begin_step(so)  # drafts in, positions from this rank
+
+    def _execute_earlier_stage(self, batch: StepBatch, hidden: IntermediateTensors,
+                               ring: SampledTokenRing | None,
+                               pp_transport: SampledTokenTransport | None
+                               ) -> IntermediateTensors:
+        """A stage that does not sample: book what the last stage will sample, post the
+        receive of its broadcast (async PP), and hand the hidden states on."""
+        if self.speculator is not None:
+            # The accepted runs come back whole through the ring: no placeholders.
+            self.speculator.end_step_non_last(batch)
+            placeholders = None
+            self.sampled_req_id_to_index = {
+                batch.req_ids[i]: i for i in np.flatnonzero(batch.sample_mask).tolist()}
+        else:
+            placeholders = self._bookkeeping_non_last(batch)
+        if ring is not None:
+            ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs, self._broadcast_width),
+                     self.sampled_req_id_to_index, placeholders)
+        return hidden
+
+    def _execute_last_stage(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
+                            pp_transport: SampledTokenTransport | None
+                            ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """Logits of the sampled positions, then sampling; with a grammar, the logits wait
+        for ``sample_tokens`` (its bitmask is not known yet) and the step returns None."""
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if so.structured_output_request_ids:
-            # The grammar bitmask is not known yet: keep the logits for sample_tokens.
             self.deferred_sampling = DeferredSampling(so.step_id, batch, logits, pp_transport,
                                                       prompt_logprobs)
             return None
         return self._sample(batch, logits, pp_transport, prompt_logprobs)
+
+    def _execute_last_stage_speculative(self, so: SchedulerOutput, batch: StepBatch,
+                                        hidden: torch.Tensor,
+                                        pp_transport: SampledTokenTransport | None
+                                        ) -> ModelRunnerOutput | DraftTokenIds:
+        """Verify the drafts. With a grammar it checks the drafts first: they go to the
+        EngineCore, and the verification waits for ``sample_tokens`` with the bitmask of
+        what it kept (the hidden states wait, not logits: which positions are verified
+        depends on that)."""
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if so.structured_output_request_ids:
+            self.deferred_sampling = DeferredSampling(so.step_id, batch, hidden, pp_transport,
+                                                      prompt_logprobs)
+            return self.speculator.take_draft_token_ids(so.structured_output_request_ids)
+        return self._verify(batch, hidden, pp_transport, prompt_logprobs)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput
@@ -256,11 +270,8 @@ class ModelRunner:
         if state is None:
             raise RuntimeError("sample_tokens without a step waiting for its sampling")
         if self.speculator is not None:
-            result = self.speculator.verify(state.batch, state.logits, self.model, self.sampler,
-                                            grammar_output)
-            result.prompt_logprobs_dict = state.prompt_logprobs
-            self._broadcast_verified(result, state.pp_transport)
-            return result
+            return self._verify(state.batch, state.logits, state.pp_transport,
+                                state.prompt_logprobs, grammar_output)
         apply_grammar_bitmask(state.logits, state.batch.req_ids, grammar_output)
         return self._sample(state.batch, state.logits, state.pp_transport,
                             state.prompt_logprobs)
@@ -277,6 +288,16 @@ class ModelRunner:
             # receive), non-final prefill chunks' rows included: its size is the batch's.
             pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
         return self._bookkeeping(batch, out, prompt_logprobs)
+
+    def _verify(self, batch: StepBatch, hidden: torch.Tensor,
+                pp_transport: SampledTokenTransport | None,
+                prompt_logprobs: dict[str, PromptLogprobsChunk],
+                grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Verify the drafts and, under async PP, send the accepted runs to the others."""
+        result = self.speculator.verify(batch, hidden, self.model, self.sampler, grammar_output)
+        result.prompt_logprobs_dict = prompt_logprobs
+        self._broadcast_verified(result, pp_transport)
+        return result
 
     @property
     def _broadcast_width(self) -> int:

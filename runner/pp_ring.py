@@ -1,26 +1,11 @@
-"""The sampled-token ring of a pipeline stage that does not sample (async PP, docs/architecture.md §4).
+"""The sampled-token ring of a stage that does not sample (async PP, docs/architecture.md §4).
 
-Only the last stage samples. After each step that ran the model it broadcasts the step's
-sampled ids to the other stages; the first stage needs them as inputs, but never sooner
-than the scheduler's cadence lets the request decode again: ``decode_stagger = pp_size``
-steps later. So an earlier stage posts the receive of step s's broadcast right after
-running step s and consumes it exactly ``pp_size`` steps later, before preparing step
-s + pp_size: a ring of ``pp_size`` slots, pre-seeded empty (the steps before the first one
-broadcast nothing), advanced once per step, empty steps included. Every rank of a PP
-group sees the same SchedulerOutputs, so they all count steps alike and no message says
-which step a broadcast belongs to.
-
-Rows: every request the stage holds has a ring row while it is held, and every row a
-generation counter bumped when the request leaves (finished, aborted, preempted). A slot
-remembers the (row, generation) of each request that sampled in it; on delivery, the
-tokens of rows freed in between (perhaps reused by another request, or by the same
-request re-added after a preemption) are dropped: they belong to a state that is gone.
-
-Sync scheduling uses no ring and no broadcast: there the scheduler only schedules an input
-it has already seen, so it sends it (``CachedRequestData.new_token_ids``) to every rank, and
-the sync path stays free of device-side hand-offs, the reference to debug this one against.
-
-Pure bookkeeping: the receive handles and the runner's payload are opaque here.
+The receive of step s's broadcast is posted right after step s and consumed exactly
+pp_size steps later, before step s + pp_size is prepared (the decode cadence makes that
+soon enough), so a ring of pp_size slots advanced once per step, empty steps included,
+needs no step ids. Each row has a generation counter bumped when its request leaves; on
+delivery the tokens of rows freed in between are dropped. Pure bookkeeping: the receive
+handles and the runner's payload are opaque here.
 """
 
 from __future__ import annotations

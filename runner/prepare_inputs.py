@@ -1,14 +1,9 @@
 """Turn one SchedulerOutput (already applied to the InputBatch) into device inputs.
 
-Everything is vectorised with numpy over the scheduled rows; the only per-request Python
-is the dict lookups that map request ids to rows. Host staging buffers are reused from
-step to step and copied to separate device buffers.
-
-Async scheduling: a decode row whose input is the token sampled in the previous step gets
-it on the device, from ``input_batch.prev_sampled_token_ids``: one slice copy when those
-rows are the first n rows in the same order as before (the steady state), else one index
-scatter. The index tensors are built from positions only; the CPU never reads a token
-value to build inputs.
+Vectorised with numpy over the scheduled rows, with host staging buffers reused from step
+to step. Under async scheduling a decode's input sampled in the previous step is taken on
+the device from ``input_batch.prev_sampled_token_ids`` (one slice copy in the steady
+state, else one index scatter): the host never reads a token value to build inputs.
 """
 
 from __future__ import annotations

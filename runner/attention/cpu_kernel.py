@@ -1,13 +1,9 @@
 """The CPU paged-attention kernel (``csrc/paged_attention.cpp``), built on first use.
 
-The torch ragged kernel (ragged_attention.py) gathers every (token, KV block) pair's K/V
-into new tensors and runs softmax passes over them; on CPU that copy and those passes
-were most of the attention's time. The C++ kernel reads each block in place, one task per
-(token, KV head) with an online softmax, parallel over the torch thread team. It is
-compiled with the machine's compiler the first time it is asked for on a machine (about
-10 s here) into ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later
-processes load that build. Where it cannot be built, or with
-RAYLM_CPU_ATTENTION_KERNEL=0, the torch kernel runs instead.
+On CPU the torch ragged kernel's gathers and softmax passes dominate attention; this
+kernel reads each KV block in place (a task per token and KV head, online softmax). It is
+compiled once per machine into ``TORCH_EXTENSIONS_DIR`` and loaded by later processes;
+where it cannot be built, or with RAYLM_CPU_ATTENTION_KERNEL=0, the torch kernel runs.
 """
 
 from __future__ import annotations

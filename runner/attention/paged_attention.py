@@ -1,25 +1,11 @@
 """Paged attention in plain torch (CPU and CUDA, no extra packages).
 
-KV cache, per layer: key and value tensors ``[num_blocks, num_kv_heads, block_size,
-head_dim]`` (vLLM's block-major layout); token ``p`` of a request lives at offset
-``p % bs`` of block ``block_table[p // bs]``. ``num_kv_heads`` is this rank's KV heads
-(whatever the TP split gave the layer); nothing here depends on the global count. Each
-step first writes the new keys/values, then attends. A step's query rows have any length,
-causal inside the row (a query at position ``p`` sees keys ``0..p`` of its sequence):
-
-- short rows (at most ``RAGGED_MAX_QUERY_LEN`` tokens: decodes, speculative rows of
-  1 + k tokens, short chunks) go through the ragged kernel (``ragged_attention.py``) token
-  by token: one (query token, KV block) pair per block the token can see, a partial
-  softmax per pair, the partials combined per token; on CPU, a C++ kernel
-  (``cpu_attention.py``) that walks each token's blocks in place. Either way the cost is
-  the sum of the tokens' contexts rounded up to a block, not ``batch x longest context``.
-- long rows (prompts and prefill chunks) run one ``scaled_dot_product_attention`` each; a
-  chunk with earlier context reads that context from the cache with a causal mask shifted
-  by its offset.
-
-The metadata is built once per step on the host (numpy), uploaded in one copy (non-blocking
-from pinned memory on CUDA, so a step never waits for the device here) and shared by
-every layer.
+KV cache per layer: key and value ``[num_blocks, num_kv_heads, block_size, head_dim]``
+(vLLM's layout); token ``p`` is at offset ``p % bs`` of block ``block_table[p // bs]``.
+Short query rows (decodes, speculative 1 + k rows) take the ragged kernel (ragged.py, or
+cpu_kernel.py on CPU), costing the sum of the contexts, not batch x longest; long rows
+(prefill) run one ``scaled_dot_product_attention`` each. The metadata is built once per
+step on the host, uploaded in one non-blocking copy and shared by every layer.
 """
 
 from __future__ import annotations
@@ -195,7 +181,7 @@ def build_attention_metadata(
 def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of the (block, head) ``rows`` [..., H, nb] of a
     ``[num_blocks, H, bs, D]`` cache, as ``[..., H, length, D]`` (each (.., head) slab
-    contiguous; index_select is several times faster on CPU than advanced indexing)."""
+    contiguous; on CPU index_select is much faster than advanced indexing)."""
     num_blocks, num_heads, bs, head_dim = cache.shape
     out = cache.view(num_blocks * num_heads, bs, head_dim).index_select(0, rows.reshape(-1))
     nb = rows.shape[-1]

@@ -1,32 +1,10 @@
 """Ragged paged attention: each query token against exactly the KV blocks it can see.
 
-A query token at position ``p`` of its sequence sees keys ``0..p``, i.e. blocks
-``0..p // bs`` of its block table. Every (token, block) pair is one entry of a batch:
-
-    scores = q_token . K_block^T * scale  (+ -inf past the token's last key)   [P, H, G, bs]
-    M      = the token's max score over all its pairs (a scatter-max of the block maxima)
-    out    = sum_pairs exp(scores - M) @ V_block / sum_pairs sum exp(scores - M)
-
-(a softmax over the token's keys, computed block by block and summed per token: exact up
-to float summation order). The cost is the sum over tokens of their context rounded up to a block, never
-``batch x longest``; K/V are read block by block straight from the ``[num_blocks, H, bs, D]``
-cache (one ``index_select`` over whole blocks, each a contiguous ``[H, bs, D]`` slab).
-GQA costs nothing extra: the ``G`` query heads sharing a KV head form that head's query
-matrix ``[G, D]``. A row of several query tokens (speculative decoding's 1 + k, a short
-chunk) is causal by construction: each token has its own pairs and its own limit.
-
-Why this and not padded sdpa: padded decode attention costs ``batch x longest context``;
-with contexts drawn 16-768 a batch pays for ~2x the keys it needs, and one long row makes
-every row pay (bench/attention.py measures both). It is plain torch ops, so the same code
-runs on CPU and CUDA (on CUDA every op stays on the stream; the metadata arrives in one
-non-blocking copy).
-
-Precision: scores, softmax and the combine are float32 whatever the model dtype; bf16
-models multiply in bf16 (as transformers' eager attention does) and accumulate in float32.
-
-On CPU the same tokens go to a C++ kernel instead when it is available (cpu_attention.py):
-it needs no pairs, only each token's block-table row and key count, and reads the blocks
-in place.
+Every (token, visible block) pair is one batch entry; a softmax computed block by block and
+combined per token (scatter-max, then sums) is exact up to float summation order. So the
+cost is the sum of the tokens' contexts, not batch x longest as with padded sdpa, and a
+row of several tokens is causal by construction. Plain torch ops (CPU and CUDA), scores
+and softmax in float32; on CPU, cpu_kernel.py does the same with the blocks in place.
 """
 
 from __future__ import annotations

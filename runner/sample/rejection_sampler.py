@@ -1,17 +1,10 @@
 """Verification of point-mass drafts (ngram lookups and greedy draft models).
 
-Every verified position is sampled by the ordinary Sampler, as if the drafts before it
-had been accepted: greedy rows take the argmax, random rows the Gumbel-max draw of the
-stateless RNG keyed by (seed, position). Draft j is accepted iff it equals the target's
-own token at its position and every earlier draft was accepted; the first mismatch emits
-the target's token instead, and a fully accepted run emits the bonus token after it.
-
-This is speculative (rejection) sampling for a draft distribution q that is a point mass
-on the draft x: acceptance happens with probability p(x) = min(1, p(x) / q(x)), and on
-rejection the emitted token is distributed as p restricted to tokens other than x,
-renormalised, which is norm(max(p - q, 0)). So the output distribution is exactly the
-target's. The coupling through the RNG gives more: for a given seed the tokens are the
-ones the request produces without speculation, in any batch, with async on or off.
+Every verified position is sampled by the ordinary Sampler as if the drafts before it were
+accepted; draft j is accepted iff it equals that token and every earlier draft was
+accepted. For a point-mass draft this is exact rejection sampling (the output follows the
+target's distribution), and with the stateless RNG a seeded request gets the tokens it
+gets without speculation.
 """
 
 from __future__ import annotations

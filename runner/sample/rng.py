@@ -1,15 +1,10 @@
 """Stateless, counter-based random numbers for sampling.
 
-The uniform for vocabulary entry ``v`` of the token at sequence position ``p`` of a request
-with seed ``s`` is a pure hash of ``(s, p, v)``. Nothing advances: the same request draws
-the same token alone or in any batch, at any timing, with any parallelism, and tokens
-sampled for discarded prefill chunks consume nothing.
-
-The hash is a 32-bit integer mixer (two xor-shift-multiply rounds). Per-row and
-per-vocabulary keys are evaluated on int64 tensors holding values below 2**32 (the
-multiplier is below 2**27, so no product overflows int64); the [B, V] part runs on int32
-tensors with the same bits (products wrap modulo 2**32, shifts masked to logical ones).
-The same integers come out on every device.
+The uniform for vocabulary entry ``v`` at sequence position ``p`` of a request with seed
+``s`` is a pure hash of ``(s, p, v)``: nothing advances, so a request draws the same token
+alone or in any batch, at any timing and parallelism. The hash (a 32-bit xor-shift-multiply
+mixer) is evaluated so that no product overflows and the same integers come out on every
+device.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """When drafting cannot pay, stop: a per-request rule for how many drafts to propose.
 
-Model: a verifying step accepts draft j only if drafts 1..j-1 were accepted, each with the
-same probability p, so draft j is accepted with probability p**j. Verifying a draft
-position costs c (in units of the cost of one emitted token) and an accepted draft saves
-one token's worth, so draft j pays iff p**j >= c. A request proposes the drafts that
-pay: the largest j <= k with p**j >= c. The cost depends on the step: with a step
-costing a fixed overhead plus a share per position, c = B / (B + overhead) for a step
-of B requests (``step_position_cost``): extra positions are nearly free beside a lone
-request, and cost nearly a token each in a large batch.
-
-Estimate of p: a step that verified d drafts and accepted a of them observed a successes,
-plus one failure when a < d (the run stopped at a rejection); p is successes / trials
-over the request's verifying steps, older steps decayed by ``decay`` per step, starting
-from one optimistic pseudo-success (drafting is tried first).
-
-Back-off: when not even one draft pays, the request drafts nothing for ``backoff`` of its
-decode steps (a decode then runs one token, as without speculation), then probes: the
-estimate restarts at p = the position cost, so the probe proposes one draft; accepted, p
-rises and drafting resumes; rejected, the gate closes again for twice as long (up to
-``max_backoff``). A request whose drafts always miss thus costs one verified position
-per back-off after its first few steps; a step whose estimate pays resets the back-off.
+Draft j is accepted with probability p**j and pays iff p**j >= c, the cost of a verified
+position in units of an emitted token (``step_position_cost``); a request proposes the
+largest such j <= k, with p estimated from its decayed acceptance history. When not even
+one pays, the gate closes for a doubling back-off, then probes with one draft.
 """
 
 from __future__ import annotations

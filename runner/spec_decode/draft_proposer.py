@@ -1,15 +1,9 @@
 """Drafts from a smaller model with the target's vocabulary, run on the same rank.
 
-The draft model has a KV cache of its own, with as many blocks as the target's and
-addressed through the target's block table (the scheduler allocates one set of block ids
-for both), so it needs no allocator. Each request's draft KV is valid for its first
-``num_computed[req]`` positions. To propose, the draft model first catches up on the
-tokens it has not seen (the target's accepted tokens since its last proposal, or the whole
-prompt at the first decode), then drafts greedily one token at a time; all requests that
-draft in a step share each forward, and each forward's argmax feeds the next on the
-device (no host copy until the caller takes the drafts). Greedy drafts are point masses,
-which is what the verification (rejection_sampler.py) expects. KV written for drafts
-that the target then rejects lies past ``num_computed`` and is overwritten later.
+Its KV cache has as many blocks as the target's and uses the target's block table, so it
+needs no allocator. A proposal first catches up on the tokens the draft model has not
+seen, then drafts greedily, one forward per draft shared by every request, each argmax fed
+back on the device. Greedy drafts are point masses, as rejection_sampler.py expects.
 """
 
 from __future__ import annotations
