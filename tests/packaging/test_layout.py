@@ -12,12 +12,31 @@ import venv
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SUBPACKAGES = ["raylm", "raylm.scheduler", "raylm.scheduler.config", "raylm.scheduler.core",
-               "raylm.scheduler.kv", "raylm.scheduler.structured", "raylm.runner",
-               "raylm.runner.attention", "raylm.runner.loading", "raylm.runner.models",
-               "raylm.runner.sample", "raylm.runner.spec_decode", "raylm.runner.structured",
-               "raylm.parallel", "raylm.actors", "raylm.cluster", "raylm.cluster.batch",
-               "raylm.cluster.engine", "raylm.cluster.serve"]
+# The map (docs/architecture.md §1): each folder holding modules, and what it holds.
+MAP = {
+    "api": "public names: LLM, SamplingParams",
+    "scheduler": "pure Python: Scheduler, the async ledger, Request, sampling params",
+    "scheduler/config": "the frozen engine configs, envs",
+    "scheduler/core": "EngineCore, its loops (in process, DP waves), the Executor protocol",
+    "scheduler/kv": "KV block pool, prefix hashes, block tables",
+    "scheduler/structured": "structured output: params, grammar compiles, scheduling",
+    "runner": "one rank: Worker, ModelRunner, input batch, async output, PP ring",
+    "runner/attention": "paged attention: metadata, torch and C++ kernels",
+    "runner/loading": "checkpoints: safetensors, GGUF, the default model",
+    "runner/models": "model definitions",
+    "runner/sample": "sampler, seeded noise, rejection sampling, prompt logprobs",
+    "runner/spec_decode": "speculative decoding: drafters and verification",
+    "runner/structured": "grammar backend and bitmasks on the device",
+    "parallel": "torch.distributed: groups, sharded layers, PP transport, DP group",
+    "actors": "every Ray actor: EngineCore, workers, executor, placement",
+    "cluster": "the CLI",
+    "cluster/engine": "LLM, LLMEngine, AsyncLLM, input and output processing",
+    "cluster/serve": "the OpenAI server on Ray Serve: protocol, routes, app, config",
+    "cluster/batch": "raylm batch on Ray Data",
+}
+ROOTS = {"api": "raylm", "scheduler": "raylm.scheduler", "runner": "raylm.runner",
+         "parallel": "raylm.parallel", "actors": "raylm.actors", "cluster": "raylm.cluster"}
+SUBPACKAGES = [ROOTS[f.split("/")[0]] + "".join("." + p for p in f.split("/")[1:]) for f in MAP]
 FOLDERS = {"scheduler", "runner", "parallel", "actors", "cluster", "api"}
 # Who may import whom (docs/architecture.md §1): cluster -> actors -> runner -> parallel; all may
 # import scheduler; scheduler imports none of them.
@@ -28,6 +47,109 @@ ALLOWED = {
     "actors": {"actors", "runner", "parallel", "scheduler"},
     "cluster": {"cluster", "actors", "runner", "parallel", "scheduler"},
 }
+
+
+def test_the_map_is_the_tree():
+    """Every folder of modules is in the map, as a package, and the wheel packages it."""
+    folders = {str(p.parent.relative_to(REPO)) for f in FOLDERS for p in (REPO / f).rglob("*.py")
+               if "csrc" not in p.parts and "__pycache__" not in p.parts}
+    assert folders == set(MAP), folders ^ set(MAP)
+    assert all((REPO / f / "__init__.py").is_file() for f in MAP)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert all(f'"{pkg}"' in pyproject for pkg in SUBPACKAGES)
+
+
+def _module_names() -> dict[str, pathlib.Path]:
+    mods = {}
+    for folder, root in ROOTS.items():
+        for p in (REPO / folder).rglob("*.py"):
+            parts = [x for x in p.relative_to(REPO / folder).with_suffix("").parts
+                     if x != "__init__"]
+            mods[".".join([root, *parts])] = p
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the product modules it imports anywhere in its text: at the top, inside
+    functions (lazy imports) and under TYPE_CHECKING (read by every annotation tool)."""
+    mods = _module_names()
+    graph = {}
+    for name, path in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods
+                           else node.module for a in node.names]
+            for target in targets:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    loops.append(sorted(component))
+    return loops
+
+
+def test_loop_finder_sees_a_lazy_loop():
+    assert import_loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_loops({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_loop_between_product_modules():
+    assert import_loops(import_graph()) == []
+
+
+def test_only_the_schedulers_users_import_it():
+    """Its collaborators (settling a step, structured output, the integrity check) get
+    the state they need, not the Scheduler: only what builds or re-exports one imports it."""
+    importers = {name for name, edges in import_graph().items()
+                 if "raylm.scheduler.scheduler" in edges}
+    assert importers == {"raylm.scheduler", "raylm.scheduler.async_scheduler",
+                         "raylm.scheduler.core.engine_core"}
 
 
 def _raylm_imports(path: pathlib.Path) -> set[str]:
@@ -104,7 +226,7 @@ def test_runner_and_parallel_never_import_ray():
     assert offenders == []
 
 
-def _see_running_packages(py: pathlib.Path) -> None:
+def _see_running_packages(py: pathlib.Path) -> pathlib.Path:
     """Let the new environment import this interpreter's packages (torch, ray, ...), whether
     this is a virtualenv or the system interpreter: a .pth file listing our site dirs. Plain
     directory lines, so our own .pth files (an editable raylm among them) are not run, and
@@ -116,6 +238,7 @@ def _see_running_packages(py: pathlib.Path) -> None:
         [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True, text=True, check=True).stdout.strip()
     (pathlib.Path(purelib) / "_running_interpreter.pth").write_text("\n".join(dirs) + "\n")
+    return pathlib.Path(purelib)
 
 
 @pytest.mark.slow
