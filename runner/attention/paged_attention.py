@@ -1,16 +1,17 @@
-"""Paged attention in plain torch (CPU and CUDA, no extra packages).
+"""Paged attention over the block-major KV cache, one module for every backend.
 
 KV cache per layer: key and value ``[num_blocks, num_kv_heads, block_size, head_dim]``
 (vLLM's layout); token ``p`` is at offset ``p % bs`` of block ``block_table[p // bs]``.
-Short query rows (decodes, speculative 1 + k rows) take the ragged kernel (ragged.py, or
-cpu_kernel.py on CPU), costing the sum of the contexts, not batch x longest; long rows
-(prefill) run one ``scaled_dot_product_attention`` each. The metadata is built once per
-step on the host, uploaded in one non-blocking copy and shared by every layer.
+On CUDA every row runs the Triton kernel (triton_paged.py). Natively (CPU): short rows
+(decodes, speculative rows) take the ragged kernel (cpu_kernel.py, or ragged.py), long rows
+one ``scaled_dot_product_attention`` each. The metadata is built once per step on the
+host, uploaded without a wait and shared by every layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,10 @@ from raylm.runner.attention.ragged import (
     ragged_paged_attention,
 )
 from raylm.runner.host_memory import huge_page_zeros
+from raylm.scheduler.config import envs
+
+if TYPE_CHECKING:
+    from raylm.runner.attention.triton_paged import TileMetadata
 
 # Query rows up to this long take the ragged kernel (each token its own pairs); longer
 # rows are prefill-like and one sdpa per row is cheaper than repeating their context.
@@ -68,6 +73,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token
     ragged: RaggedTokens | None = None  # the short rows' tokens; None when there are none
     prefills: list[PrefillSpan] = field(default_factory=list)
+    tiles: TileMetadata | None = None  # the Triton kernel's: every row, when it runs
     # Per num_kv_heads: the cache write index [T * H]; every layer of one rank has the same
     # head count, so the first layer builds it.
     _write_index: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -129,6 +135,21 @@ class HostUpload:
         return host.pin_memory().to(self.device, non_blocking=True)
 
 
+def resolve_attention_backend(device: torch.device, requested: str | None = None) -> str:
+    """``triton`` or ``native`` for this rank (envs.attention_backend; auto: Triton on
+    CUDA where it imports)."""
+    requested = requested or envs.attention_backend()
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "native"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "native"
+    return "triton"
+
+
 def build_attention_metadata(
     query_start_loc: np.ndarray,  # [B + 1] cumulative query lengths
     seq_lens: np.ndarray,  # [B] context + this step's tokens
@@ -137,10 +158,19 @@ def build_attention_metadata(
     block_size: int,
     cpu_kernel: bool | None = None,
     max_pairs: int | None = None,
+    backend: str = "native",
 ) -> AttentionMetadata:
     """``cpu_kernel``: whether the short rows may take the C++ kernel (default: on CPU);
-    they do when it is available. ``max_pairs``: the torch kernel's chunk (max_ragged_pairs)."""
+    they do when it is available. ``max_pairs``: the torch kernel's chunk (max_ragged_pairs).
+    ``backend``: ``triton`` builds the Triton kernel's tiles for every row instead."""
     device = slot_mapping.device
+    if backend == "triton":
+        from raylm.runner.attention.triton_paged import build_tiles
+
+        table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
+        return AttentionMetadata(num_tokens=int(query_start_loc[-1]), block_size=block_size,
+                                 slot_mapping=slot_mapping,
+                                 tiles=build_tiles(query_start_loc, seq_lens, table, device))
     cpu_kernel = (device.type == "cpu" if cpu_kernel is None else cpu_kernel) and \
         load_cpu_attention_kernel()
     table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
@@ -210,6 +240,12 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
         key_cache, value_cache = self.kv_cache
+        if meta.tiles is not None:
+            from raylm.runner.attention import triton_paged
+
+            triton_paged.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+            return triton_paged.paged_attention(query, key_cache, value_cache, meta.tiles,
+                                                self.scale)
         write = meta.write_index(self.num_kv_heads)
         tokens = (-1, self.head_dim)
         key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))

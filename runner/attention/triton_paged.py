@@ -45,10 +45,10 @@ class TileMetadata:
         return int(self.row.shape[0])
 
 
-def build_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-                device: torch.device | str, tile_tokens: int = TILE_TOKENS) -> TileMetadata:
-    """Tiles for a step: rows of ``query_start_loc`` ([B + 1]), ``seq_lens`` ([B], context +
-    this step's tokens) over ``block_table`` ([B, nb]) on the host."""
+def tile_arrays(query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                tile_tokens: int = TILE_TOKENS) -> np.ndarray:
+    """[4, N] int32 host array of the tiles' (row, q_start, q_len, pos0) for a step: rows
+    of ``query_start_loc`` ([B + 1]) with ``seq_lens`` ([B], context + this step's)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     q_lens = np.diff(qsl)
@@ -58,16 +58,58 @@ def build_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: 
     offset = k * tile_tokens
     tile_len = np.minimum(tile_tokens, q_lens[rows] - offset)
     context = seq_lens - q_lens
-    arrays = np.stack([rows, qsl[rows] + offset, tile_len, context[rows] + offset]).astype(np.int32)
-    host = torch.from_numpy(np.ascontiguousarray(arrays))
-    table = torch.from_numpy(np.ascontiguousarray(np.asarray(block_table), dtype=np.int32))
-    if torch.device(device).type == "cuda":
-        host, table = host.pin_memory(), table.pin_memory()
-    host = host.to(device, non_blocking=True)
-    table = table.to(device, non_blocking=True)
-    longest = int(tile_len.max()) if tile_len.size else 1
-    return TileMetadata(row=host[0], q_start=host[1], q_len=host[2], pos0=host[3],
-                        block_table=table, max_q_len=triton.next_power_of_2(longest))
+    return np.stack([rows, qsl[rows] + offset, tile_len,
+                     context[rows] + offset]).astype(np.int32)
+
+
+def _host(array: np.ndarray, pin: bool) -> torch.Tensor:
+    """Pinned on CUDA: the copy to the device then waits for nothing."""
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+    return host.pin_memory() if pin else host
+
+
+def _upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    return _host(array, torch.device(device).type == "cuda").to(device, non_blocking=True)
+
+
+def _max_q_len(tiles: np.ndarray) -> int:
+    return triton.next_power_of_2(int(tiles[2].max())) if tiles.shape[1] else 1
+
+
+def build_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                device: torch.device | str, tile_tokens: int = TILE_TOKENS) -> TileMetadata:
+    """Tiles for a step over ``block_table`` ([B, nb], host), uploaded without a wait."""
+    tiles = tile_arrays(query_start_loc, seq_lens, tile_tokens)
+    dev = _upload(tiles, device)
+    return TileMetadata(row=dev[0], q_start=dev[1], q_len=dev[2], pos0=dev[3],
+                        block_table=_upload(block_table, device), max_q_len=_max_q_len(tiles))
+
+
+class TileBuffers:
+    """Tile metadata at fixed addresses, for CUDA graphs: a step's tiles and block table
+    are copied into these buffers (sized for ``max_rows`` one-token rows and the full block
+    table width) and the views handed to the kernel are the same tensors every replay."""
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device | str) -> None:
+        self.tiles = torch.zeros((4, max_rows), dtype=torch.int32, device=device)
+        self.block_table = torch.zeros((max_rows, max_blocks), dtype=torch.int32,
+                                       device=device)
+
+    def fill(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+             block_table: np.ndarray) -> TileMetadata:
+        """Copy a one-token-per-row step's tiles in; the views it returns never move."""
+        tiles = tile_arrays(query_start_loc, seq_lens, tile_tokens=1)
+        n = tiles.shape[1]
+        width = block_table.shape[1]
+        pin = self.tiles.is_cuda
+        self.tiles[:, :n].copy_(_host(tiles, pin), non_blocking=True)
+        self.block_table[:n, :width].copy_(_host(block_table, pin), non_blocking=True)
+        return self.views(n)
+
+    def views(self, num_rows: int) -> TileMetadata:
+        t = self.tiles[:, :num_rows]
+        return TileMetadata(row=t[0], q_start=t[1], q_len=t[2], pos0=t[3],
+                            block_table=self.block_table[:num_rows], max_q_len=1)
 
 
 @triton.jit

@@ -15,7 +15,11 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
-from raylm.runner.attention.paged_attention import allocate_kv_cache, build_attention_metadata
+from raylm.runner.attention.paged_attention import (
+    allocate_kv_cache,
+    build_attention_metadata,
+    resolve_attention_backend,
+)
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.loading.model_loader import get_model, resolve_dtype
 from raylm.runner.prepare_inputs import upload
@@ -47,6 +51,7 @@ class DraftModelProposer:
         self.input_batch = input_batch
         self.device = device
         self.dtype = resolve_dtype(self.model_config.dtype, device)
+        self.attention_backend = resolve_attention_backend(device)
         self.model: nn.Module | None = None
         self.num_computed: dict[str, int] = {}
 
@@ -153,10 +158,10 @@ class DraftModelProposer:
         slots = block_ids * self.block_size + positions % self.block_size
         seq_lens = starts + q_lens
         max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        # The block table stays on the host: the metadata builders read it there.
         meta = build_attention_metadata(cu, seq_lens, self._dev(slots),
-                                        self._dev(ib.block_table[rows, :max_blocks]
-                                                  .astype(np.int64)),
-                                        self.block_size)
+                                        ib.block_table[rows, :max_blocks].astype(np.int64),
+                                        self.block_size, backend=self.attention_backend)
         hidden = self.model(token_ids, self._dev(positions), meta, None)
         logits = self.model.compute_logits(hidden.index_select(0, self._dev(cu[1:] - 1)))
         return logits.argmax(dim=-1)

@@ -77,6 +77,27 @@ def cpu_attention_kernel() -> bool:
     return _on_unless_off("RAYLM_CPU_ATTENTION_KERNEL")
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "native")
+
+
+def attention_backend() -> str:
+    """RAYLM_ATTENTION_BACKEND: ``auto`` (the Triton kernel on CUDA, the C++ / torch
+    kernels on CPU), ``triton`` (everywhere: on CPU under TRITON_INTERPRET=1, for tests),
+    ``native`` (the C++ / torch kernels everywhere)."""
+    value = os.environ.get("RAYLM_ATTENTION_BACKEND", "auto")
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"RAYLM_ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, "
+                         f"got {value!r}.")
+    return value
+
+
+def pad_decode_steps() -> bool:
+    """RAYLM_PAD_DECODE_STEPS=1: pad decode steps to their CUDA-graph bucket on a device
+    that runs no graphs (the CPU): the padded path's tokens, checked by tests, and its
+    cost, measured by benchmarks."""
+    return os.environ.get("RAYLM_PAD_DECODE_STEPS", "0") not in ("0", "", "false", "False")
+
+
 def allow_cpu_fallback() -> bool:
     """Run on CPU even in a process Ray gave a GPU whose torch has no CUDA. Off: such a
     rank fails at start. On: for testing GPU placement with fake GPUs on CPU machines."""
