@@ -45,11 +45,13 @@ class RankAttentionShape:
                                 elem)
 
 
-def step_reserve_bytes(config: EngineConfig, ctx: ParallelContext, elem: int) -> int:
+def step_reserve_bytes(config: EngineConfig, ctx: ParallelContext, elem: int,
+                       attention_backend: str = "native", cuda_graphs: bool = False) -> int:
     """Device memory a rank needs besides weights and the KV cache, for the worst step:
     activations of a full token budget, the sampler's float32 logits, attention's
-    workspace (the ragged kernel's chunk; a prefill chunk's gathered context and mask),
-    and the communicators' buffers."""
+    workspace (none for the Triton kernel, which reads the cache in place; natively the
+    ragged kernel's chunk and a prefill chunk's gathered context and mask), the CUDA
+    graphs' own pool (one decode batch's activations), and the communicators' buffers."""
     dc = DecoderConfig.from_hf(config.model_config.hf_config)
     sched = config.scheduler_config
     block_size = config.cache_config.block_size
@@ -71,9 +73,12 @@ def step_reserve_bytes(config: EngineConfig, ctx: ParallelContext, elem: int) ->
     chunk = min(tokens, sched.max_model_len)
     prefill = (sched.max_model_len * 2 * shape.num_kv_heads * shape.head_dim * elem
                + chunk * sched.max_model_len * (1 + elem))
+    if attention_backend == "triton":
+        ragged = prefill = 0
+    graphs = 2 * sched.max_num_seqs * width * elem if cuda_graphs else 0
     groups = sum(g is not None for g in (ctx.tp_group, ctx.pp_group))
     groups += 2 if ctx.pp_group is not None else 0  # the sampled-id broadcast, the p2p pair
-    return (activations + logits + ragged + prefill
+    return (activations + logits + ragged + prefill + graphs
             + groups * NCCL_COMMUNICATOR_RESERVE_BYTES + FIXED_RESERVE_BYTES)
 
 

@@ -9,9 +9,7 @@ the other stages book the same -1 placeholders and take the last stage's broadca
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,17 +17,18 @@ from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import (
-    AsyncCopy,
     AsyncModelRunnerOutput,
     AsyncOutputCopier,
     build_model_runner_output,
 )
-from raylm.runner.attention.paged_attention import allocate_kv_cache
+from raylm.runner.attention.paged_attention import allocate_kv_cache, resolve_attention_backend
+from raylm.runner.cuda_graphs import DecodeGraphs, setup_decode_padding
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.loading.model_loader import get_model, resolve_dtype
 from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
+from raylm.runner.placeholders import OnHost, PendingPlaceholders, Placeholders
 from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
 from raylm.runner.sample.prompt_logprobs import compute_prompt_logprobs
@@ -37,6 +36,7 @@ from raylm.runner.sample.sampler import Sampler, SamplerOutput
 from raylm.runner.sample.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.speculator import Speculator
 from raylm.runner.structured.grammar_bitmask import DeferredSampling, apply_grammar_bitmask
+from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
     DraftTokenIds,
@@ -45,40 +45,6 @@ from raylm.scheduler.core_outputs import (
     SchedulerOutput,
 )
 from raylm.scheduler.structured.manager import GrammarOutput
-
-# Settled copies are drained without blocking each step; past this many unsettled steps
-# the oldest is waited for, so the backlog (and the tensors it keeps alive) stays bounded.
-_MAX_PENDING_STEPS = 4
-
-
-@dataclass
-class _Placeholders:
-    """The -1 placeholders one async step wrote."""
-
-    states: list[CachedRequestState]
-    positions: np.ndarray  # sequence position of each placeholder
-    indices: np.ndarray  # row of each in the step's sampled tensor
-
-
-@dataclass
-class _PendingTokens:
-    """Placeholders written by one async step, to settle once its copy lands."""
-
-    copy: AsyncCopy
-    placeholders: _Placeholders
-
-
-class _OnHost(AsyncCopy):
-    """Received ids already in host memory (CPU device): nothing to copy."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._array = tensor.numpy()
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> list[np.ndarray]:
-        return [self._array]
 
 
 class ModelRunner:
@@ -103,12 +69,14 @@ class ModelRunner:
         self.input_preparer = InputPreparer(
             self.input_batch, self.block_size, sched.max_num_batched_tokens, self.device,
             needs_input_ids=ctx.is_first_pp_rank,
-            max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem))
+            max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem),
+            attention_backend=resolve_attention_backend(self.device))
+        self.max_num_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).
         self.sampled_req_id_to_index: dict[str, int] = {}
         self.copier = AsyncOutputCopier(self.device)
-        self._pending: deque[_PendingTokens] = deque()
+        self._pending = PendingPlaceholders()
         # Async PP, stages that do not sample: the ids come back pp_size steps later.
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
                         if self.use_async_scheduling and ctx.pp_size > 1
@@ -123,6 +91,15 @@ class ModelRunner:
         self.num_kv_blocks = 0
         # Structured outputs: a step whose sampling waits for sample_tokens (last stage).
         self.deferred_sampling: DeferredSampling | None = None
+        # Decode steps padded to buckets: replayed as CUDA graphs on a GPU (Triton
+        # attention, no PP or drafts: their steps' shapes are not the bucket's), or padded
+        # eagerly where asked (RAYLM_PAD_DECODE_STEPS) to check and measure the padding.
+        plain = ctx.pp_size == 1 and self.speculator is None
+        self.use_cuda_graphs = (plain and self.device.type == "cuda"
+                                and self.input_preparer.attention_backend == "triton"
+                                and not self.model_config.enforce_eager)
+        self.pad_decode_steps = self.use_cuda_graphs or (plain and envs.pad_decode_steps())
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---------------------------------------------------------------- setup
     def load_model(self, model: nn.Module | None = None) -> None:
@@ -143,14 +120,23 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
         self.kv_caches = []
+        # Padded rows write and read one more block, which the scheduler never hands out.
+        allocated = num_blocks + 1 if self.pad_decode_steps else num_blocks
         for attn in self.model.attention_layers:
-            cache = allocate_kv_cache(num_blocks, self.block_size, attn.num_kv_heads,
+            cache = allocate_kv_cache(allocated, self.block_size, attn.num_kv_heads,
                                       attn.head_dim, self.dtype, self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         if self.speculator is not None:
             self.speculator.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
+        if self.pad_decode_steps:
+            self.decode_graphs = setup_decode_padding(
+                self.input_preparer, self.model, self.device,
+                self.engine_config.scheduler_config.max_num_seqs,
+                self.max_num_blocks_per_seq, scratch_block=num_blocks,
+                capture=self.use_cuda_graphs)
+
 
     @property
     def async_input_stats(self) -> AsyncInputStats:
@@ -191,8 +177,11 @@ class ModelRunner:
         batch = self.input_preparer.prepare(so, self._settle_placeholders)
         if self.speculator is not None:
             self.speculator.place_device_drafts(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
-                            intermediate_tensors)
+        hidden = (self.decode_graphs.replay(batch.padded_rows)
+                  if batch.padded_rows and self.decode_graphs is not None else None)
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                intermediate_tensors)
         if not self.ctx.is_last_pp_rank:
             return self._execute_earlier_stage(batch, hidden, ring, pp_transport)
         if self.speculator is not None:
@@ -339,14 +328,12 @@ class ModelRunner:
         sampled = delivery.pending.wait().view(-1, 1)
         ib.prev_sampled_token_ids = sampled
         ib.prev_req_id_to_index = delivery.req_id_to_index
-        ph: _Placeholders = delivery.payload
+        ph: Placeholders = delivery.payload
         keep = delivery.keep
         if keep.any():
-            kept = _Placeholders([s for s, k in zip(ph.states, keep.tolist(), strict=True) if k],
-                                 ph.positions[keep], ph.indices[keep])
-            copy = (_OnHost(sampled) if sampled.device.type == "cpu"
+            copy = (OnHost(sampled) if sampled.device.type == "cpu"
                     else self.copier.start([sampled]))
-            self._pending.append(_PendingTokens(copy, kept))
+            self._pending.add(copy, ph.kept(keep))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -418,13 +405,13 @@ class ModelRunner:
         self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
         ib.prev_sampled_token_ids = sampled
         ib.prev_req_id_to_index = self.sampled_req_id_to_index
-        self._pending.append(_PendingTokens(copy, _Placeholders(
-            [ib.states[r] for r in rows_valid.tolist()], positions, valid)))
+        self._pending.add(copy, Placeholders([ib.states[r] for r in rows_valid.tolist()],
+                                             positions, valid))
         return AsyncModelRunnerOutput(batch.req_ids, req_id_to_index, batch.sample_mask,
                                       num_logprobs, copy, has_logprobs=lp is not None,
                                       prompt_logprobs_dict=prompt_logprobs)
 
-    def _bookkeeping_non_last(self, batch: StepBatch) -> _Placeholders | None:
+    def _bookkeeping_non_last(self, batch: StepBatch) -> Placeholders | None:
         """A stage that does not sample: under async scheduling it books placeholders
         exactly as the last stage does and returns them; the ids themselves arrive from
         the last stage (the ring sets ``input_batch.prev_sampled_token_ids`` and
@@ -438,25 +425,12 @@ class ModelRunner:
         positions = self.input_batch.append_sampled(rows_valid, None)
         self.sampled_req_id_to_index = {batch.req_ids[i]: i for i in valid.tolist()}
         self.input_batch.prev_req_id_to_index = self.sampled_req_id_to_index
-        return _Placeholders([self.input_batch.states[r] for r in rows_valid.tolist()],
-                             positions, valid)
+        return Placeholders([self.input_batch.states[r] for r in rows_valid.tolist()],
+                            positions, valid)
 
     def _settle_placeholders(self, block: bool = True) -> None:
-        """Write the real ids of earlier async steps over their -1 placeholders.
-        ``block=False`` only takes copies that have already landed (plus the oldest ones
-        beyond the backlog bound)."""
-        ib = self.input_batch
-        while self._pending:
-            entry = self._pending[0]
-            if not (block or entry.copy.done() or len(self._pending) > _MAX_PENDING_STEPS):
-                return
-            sampled = entry.copy.wait()[0]
-            self._pending.popleft()
-            ph = entry.placeholders
-            tokens = sampled[ph.indices, 0].tolist()
-            for state, pos, token in zip(ph.states, ph.positions.tolist(), tokens,
-                                         strict=True):
-                InputBatch.fill_placeholder(state, pos, token, ib.token_ids)
+        """Write the real ids of earlier async steps over their -1 placeholders."""
+        self._pending.settle(self.input_batch.token_ids, block)
 
     def shutdown(self) -> None:
         self.copier.shutdown()

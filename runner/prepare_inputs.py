@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ import torch
 from raylm.runner.attention.paged_attention import AttentionMetadata, build_attention_metadata
 from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
 from raylm.scheduler.core_outputs import SchedulerOutput
+
+if TYPE_CHECKING:
+    from raylm.runner.attention.triton_paged import TileBuffers
 
 
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -36,10 +40,11 @@ class StepBatch:
     num_scheduled: np.ndarray  # [B]
     seq_lens: np.ndarray  # [B] context + this step's tokens = position of a sampled token
     sample_mask: np.ndarray  # [B] True where this step ends the known tokens (samples)
-    input_ids: torch.Tensor  # [T]
+    input_ids: torch.Tensor  # [T] (T padded up to a decode bucket when padding is on)
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [B] last token of each row
+    padded_rows: int = 0  # a decode step padded to this many one-token rows (0: not padded)
 
     @property
     def num_reqs(self) -> int:
@@ -57,9 +62,11 @@ class AsyncInputStats:
 class InputPreparer:
     def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
                  device: torch.device, needs_input_ids: bool = True,
-                 max_ragged_pairs: int | None = None) -> None:
+                 max_ragged_pairs: int | None = None, attention_backend: str = "native"
+                 ) -> None:
         self.input_batch = input_batch
         self.max_ragged_pairs = max_ragged_pairs  # the torch ragged kernel's chunk
+        self.attention_backend = attention_backend
         # Only the first pipeline stage embeds token ids; later stages take hidden states,
         # so their (possibly unsettled) token ids are never needed.
         self.needs_input_ids = needs_input_ids
@@ -72,6 +79,29 @@ class InputPreparer:
         self.stats = AsyncInputStats()
         self._capacity = 0
         self._allocate(max_num_tokens)
+        # Decode steps padded to bucket sizes (CUDA graphs; see enable_padding).
+        self.pad_buckets: list[int] = []
+        self.scratch_block = 0
+        self.tile_buffers: TileBuffers | None = None
+
+    def enable_padding(self, buckets: list[int], scratch_block: int,
+                       tile_buffers: TileBuffers | None = None) -> None:
+        """Pad each step whose rows all run one token (a decode step) to the smallest of
+        ``buckets`` that holds it, with one-token rows that write and read only
+        ``scratch_block`` (a KV block the scheduler never hands out), so every such step
+        has one of a few shapes. ``tile_buffers``: the Triton kernel's metadata goes to
+        fixed addresses (CUDA graphs replay over them)."""
+        if max(buckets) > self._capacity:
+            raise ValueError(f"decode bucket {max(buckets)} exceeds the {self._capacity} "
+                             "tokens the input buffers hold.")
+        self.pad_buckets = sorted(buckets)
+        self.scratch_block = scratch_block
+        self.tile_buffers = tile_buffers
+
+    def _padded_size(self, num_sched: np.ndarray) -> int:
+        if not self.pad_buckets or num_sched.size > self.pad_buckets[-1] or (num_sched != 1).any():
+            return 0
+        return next(b for b in self.pad_buckets if b >= num_sched.size)
 
     def _allocate(self, num_tokens: int) -> None:
         def host(dtype):
@@ -152,20 +182,62 @@ class InputPreparer:
             block_ids = ib.block_table[token_rows, positions // self.block_size]
             self.slot_mapping_cpu.numpy()[:num_tokens_total] = (
                 block_ids * self.block_size + positions % self.block_size)
-            n = num_tokens_total
+            max_blocks = -(-int(seq_lens.max()) // self.block_size)
+            block_table = ib.block_table[rows, :max_blocks]  # host: attention uploads pairs
+            padded = self._padded_size(num_sched)
+            n = padded or num_tokens_total
+            if padded:
+                query_start_loc, seq_lens_all, block_table = self.pad_rows(
+                    num_tokens_total, padded, seq_lens, block_table)
+            else:
+                seq_lens_all = seq_lens
             self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=True)
             self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=True)
             self.slot_mapping[:n].copy_(self.slot_mapping_cpu[:n], non_blocking=True)
-            max_blocks = -(-int(seq_lens.max()) // self.block_size)
-            block_table = ib.block_table[rows, :max_blocks]  # host: attention uploads pairs
             logits_indices = self._to_device((cu - 1).astype(np.int64))
         if fill_rows.size:
             self._fill_from_previous_step(fill_rows, fill_src, fill_flat)
-        meta = build_attention_metadata(query_start_loc, seq_lens, self.slot_mapping[:n],
-                                        block_table, self.block_size,
-                                        max_pairs=self.max_ragged_pairs)
+        if padded and self.tile_buffers is not None:
+            meta = AttentionMetadata(
+                num_tokens=n, block_size=self.block_size, slot_mapping=self.slot_mapping[:n],
+                tiles=self.tile_buffers.fill(query_start_loc, seq_lens_all, block_table))
+        else:
+            meta = build_attention_metadata(query_start_loc, seq_lens_all,
+                                            self.slot_mapping[:n], block_table,
+                                            self.block_size, max_pairs=self.max_ragged_pairs,
+                                            backend=self.attention_backend)
         return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
-                         self.positions[:n], meta, logits_indices)
+                         self.positions[:n], meta, logits_indices, padded_rows=padded)
+
+    def dummy_decode(self, num_rows: int) -> AttentionMetadata:
+        """A decode step of ``num_rows`` padding rows only, in the fixed buffers: what a CUDA
+        graph is captured over (it writes and reads the scratch block alone)."""
+        with self.synchronize_input_prep():
+            qsl, seq_lens, table = self.pad_rows(0, num_rows, np.empty(0, np.int64),
+                                                 np.zeros((0, 1), np.int64))
+            for dev, host in ((self.input_ids, self.input_ids_cpu),
+                              (self.positions, self.positions_cpu),
+                              (self.slot_mapping, self.slot_mapping_cpu)):
+                dev[:num_rows].copy_(host[:num_rows], non_blocking=True)
+        assert self.tile_buffers is not None
+        return AttentionMetadata(num_tokens=num_rows, block_size=self.block_size,
+                                 slot_mapping=self.slot_mapping[:num_rows],
+                                 tiles=self.tile_buffers.fill(qsl, seq_lens, table))
+
+    def pad_rows(self, num_rows: int, padded: int, seq_lens: np.ndarray,
+                 block_table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``num_rows .. padded``: token 0 at position 0, written to and attending over
+        the scratch block alone. Returns the padded step's query_start_loc, seq_lens and
+        block table (host)."""
+        extra = slice(num_rows, padded)
+        self.input_ids_cpu.numpy()[extra] = 0
+        self.positions_cpu.numpy()[extra] = 0
+        self.slot_mapping_cpu.numpy()[extra] = self.scratch_block * self.block_size
+        pad_table = np.zeros((padded - num_rows, block_table.shape[1]), block_table.dtype)
+        pad_table[:, 0] = self.scratch_block
+        return (np.arange(padded + 1), np.concatenate([seq_lens, np.ones(padded - num_rows,
+                                                                         seq_lens.dtype)]),
+                np.concatenate([block_table, pad_table]))
 
     def _scheduled_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str], np.ndarray]:
         ib = self.input_batch

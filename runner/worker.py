@@ -182,8 +182,11 @@ class Worker:
                                  self.engine_config.model_config.max_model_len, what)
 
     def step_reserve_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.model_runner.dtype).element_size()
-        return step_reserve_bytes(self.engine_config, self.ctx, elem)
+        runner = self.model_runner
+        elem = torch.empty((), dtype=runner.dtype).element_size()
+        return step_reserve_bytes(self.engine_config, self.ctx, elem,
+                                  runner.input_preparer.attention_backend,
+                                  runner.use_cuda_graphs)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -65,6 +65,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = _arg(None, "KV-cache size in bytes (default: a share "
                                                    "of free device memory)",
                                              bounds=_AT_LEAST_1)
+    enforce_eager: bool = _arg(False, "no CUDA graphs: decode steps launch their kernels "
+                                      "one by one (graphs are captured at start on CUDA)")
     gpu_memory_utilization: float = _arg(0.9, "share of device memory the engine may use",
                                          bounds={"exclusiveMinimum": 0, "maximum": 1})
     seed: int = _arg(0, "engine seed: the seeds of unseeded requests derive from it",
@@ -127,6 +129,7 @@ class EngineArgs:
         return ModelConfig(
             model=gguf_path or self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len or 0, seed=self.seed,
+            enforce_eager=self.enforce_eager,
             served_model_name=self.served_model_name, hf_config=hf_config or {},
         )
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from raylm.runner.pp_ring import SampledTokenTransport
-from raylm.runner.prepare_inputs import StepBatch
+from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.scheduler.core_outputs import PromptLogprobsChunk
 from raylm.scheduler.structured.manager import GrammarOutput
 
@@ -70,7 +71,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str],
         f"{mask_row} bitmask rows expected, {len(grammar_output.grammar_bitmask)} sent")
     if not logit_rows:
         return
-    bitmask = torch.from_numpy(grammar_output.grammar_bitmask[mask_rows]).to(logits.device)
+    # Pinned and non-blocking on CUDA: the step never waits on this upload.
+    bitmask = upload(grammar_output.grammar_bitmask[mask_rows], logits.device)
     allowed = unpack_bitmask(bitmask, logits.shape[-1])
-    rows = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
+    rows = upload(np.asarray(logit_rows, dtype=np.int64), logits.device)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

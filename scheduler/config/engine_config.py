@@ -60,6 +60,8 @@ class ModelConfig:
     max_model_len: int = 0  # 0: take max_position_embeddings from config.json
     seed: int = 0
     served_model_name: str | None = None
+    # No CUDA graphs: every step runs eagerly (vLLM's name).
+    enforce_eager: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # Called on every node that loads the weights (each rank, in its own process) and
     # returns that node's checkpoint folder: a node-local cache or download. None: ``model``

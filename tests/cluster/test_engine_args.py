@@ -25,7 +25,7 @@ NON_DEFAULTS = {
     "tokenizer": "/tok", "served_model_name": "mine", "dtype": "bfloat16",
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8,
     "enable_prefix_caching": False, "num_kv_blocks": 40, "kv_cache_memory_bytes": 1 << 20,
-    "gpu_memory_utilization": 0.5, "seed": 7, "async_scheduling": False,
+    "enforce_eager": True, "gpu_memory_utilization": 0.5, "seed": 7, "async_scheduling": False,
     "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "data_parallel_size": 2,
     "distributed_executor_backend": "ray", "placement_group_strategy": "SPREAD",
     "placement_timeout_s": 60.0, "dp_sync_interval": 4, "cpu_burst_threads": 2,

@@ -108,3 +108,13 @@ def test_a_131072_context_checkpoint_starts_on_cpu(tmp_path):
     with pytest.raises(ValueError, match="longest max_model_len this memory holds is 65536"):
         LLM(path, kv_cache_memory_bytes=65536 * per_token + 1, max_num_seqs=4,
             dtype="float32")
+
+
+def test_the_triton_kernel_needs_no_attention_workspace_and_graphs_their_pool():
+    ctx = ParallelContext.single("cpu")
+    native = step_reserve_bytes(_config(), ctx, BF16)
+    triton = step_reserve_bytes(_config(), ctx, BF16, "triton")
+    graphs = step_reserve_bytes(_config(), ctx, BF16, "triton", cuda_graphs=True)
+    assert native - triton > GIB  # the ragged kernel's chunk and a prefill's gather
+    width = 4096 * 4 + 3 * 14336
+    assert graphs - triton == 2 * 128 * width * BF16
