@@ -21,7 +21,10 @@ downloaded).
 6. the async PP ring's communicator order soaked over NCCL with as many ranks as GPUs
    (two at least; with one GPU, over Gloo on the CPU: reported as such);
 7. `raylm serve` on the GPU: one request, the device in /metrics, GPU memory in use;
-8. throughput, sync vs async scheduling, beside transformers' static batching.
+8. speed (bench/gpu_speed.py): the Triton attention kernel against the torch ragged kernel
+   and padded sdpa; CUDA graphs on and off against transformers; steady steps under
+   torch's sync-debug mode; one decode step against its memory floor; bf16 throughput of
+   raylm async / sync beside transformers' static batching (1B and an 8B-shaped model).
 """
 
 from __future__ import annotations
@@ -293,57 +296,9 @@ def check_serve(root: str) -> None:
                 print("  " + line.strip(), flush=True)
 
 
-# A model whose decode step keeps an H200 busy for about as long as the host needs to
-# schedule one: where async scheduling has something to hide.
-_GPU_SPECS = {
-    "1b": CheckpointSpec(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                         max_position_embeddings=2048, initializer_range=0.02),
-}
-
-
-def check_throughput(root: str, size: str) -> None:
-    from raylm import LLM, SamplingParams
-
-    spec = _GPU_SPECS.get(size) or SPECS[size]
-    path = write_random_checkpoint(os.path.join(root, f"tput-{size}"), spec)
-    n, plen, out = 256, 128, 128
-    prompts = prompts_for(spec.vocab_size, n, plen, plen, seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
-    rates = {}
-    for mode in (False, True):
-        llm = LLM(path, dtype="float32", async_scheduling=mode, max_num_seqs=256,
-                  max_num_batched_tokens=8192, enable_prefix_caching=False)
-        batch = [{"prompt_token_ids": p} for p in prompts]
-        llm.generate(batch[:32], params, use_tqdm=False)  # warm-up
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        llm.shutdown()
-        got = sum(len(o.outputs[0].token_ids) for o in outs)
-        report(got == n * out, f"throughput run async={mode}: {got} tokens of {n * out}")
-        rates[mode] = got / dt
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    ids = torch.tensor(prompts, device="cuda")
-    with torch.inference_mode():
-        model.generate(ids[:32], max_new_tokens=8, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for s in range(0, n, 256):
-            model.generate(ids[s:s + 256], max_new_tokens=out, min_new_tokens=out,
-                           do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        hf = n * out / (time.perf_counter() - t)
-    print(f"throughput {size}, {n} req x ({plen} prompt + {out} out), fp32: "
-          f"hf static batch={hf:.0f} raylm sync={rates[False]:.0f} async={rates[True]:.0f} "
-          f"tok/s; async/sync={rates[True] / rates[False]:.2f} raylm async/hf="
-          f"{rates[True] / hf:.2f}", flush=True)
-
-
 def main() -> int:
+    from gpu_speed import speed_checks
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="one architecture, throughput on the 6m model only")
@@ -357,8 +312,7 @@ def main() -> int:
                       check_nccl, lambda: check_bf16(root), lambda: check_long_context(root),
                       lambda: check_ring_soak(100 if args.quick else 500),
                       lambda: check_serve(root),
-                      *(lambda size=size: check_throughput(root, size)
-                        for size in (["6m"] if args.quick else ["120m", "1b"]))):
+                      *speed_checks(root, args.quick)):
             try:
                 check()
             except Exception as e:  # a crash in one check must not hide the others

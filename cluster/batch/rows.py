@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.serve.errors import OpenAIError, from_exception
-from raylm.cluster.serve.protocol import random_id
 from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS
+from raylm.cluster.serve.protocol import random_id
 from raylm.cluster.serve.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)

@@ -60,6 +60,14 @@ SPECS = {
                            num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                            max_position_embeddings=2048, initializer_range=0.02),
 }
+# GPU benchmarks (bench/gpu_speed.py): Llama-3.2-1B's shape, Llama-3-8B's with 4 layers;
+# (hidden, intermediate, layers), with Llama-3's vocabulary and 32 / 8 heads.
+for _name, (_hidden, _inter, _layers) in {"1b": (2048, 8192, 16),
+                                          "8b-4l": (4096, 14336, 4)}.items():
+    SPECS[_name] = CheckpointSpec(vocab_size=128256, hidden_size=_hidden,
+                                  intermediate_size=_inter, num_hidden_layers=_layers,
+                                  num_attention_heads=32, num_key_value_heads=8,
+                                  max_position_embeddings=4096, initializer_range=0.02)
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:
