@@ -131,7 +131,8 @@ def test_replica_placement_groups():
     assert replica_bundles(cfg()) == ([{"CPU": 1.0}], "PACK")
     gpu = cfg().model_copy(update={"num_gpus_per_worker": 1.0})
     assert replica_bundles(gpu) == ([{"GPU": 1.0}], "PACK")
-    assert replica_bundles(cfg(tensor_parallel_size=2))[0] == [{"CPU": 1.0}] * 3
+    # The replica, then one bundle for the stage's TP group.
+    assert replica_bundles(cfg(tensor_parallel_size=2))[0] == [{"CPU": 1.0}, {"CPU": 2.0}]
     assert len(replica_bundles(cfg(data_parallel_size=2))[0]) == 3  # replica + 2 rank actors
     placement = ReplicaPlacement(*replica_bundles(gpu))
     assert placement.actor_resources == {"num_cpus": 0.0, "num_gpus": 1.0}
