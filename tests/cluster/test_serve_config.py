@@ -19,7 +19,7 @@ from raylm.cluster.serve.config import (
     load_app_config,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "cluster" / "example_config.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "cluster" / "serve" / "example_config.yaml"
 MINIMAL = {"model_loading_config": {"model_id": "m"}}
 
 
