@@ -20,6 +20,7 @@ class _Recorder:
                             lambda local_rank, expect_cuda=False: (torch.device("cpu"), "nccl"))
         monkeypatch.setattr(d, "is_initialized", lambda: self.initialized)
         monkeypatch.setattr(d, "init_process_group", self.init_process_group)
+        monkeypatch.setattr(distributed, "_rendezvous_store", lambda *a: "store")
         monkeypatch.setattr(d, "new_group", lambda ranks, **kw: ("group", tuple(ranks)))
         monkeypatch.setattr(d, "get_rank", lambda: rank)
         monkeypatch.setattr(d, "get_backend", lambda *a: "nccl")
