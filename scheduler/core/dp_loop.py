@@ -133,7 +133,7 @@ class DPEngineCoreLoop(EngineCoreLoop):
         request that can never be served. Never blocks."""
         self._check_loop_alive()
         sink = _AddSink()
-        self._inbox.put(("add", (request, sink)))
+        self._inbox.put(("add", (request, sink)), check=self._check_loop_alive)
         self._wakeup.set()
         return sink.future
 

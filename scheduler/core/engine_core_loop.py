@@ -66,12 +66,23 @@ class _Inbox:
         self.lock = threading.Lock()
         self.queued: collections.Counter[str] = collections.Counter()  # ids of queued adds
 
-    def put(self, item: tuple[str, Any]) -> None:
+    def put(self, item: tuple[str, Any], check: Any = None) -> None:
+        """Queue ``item``; ``check()`` (raising to refuse it) runs under the lock, so an
+        add cannot slip in after the loop has drained the inbox for good."""
         request_id = _add_id(item)
         with self.lock:
+            if check is not None:
+                check()
             self._items.append(item)
             if request_id is not None:
                 self.queued[request_id] += 1
+
+    def take_all(self) -> list[tuple[str, Any]]:
+        """Everything queued (the caller holds ``lock``)."""
+        items = list(self._items)
+        self._items.clear()
+        self.queued.clear()
+        return items
 
     def get_nowait(self) -> tuple[str, Any]:
         with self.lock:
@@ -119,7 +130,7 @@ class EngineCoreLoop:
         too, in the caller's thread, so that the caller gets their ValueError at once."""
         self._check_alive()
         self.engine_core.scheduler.validate_request(request)
-        self._inbox.put(("add", (request, None)))
+        self._inbox.put(("add", (request, None)), check=self._check_alive)
         self._wakeup.set()
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -191,11 +202,23 @@ class EngineCoreLoop:
 
     def _die(self, error: BaseException) -> None:
         """Record the death; queue the ABORT outputs of the requests the EngineCore held
-        (carried by EngineDeadError), then the death for every later reader."""
-        self.dead_error = error
+        (carried by EngineDeadError) and of those still waiting in the inbox, then the
+        death for every later reader: every request hears one final output."""
+        with self._inbox.lock:
+            self.dead_error = error
+            queued = self._inbox.take_all()
         final = getattr(error, "outputs", None)
-        if isinstance(final, EngineCoreOutputs) and final.outputs:
-            self.outputs.put(final)
+        outputs = list(final.outputs) if isinstance(final, EngineCoreOutputs) else []
+        for kind, (request, done) in queued:
+            if kind != "add":
+                continue
+            if done is not None:  # its caller waits for the add: it hears the death
+                done.put(EngineDeadError(f"EngineCore died: {error!r}"))
+                continue
+            outputs.append(EngineCoreOutput(request.request_id, [],
+                                            finish_reason=FinishReason.ABORT))
+        if outputs:
+            self.outputs.put(EngineCoreOutputs(outputs=outputs))
         dead = EngineDeadError(f"EngineCore died: {error!r}")
         dead.__cause__ = error
         self.outputs.put(dead)

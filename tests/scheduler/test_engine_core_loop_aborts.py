@@ -100,3 +100,68 @@ def test_abort_of_an_add_still_queued_waits_for_that_add():
     finally:
         core.hold.set()
         loop.shutdown()
+
+
+def test_adds_still_queued_when_the_engine_dies_each_get_an_abort():
+    """A request the loop had not admitted yet when the engine died still hears one final
+    ABORT output, and no add can be queued after the death (it would wait forever)."""
+    import threading
+
+    import pytest
+
+    from raylm.scheduler.core.engine_core_loop import EngineCoreLoop
+    from raylm.scheduler.core.executor_base import EngineDeadError
+    from raylm.scheduler.core_outputs import FinishReason
+
+    gate = threading.Event()
+
+    class _Dying:
+        """An EngineCore whose first step blocks until released, then fails."""
+
+        class scheduler:  # noqa: N801 (a stand-in attribute)
+            @staticmethod
+            def validate_request(request):
+                return None
+
+        def __init__(self):
+            self.added = []
+
+        def add_request(self, request):
+            self.added.append(request.request_id)
+
+        def abort_requests(self, ids):
+            pass
+
+        def has_work(self):
+            return bool(self.added)
+
+        def step_fn(self):
+            gate.wait(10)
+            raise RuntimeError("worker died")
+
+        def shutdown(self):
+            pass
+
+    class _Req:
+        def __init__(self, rid):
+            self.request_id = rid
+
+    core = _Dying()
+    loop = EngineCoreLoop(core)
+    loop.add_request(_Req("first"))  # admitted; its step blocks
+    deadline = __import__("time").monotonic() + 10
+    while not core.added:
+        assert __import__("time").monotonic() < deadline
+    loop.add_request(_Req("queued-1"))  # still in the inbox when the step fails
+    loop.add_request(_Req("queued-2"))
+    gate.set()
+    finals = {}
+    with pytest.raises(EngineDeadError):
+        while True:
+            out = loop.get_output(timeout=10)
+            assert out is not None, "no output before the death"
+            finals.update({o.request_id: o.finish_reason for o in out.outputs})
+    assert finals == {"queued-1": FinishReason.ABORT, "queued-2": FinishReason.ABORT}
+    with pytest.raises(EngineDeadError):
+        loop.add_request(_Req("late"))
+    loop.shutdown()
