@@ -184,6 +184,14 @@ class EngineCoreActor:
     def start_wave(self, wave: int) -> None:
         self._require_loop().start_wave(wave)
 
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Prefill/decode: a decode engine holds its copy of these finished requests' KV."""
+        self._require_loop().release_kv(request_ids)
+
+    def kv_worker_handles(self) -> list[Any]:
+        """The worker actors in rank order, for decode ranks that pull KV from them."""
+        return self.worker_handles()
+
     def get_outputs(self, timeout: float) -> list[EngineCoreOutputs]:
         """``poll_outputs``; a DP rank names itself in its death."""
         try:

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.actors.dp_coordinator import DPCoordinator, DPLoadBalancer
 from raylm.actors.engine_core_actor import EngineCoreActor, model_in_rank_actor
+from raylm.actors.kv_transport import KV_NAMESPACE, engine_actor_name
 from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
@@ -186,9 +187,13 @@ class RayEngineCoreClient(RemoteEngineCalls):
         if self.dp_size > 1:
             self.coordinator = DPCoordinator.remote(self.dp_size)
         env = envs.forwarded_to_actors()
+        kv = self.config.kv_transfer_config
+        # A prefill/decode peer finds this engine by its engine_id (actors/kv_transport.py).
+        named = ({"name": engine_actor_name(str(kv.engine_id)), "namespace": KV_NAMESPACE}
+                 if kv is not None and not kv.is_offloading else {})
         for rank, slot in enumerate(self.slots):
             self.ranks.append(EngineCoreActor.options(
-                num_cpus=slot.cpus, num_gpus=slot.gpus,
+                num_cpus=slot.cpus, num_gpus=slot.gpus, **named,
                 runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     slot.group, placement_group_bundle_index=slot.bundle),
@@ -270,6 +275,10 @@ class RayEngineCoreClient(RemoteEngineCalls):
         merged["dp_unfinished_requests"] = self.balancer.num_unfinished()
         merged["dp_routed_requests"] = self.balancer.num_routed()
         return merged
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Prefill/decode: free finished requests' KV that no decode engine will pull."""
+        self._call([submit(r.release_kv, request_ids) for r in self.ranks], "release_kv")
 
     def get_dp_state(self) -> dict[str, Any]:
         """Waves and routing (d > 1): per-rank loop stats, the coordinator's view, the

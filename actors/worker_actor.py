@@ -4,7 +4,8 @@ Every rank runs every step (``Worker.run``); only the output rank, TP rank 0 of 
 stage, sends results back. Steps come over the step stream (``serve_steps``, the default)
 or as Ray calls (``execute_model``). One thread, the default concurrency group, makes all
 of the rank's torch calls (OpenMP keeps a team per calling thread); ``serve_steps`` holds
-it while the stream is open, so health, node info, ``call`` and shutdown use ``control``.
+it while the stream is open, so health, node info, ``call`` and shutdown use ``control``;
+a prefill rank serves its KV blocks to decode ranks on ``kv`` (prefill/decode transfer).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def new_token() -> bytes:
 
 
 CONTROL = "control"
+KV = "kv"
 SHUTDOWN_WAIT_S = 5.0  # for the torch thread to finish its step before tearing down
 
 
-@ray.remote(concurrency_groups={CONTROL: 1})
+@ray.remote(concurrency_groups={CONTROL: 1, KV: 2})
 class WorkerActor:
     """Construct with ``.options(num_cpus=..., num_gpus=..., scheduling_strategy=...)``.
 
@@ -119,6 +121,12 @@ class WorkerActor:
                                 expect_cuda=device.expect_cuda)
         if pp > 1:
             self._init_pp_transport(engine_config, ctx, dist_timeout_s)
+        kv_steps = getattr(getattr(self.worker, "model_runner", None), "kv_steps", None)
+        connector = kv_steps.connector if kv_steps is not None else None
+        if connector is not None and hasattr(connector, "transport"):
+            from raylm.actors.kv_transport import RayKVTransport
+
+            connector.transport = RayKVTransport()  # decode ranks pull through it
 
     def _init_pp_transport(self, engine_config: EngineConfig, ctx: Any,
                            dist_timeout_s: float) -> None:
@@ -156,6 +164,13 @@ class WorkerActor:
 
         set_intra_op_threads(self.num_threads)  # torch's count is per thread: this one's too
         return getattr(self.worker, method)(*args, **kwargs)
+
+    @ray.method(concurrency_group=KV)
+    def read_kv(self, request_id: str, first_block: int, head_lo: int, head_hi: int) -> Any:
+        """A prefill rank's blocks of a finished prompt, for a decode rank (see
+        ``RayKVConnectorWorker.read_blocks``; the blocks are held until it is released)."""
+        connector = self.worker.model_runner.kv_steps.connector
+        return connector.read_blocks(request_id, first_block, head_lo, head_hi)
 
     # ---- steps ---------------------------------------------------------------------------
 

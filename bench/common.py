@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -112,3 +116,24 @@ def print_table(rows: list[tuple[str, str, float]], reference: str) -> None:
     for w, e, v in rows:
         ratio = f"{v / ref[w]:.2f}x" if ref.get(w) else "-"
         print(f"| {w:<22} | {e:<24} | {v:>12.1f} | {ratio:>16} |")
+
+
+def run_fresh(script: str, args: list[str]) -> dict:
+    """``script`` run with ``args`` in a fresh process (a process's first torch thread runs
+    CPU ops faster than later ones, so engines never share one); its last stdout line,
+    parsed as JSON."""
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def parse_or_run_child(parser: argparse.ArgumentParser, modes: tuple[str, ...],
+                       run) -> argparse.Namespace | None:
+    """The parsed args, or None in a child process started by ``run_fresh`` with
+    ``--one MODE``: it has run ``run(args, MODE)`` and printed the result as JSON."""
+    parser.add_argument("--one", choices=modes, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is None:
+        return args
+    print(json.dumps(run(args, args.one)))
+    return None

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput, PromptLogprobsChunk
+from raylm.scheduler.core_outputs import (
+    KVConnectorOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+)
 
 
 class AsyncCopy:
@@ -124,6 +129,7 @@ class AsyncModelRunnerOutput:
     copy: AsyncCopy
     has_logprobs: bool
     prompt_logprobs_dict: dict[str, PromptLogprobsChunk] | None = None  # already on the host
+    kv_connector_output: KVConnectorOutput | None = None
 
     def done(self) -> bool:
         return self.copy.done()
@@ -134,4 +140,5 @@ class AsyncModelRunnerOutput:
         out = build_model_runner_output(self.req_ids, self.req_id_to_index, self.sample_mask,
                                         arrays[0][:, 0], self.num_logprobs, logprob_arrays)
         out.prompt_logprobs_dict = self.prompt_logprobs_dict or {}
+        out.kv_connector_output = self.kv_connector_output
         return out

@@ -24,6 +24,7 @@ from raylm.runner.async_output import (
 from raylm.runner.attention.paged_attention import allocate_kv_cache, resolve_attention_backend
 from raylm.runner.cuda_graphs import DecodeGraphs, setup_decode_padding
 from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.kv_transfer.steps import KVConnectorSteps
 from raylm.runner.loading.model_loader import get_model, resolve_dtype
 from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.models.decoder_config import DecoderConfig
@@ -100,6 +101,9 @@ class ModelRunner:
                                 and not self.model_config.enforce_eager)
         self.pad_decode_steps = self.use_cuda_graphs or (plain and envs.pad_decode_steps())
         self.decode_graphs: DecodeGraphs | None = None
+        # A KV connector's worker side (offload tier, prefill/decode transfer), driven by
+        # the Worker around each step.
+        self.kv_steps = KVConnectorSteps.make(engine_config, ctx)
 
     # ---------------------------------------------------------------- setup
     def load_model(self, model: nn.Module | None = None) -> None:
@@ -130,6 +134,8 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
+        if self.kv_steps is not None:
+            self.kv_steps.bind(self.kv_caches, self.model.attention_layers)
         if self.pad_decode_steps:
             self.decode_graphs = setup_decode_padding(
                 self.input_preparer, self.model, self.device,
@@ -177,8 +183,10 @@ class ModelRunner:
         batch = self.input_preparer.prepare(so, self._settle_placeholders)
         if self.speculator is not None:
             self.speculator.place_device_drafts(batch)
-        hidden = (self.decode_graphs.replay(batch.padded_rows)
-                  if batch.padded_rows and self.decode_graphs is not None else None)
+        loads = self.kv_steps is not None and self.kv_steps.has_step_loads()
+        hidden = (self.decode_graphs.replay(batch.padded_rows)  # graphs skip the layer hooks
+                  if batch.padded_rows and self.decode_graphs is not None and not loads
+                  else None)
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                                 intermediate_tensors)
@@ -435,3 +443,5 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.copier.shutdown()
         self._pending.clear()
+        if self.kv_steps is not None:
+            self.kv_steps.shutdown()

@@ -199,6 +199,9 @@ class Worker:
             set_intra_op_threads(step_threads(
                 scheduler_output.total_num_scheduled_tokens, self.num_threads,
                 self.engine_config.parallel_config.cpu_burst_threads))
+        kv = self.model_runner.kv_steps  # a KV connector: its orders before the step
+        if kv is not None:
+            kv.begin(scheduler_output)
         intermediate = recv = None
         if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
             if self.model_runner.speculator is None:
@@ -208,6 +211,8 @@ class Worker:
         out = self.model_runner.execute_model(scheduler_output, intermediate,
                                               pp_transport=self.pp_transport,
                                               recv_intermediate=recv)
+        if kv is not None:
+            kv.end(scheduler_output, out)  # its report rides on the output (or the next)
         if isinstance(out, IntermediateTensors):
             self._transport().send_intermediate(out)
             return None
@@ -220,6 +225,8 @@ class Worker:
         if not self.ctx.is_last_pp_rank:
             return None
         out = self.model_runner.sample_tokens(grammar_output)
+        if self.model_runner.kv_steps is not None:
+            self.model_runner.kv_steps.attach(out)  # reported with the step's forward
         return out if self.ctx.is_driver else None
 
     def run(self, message: SchedulerOutput | GrammarOutput

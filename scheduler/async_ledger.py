@@ -3,7 +3,7 @@
 The counters live on ``Request`` (scheduler/request.py); the scheduler moves them by the
 rules of docs/architecture.md §3 only through these functions, so each rule has one home:
 booking at schedule time, the skip that keeps a step from producing nothing, settling a
-returned step, and the reset of a preemption. Both modes share them; only async
+returned step, the roll-back of a failed KV load, and the reset of a preemption. Both modes share them; only async
 scheduling books output placeholders. (The PP decode cadence, §4, is AsyncScheduler's.)
 """
 
@@ -90,6 +90,25 @@ def settle_output_placeholders(request: Request, num_returned: int) -> None:
     assert request.num_output_placeholders >= 0, (
         f"{request.request_id}: placeholders {request.num_output_placeholders} after "
         f"settling {num_returned} returned tokens")
+
+
+def roll_back_failed_load(request: Request, num_good_tokens: int) -> int:
+    """Some of the request's KV failed to load from outside the engine: its computed
+    count returns to ``num_good_tokens`` (the end of the last block before the first
+    failed one) and everything after is recomputed (docs/architecture.md §3 rule 9).
+    Every token in flight for it was booked
+    on the garbage and becomes stale, its placeholders and drafts go; it keeps its
+    blocks. Returns how many settled tokens are lost (to recompute)."""
+    settled = request.num_computed_tokens - request.num_in_flight_tokens
+    assert 0 <= num_good_tokens <= settled, (
+        f"{request.request_id}: roll back to {num_good_tokens} of {settled} settled tokens")
+    request.num_computed_tokens = num_good_tokens
+    request.num_stale_output_tokens = request.num_in_flight_tokens
+    request.num_output_placeholders = 0
+    request.spec_token_ids = []
+    request.is_prefill_chunk = False
+    request.next_decode_eligible_step = 0
+    return settled - num_good_tokens
 
 
 # ---- preemption ------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -72,6 +73,8 @@ class SchedulerOutput:
     # One of them has unsettled placeholders: its bitmask needs the previous step's token,
     # so the EngineCore sends ``sample_tokens`` only once that step's result is applied.
     pending_structured_output_tokens: bool = False
+    # The KV connector's per-step orders to the workers (loads, saves, sends; None: none).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -107,6 +110,37 @@ class PromptLogprobsChunk:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the workers' KV connector reports with a step (vLLM's names): requests whose
+    blocks finished sending (the producer may free them) or receiving (the consumer may
+    schedule them), blocks whose load failed (their KV is garbage: recompute), and
+    counters since the previous report (bytes, seconds, blocks; ``kv_transfer_stats``)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.stats)
+
+
+def merge_kv_connector_outputs(a: KVConnectorOutput | None, b: KVConnectorOutput | None
+                               ) -> KVConnectorOutput | None:
+    """Two reports as one (a step's report kept for the next output)."""
+    if a is None or b is None:
+        return a if b is None else b
+    stats = dict(a.stats)
+    for key, value in b.stats.items():
+        stats[key] = stats.get(key, 0.0) + value
+    return KVConnectorOutput(a.finished_sending | b.finished_sending,
+                             a.finished_recving | b.finished_recving,
+                             a.invalid_block_ids | b.invalid_block_ids, stats)
+
+
+@dataclass
 class ModelRunnerOutput:
     """One step's result. ``sampled_token_ids[i]`` is empty for a non-final prefill chunk.
 
@@ -123,6 +157,7 @@ class ModelRunnerOutput:
     num_draft_tokens: list[int] | None = None
     # Requests that asked for prompt logprobs and had prompt tokens in this step.
     prompt_logprobs_dict: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -156,6 +191,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that finished the request
     num_cached_tokens: int = 0
+    # A finished request whose KV a peer engine will pull (prefill side of disaggregation).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

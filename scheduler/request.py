@@ -48,12 +48,15 @@ class RequestStatus(IntEnum):
 
     WAITING = 0
     WAITING_FOR_FSM = 1  # its grammar is still compiling (structured outputs)
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7  # e.g. a token its grammar rejects
+    # Its KV is being loaded from outside the engine (a KV connector); it holds its blocks
+    # but no place in the running batch.
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8  # e.g. a token its grammar rejects
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -121,6 +124,11 @@ class Request:
         self.structured_output_request = (
             None if sampling_params.structured_outputs is None
             else StructuredOutputRequest(sampling_params.structured_outputs))
+        # Disaggregated prefill/decode (vLLM's ``extra_args["kv_transfer_params"]``): what
+        # a KV connector needs to send or pull this request's KV.
+        # Its own copy: a connector marks what it has done in it.
+        params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+        self.kv_transfer_params: dict | None = dict(params) if params else None
 
     # Token views. Read-only by convention: mutate through append_output_token_ids only.
     @property

@@ -2,16 +2,17 @@
 
 Each ``schedule()`` gives every RUNNING request the tokens it still lacks (chunked by the
 budget), preempting the newest running request when KV blocks run out, then admits WAITING
-requests (prefix-cache hits, chunked prefill). It owns two collaborators, a ``StepSettler``
-for returned steps and ``StructuredOutputScheduling`` for grammars; the ledger's rules are
-async_ledger.py's. AsyncScheduler adds only the output placeholders and the PP cadence.
+requests (prefix-cache hits, KV a connector loads, chunked prefill). It owns three
+collaborators, a ``StepSettler`` for returned steps, ``StructuredOutputScheduling`` for
+grammars and ``KVTransferScheduling`` for KV loaded from outside (or sent out); the
+ledger's rules are async_ledger.py's. AsyncScheduler adds only the output placeholders and
+the PP cadence.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from raylm.scheduler.async_ledger import (
     book_scheduled_tokens,
@@ -20,36 +21,25 @@ from raylm.scheduler.async_ledger import (
 )
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
 from raylm.scheduler.kv.block_pool import KVCacheBlock
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
+from raylm.scheduler.kv_transfer.factory import make_connector_scheduler
+from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
 from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
 from raylm.scheduler.scheduler_update import StepSettler
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters, num_useful_drafts
+from raylm.scheduler.step_plan import StepPlan, make_scheduler_output
 from raylm.scheduler.structured.manager import StructuredOutputManager
 from raylm.scheduler.structured.scheduling import StructuredOutputScheduling
-
-
-@dataclass
-class _StepPlan:
-    """What one ``schedule()`` has decided so far."""
-
-    budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    cached: list[tuple[Request, list[int]]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    blocked_on_kv: bool = False
 
 
 class Scheduler:
@@ -84,6 +74,10 @@ class Scheduler:
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
         self._stats_snapshot = (0, 0, 0)
+        kv = self.kv_cache_manager
+        self.kv_transfer = KVTransferScheduling(
+            make_connector_scheduler(config, kv.get_block_ids), requests=self.requests,
+            waiting=self.waiting, kv_cache_manager=kv, block_size=self.block_size)
         self.structured_output = StructuredOutputScheduling(
             requests=self.requests, waiting=self.waiting, manager=structured_output_manager,
             num_spec_tokens=self.num_spec_tokens,
@@ -96,7 +90,8 @@ class Scheduler:
             advance_grammar=self.structured_output.advance_grammar,
             max_model_len=self.max_model_len, block_size=self.block_size,
             enable_caching=self.enable_caching,
-            books_output_placeholders=self.books_output_placeholders)
+            books_output_placeholders=self.books_output_placeholders,
+            kv_transfer=self.kv_transfer)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager | None:
@@ -156,7 +151,7 @@ class Scheduler:
                 removed_running.add(rid)
             elif request.status == RequestStatus.WAITING_FOR_FSM:
                 self.waiting_for_fsm.remove(request)
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove(request)
             request.status = finished_status
             outputs.append(self._finish_request(request, []))
@@ -174,7 +169,10 @@ class Scheduler:
         output = EngineCoreOutput(
             request.request_id, new_token_ids, finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
-        self.kv_cache_manager.free(request)
+        # A KV connector may hold the blocks for a transfer still under way.
+        delay_free, output.kv_transfer_params = self.kv_transfer.request_finished(request)
+        if not delay_free:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.counters.num_requests_finished += 1
@@ -183,13 +181,19 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = self._begin_step()
-        plan = _StepPlan(budget=self.max_num_scheduled_tokens)
+        plan = StepPlan(budget=self.max_num_scheduled_tokens)
+        if self.kv_transfer.received:
+            self.kv_transfer.admit_received()
         self._schedule_running(step, plan)
         new_reqs: list[Request] = []
         if not plan.preempted and not plan.blocked_on_kv:
             new_reqs = self._schedule_waiting(plan.budget, plan.num_scheduled_tokens)
-        out = self._make_scheduler_output(step, plan, new_reqs)
+        out = make_scheduler_output(
+            step, plan, new_reqs + plan.resent, self.finished_req_ids,
+            self.kv_cache_manager.get_block_ids,
+            self.num_spec_tokens if self.send_sampled_token_ids else None)
         self.finished_req_ids = set()
+        self.kv_transfer.build_meta(out)
         self._update_after_schedule(out)
         return out
 
@@ -199,10 +203,11 @@ class Scheduler:
         self.kv_cache_manager.begin_step(self.current_step)
         return self.current_step
 
-    def _schedule_running(self, step: int, plan: _StepPlan) -> None:
+    def _schedule_running(self, step: int, plan: StepPlan) -> None:
         """Give each RUNNING request the tokens it lacks, oldest first, preempting the
         newest when KV blocks run out."""
         running = self.running
+        resend = self.kv_transfer.needs_resend
         i = 0
         while i < len(running) and plan.budget > 0:
             request = running[i]
@@ -217,7 +222,13 @@ class Scheduler:
             num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
             if num_spec > 0 and request.spec_token_ids:
                 plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            plan.cached.append((request, [b.block_id for b in new_blocks]))
+            if resend and request.request_id in resend:
+                # A failed KV load rolled it back: the workers drop their state of it
+                # (listed as preempted) and rebuild it from the full request.
+                resend.discard(request.request_id)
+                plan.resent.append(request)
+            else:
+                plan.cached.append((request, [b.block_id for b in new_blocks]))
             plan.num_scheduled_tokens[request.request_id] = num_new
             plan.budget -= num_new
 
@@ -240,7 +251,7 @@ class Scheduler:
         return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             plan: _StepPlan) -> list[KVCacheBlock] | None:
+                             plan: StepPlan) -> list[KVCacheBlock] | None:
         """KV slots for ``num_new`` more tokens, preempting the newest running requests
         until they fit. None: not this step (the request itself was preempted, or blocks
         freed behind an in-flight step's fence will cover it soon)."""
@@ -249,6 +260,9 @@ class Scheduler:
         lookahead = self._lookahead(request.num_computed_tokens, num_new)
         new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
         while new_blocks is None:
+            if self.kv_transfer.loaded and self.kv_transfer.reclaim_loaded():
+                new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+                continue
             if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(
                     request, num_new, num_lookahead_tokens=lookahead) <= (
                     kv.block_pool.get_num_free_blocks() + kv.num_deferred_blocks):
@@ -269,42 +283,34 @@ class Scheduler:
         within max_model_len."""
         return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed - num_new), 0)
 
-    def _make_scheduler_output(self, step: int, plan: _StepPlan,
-                               new_reqs: list[Request]) -> SchedulerOutput:
-        num_scheduled_tokens = plan.num_scheduled_tokens
-        cached = plan.cached
-        return SchedulerOutput(
-            step_id=step,
-            scheduled_new_reqs=[self._new_request_data(r) for r in new_reqs],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r, _ in cached],
-                new_block_ids=[ids for _, ids in cached],
-                num_computed_tokens=[r.num_computed_tokens for r, _ in cached],
-                new_token_ids=[self._unseen_output_ids(r, num_scheduled_tokens[r.request_id])
-                               for r, _ in cached],
-            ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted},
-            scheduled_spec_decode_tokens=plan.spec_tokens,
-        )
-
     def _schedule_waiting(self, budget: int, num_scheduled_tokens: dict[str, int]) -> list[Request]:
         kv = self.kv_cache_manager
+        kv_transfer = self.kv_transfer
         scheduled: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting[0]
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)  # chunked prefill
-            if kv.allocate_slots(request, num_new, hit_blocks,
-                                 self._lookahead(num_hit, num_new)) is None:
+            num_external, load_async = 0, False
+            if kv_transfer.holds_blocks(request):  # its KV was loaded from outside
+                hit_blocks, num_hit = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_external, load_async = kv_transfer.match(request, num_hit)
+            # Loaded tokens cost no budget; an asynchronous load computes nothing yet.
+            num_new = 0 if load_async else min(request.num_tokens - num_hit - num_external,
+                                               budget)  # chunked prefill
+            if kv.allocate_slots(request, num_new + num_external, hit_blocks,
+                                 self._lookahead(num_hit, num_new + num_external)) is None:
+                if kv_transfer.loaded and kv_transfer.reclaim_loaded(exclude=request):
+                    continue  # retry with what a loaded request held (see reclaim_loaded)
                 break
             self.waiting.popleft()
             kv.record_prefix_cache_query(request.num_tokens, num_hit)
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_external
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_external
+            kv_transfer.after_alloc(request, num_hit, num_external, load_async)
+            if load_async:
+                continue  # WAITING_FOR_REMOTE_KVS: not in the running batch
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(request)
@@ -312,30 +318,11 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
-    def _unseen_output_ids(self, request: Request, num_new: int) -> list[int]:
-        """Output ids among this step's inputs, for ranks that did not sample them."""
-        if not self.send_sampled_token_ids:
-            return []
-        # From k tokens earlier: the last step's accepted drafts were never inputs there.
-        start = max(request.num_computed_tokens - self.num_spec_tokens,
-                    request.num_prompt_tokens)
-        return request.all_token_ids[start:request.num_computed_tokens + num_new]
-
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),  # workers may extend theirs
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens,
-            sampling_seed=request.sampling_seed,
-        )
-
     def _preempt_request(self, request: Request) -> None:
         """Recompute preemption. Resets the ledger (§3 rule 4): results of its in-flight
         steps become stale and will be drained, never appended."""
         self.kv_cache_manager.free(request)
+        self.kv_transfer.forget(request)
         request.status = RequestStatus.PREEMPTED
         reset_on_preemption(request)
         self.counters.num_preemptions += 1
@@ -353,8 +340,10 @@ class Scheduler:
         return bool(self.requests)
 
     def has_requests(self) -> bool:
-        """Unfinished requests, or finished ones whose worker state is still to drop."""
-        return bool(self.requests) or bool(self.finished_req_ids)
+        """Unfinished requests, finished ones whose worker state is still to drop, or a KV
+        connector's orders for the workers."""
+        return (bool(self.requests) or bool(self.finished_req_ids)
+                or self.kv_transfer.has_pending_work())
 
     def make_stats(self) -> SchedulerStats:
         """Gauges, and counter deltas since the previous call (update_from_output's)."""
@@ -378,4 +367,5 @@ class Scheduler:
     def check_integrity(self, no_steps_in_flight: bool = False) -> None:
         """Pool invariants and per-request ledger sanity; stricter with nothing in flight."""
         check_scheduler_integrity(self.kv_cache_manager, self.requests, self.waiting,
-                                  self.running, self.waiting_for_fsm, no_steps_in_flight)
+                                  self.running, self.waiting_for_fsm, no_steps_in_flight,
+                                  self.kv_transfer)

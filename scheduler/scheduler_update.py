@@ -4,7 +4,9 @@ Steps return in the order they were scheduled, but under async scheduling later 
 already booked when a result arrives. The Scheduler owns one settler and hands it the
 state it touches; the ledger's arithmetic is in async_ledger.py. Hazards, where handled
 here: a request finished or aborted meanwhile (docs/architecture.md §3 rule 5), results
-that predate a preemption (rule 4), rejected drafts (rule 3), tokens past a stop (rule 1).
+that predate a preemption (rule 4), rejected drafts (rule 3), tokens past a stop (rule 1),
+and KV that failed to load from outside (§3 rule 9): the tokens a
+step computed on it are dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from raylm.scheduler.core_outputs import (
 )
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import update_block_hashes
+from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
 from raylm.scheduler.prompt_logprobs import take_new_prompt_logprobs
 from raylm.scheduler.request import Request
 from raylm.scheduler.scheduler_stats import SchedulerCounters
@@ -44,7 +47,7 @@ class StepSettler:
                  finish_request: Callable[[Request, list[int]], EngineCoreOutput],
                  advance_grammar: Callable[[Request, list[int]], int],
                  max_model_len: int, block_size: int, enable_caching: bool,
-                 books_output_placeholders: bool) -> None:
+                 books_output_placeholders: bool, kv_transfer: KVTransferScheduling) -> None:
         self.requests = requests
         self.kv_cache_manager = kv_cache_manager
         self.counters = counters
@@ -55,6 +58,7 @@ class StepSettler:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.books_output_placeholders = books_output_placeholders
+        self.kv_transfer = kv_transfer
 
     def settle(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
                ) -> tuple[list[EngineCoreOutput], bool]:
@@ -69,6 +73,8 @@ class StepSettler:
         step_id = scheduler_output.step_id
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
+        # Requests whose KV failed to load, each with the tokens it keeps.
+        failed = self.kv_transfer.on_step_output(model_runner_output.kv_connector_output)
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.is_finished():
@@ -76,7 +82,12 @@ class StepSettler:
                 # out and its blocks wait behind this step's fence. Nothing to settle.
                 continue
             if settle_in_flight_tokens(request, num_scheduled, step_id):
+                failed.pop(rid, None)
                 continue  # scheduled before a preemption reset the ledger
+            if rid in failed:
+                # Computed on KV that failed to load: its tokens are garbage.
+                self.kv_transfer.roll_back(request, failed.pop(rid))
+                continue
             i = index.get(rid)
             generated = sampled[i] if i is not None else []
             drafts = spec.get(rid) if spec else None
@@ -111,6 +122,8 @@ class StepSettler:
             out.new_logprobs = _slice_logprobs(lp, len(new_token_ids))
             out.new_prompt_logprobs = prompt_lp
             outputs.append(out)
+        for rid, num_good in failed.items():  # not in this step (waiting for their load)
+            self.kv_transfer.roll_back(requests[rid], num_good)
         kv.on_step_processed(step_id)
         return outputs, any_stopped
 

@@ -55,6 +55,26 @@ _SPEC_PER_POS = ("raylm:spec_decode_num_accepted_tokens_per_pos",
                  "Draft tokens accepted, per draft position.")
 
 
+# KV connectors (only with one configured): the engine's own names, gauges among them.
+_KV_PREFIXES = ("raylm:external_prefix_cache_", "raylm:kv_offload_", "raylm:kv_transfer_",
+                "raylm:kv_connector_", "raylm:num_requests_waiting_for_remote_kvs")
+_KV_GAUGES = ("raylm:kv_offload_cpu_cache_usage_perc", "raylm:num_requests_waiting_for_remote_kvs")
+
+
+def kv_connector_stats(metrics: dict[str, Any]) -> dict[str, Any]:
+    """get_metrics() -> the get_stats() key ``kv_connector``: every KV-connector series
+    by its full name (labels included); none without a connector."""
+    kv = {k: v for k, v in metrics.items() if k.startswith(_KV_PREFIXES)}
+    return {"kv_connector": kv} if kv else {}
+
+
+def _labelled(key: str) -> tuple[str, dict[str, str]]:
+    """'name{a="x"}' -> ('name', {'a': 'x'})."""
+    name, _, rest = key.partition("{")
+    labels = dict(pair.split("=", 1) for pair in rest.rstrip("}").split(",") if pair)
+    return name, {k: v.strip('"') for k, v in labels.items()}
+
+
 def spec_decode_stats(metrics: dict[str, Any]) -> dict[str, Any]:
     """get_metrics() -> the get_stats() keys of speculative decoding (none when off)."""
     if "raylm:spec_decode_num_drafts" not in metrics:
@@ -102,6 +122,22 @@ class _EngineStatsCollector:
             family = CounterMetricFamily(*_SPEC_PER_POS, labels=["model_name", "position"])
             for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
                 family.add_metric([self._model_name, str(pos)], float(n))
+            yield family
+        yield from self._kv_families(stats.get("kv_connector") or {})
+
+    def _kv_families(self, series: dict[str, float]) -> Iterable[Metric]:
+        by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for key, value in series.items():
+            name, labels = _labelled(key)
+            by_name.setdefault(name, []).append((labels, float(value)))
+        for name, samples in sorted(by_name.items()):
+            label_names = ["model_name", *sorted(samples[0][0])]
+            kind = GaugeMetricFamily if name in _KV_GAUGES else CounterMetricFamily
+            family = kind(name, "KV connector: " + name.split(":", 1)[1].replace("_", " "),
+                          labels=label_names)
+            for labels, value in samples:
+                family.add_metric([self._model_name, *(labels[k] for k in label_names[1:])],
+                                  value)
             yield family
 
 

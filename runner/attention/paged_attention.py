@@ -11,7 +11,7 @@ host, uploaded without a wait and shared by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -233,6 +233,10 @@ class Attention(nn.Module):
         self.scale = scale
         # (key_cache, value_cache), bound by the model runner once the cache is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A KV connector's worker side and this layer's index in the cache list (bound with
+        # the cache when one is configured): waited on before the cache is touched.
+        self.kv_connector: Any = None
+        self.layer_index = 0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -240,16 +244,23 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
         key_cache, value_cache = self.kv_cache
+        connector = self.kv_connector
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_index)
         if meta.tiles is not None:
             from raylm.runner.attention import triton_paged
 
             triton_paged.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+            if connector is not None:
+                connector.save_kv_layer(self.layer_index)
             return triton_paged.paged_attention(query, key_cache, value_cache, meta.tiles,
                                                 self.scale)
         write = meta.write_index(self.num_kv_heads)
         tokens = (-1, self.head_dim)
         key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))
         value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
+        if connector is not None:
+            connector.save_kv_layer(self.layer_index)
         ragged = meta.ragged
         if ragged is not None and ragged.token_index is None:  # every token is ragged
             return ragged_paged_attention(query, key_cache, value_cache, ragged, self.scale)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
 from raylm.scheduler.config.validation import check_at_least
 
@@ -226,15 +227,33 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.hf_config)
+        self._check_kv_transfer()
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
         self._resolve_async_scheduling()
+
+    def _check_kv_transfer(self) -> None:
+        """Prefill/decode transfer pulls each rank's KV heads from the peer's worker
+        actors (named, so a peer finds them): the Ray backend, one DP rank, no PP."""
+        kv = self.kv_transfer_config
+        if kv is None or kv.is_offloading:
+            return
+        pc = self.parallel_config
+        if pc.pipeline_parallel_size > 1 or pc.data_parallel_size > 1:
+            raise ValueError(f"kv_transfer_config.kv_connector={kv.kv_connector!r} supports "
+                             "pipeline_parallel_size=1 and data_parallel_size=1, got "
+                             f"{pc.pipeline_parallel_size} and {pc.data_parallel_size}.")
+        if pc.distributed_executor_backend != "ray":
+            raise ValueError(f"kv_transfer_config.kv_connector={kv.kv_connector!r} needs "
+                             "distributed_executor_backend='ray' (its peers reach the "
+                             f"worker actors), got {pc.distributed_executor_backend!r}.")
 
     def _resolve_async_scheduling(self) -> None:
         """The one place async_scheduling is resolved (docs/architecture.md §3 rule 8):

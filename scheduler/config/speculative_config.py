@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from raylm.scheduler.config.validation import check_config_dict
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
@@ -73,16 +75,8 @@ class SpeculativeConfig:
         if config is None or isinstance(config, SpeculativeConfig):
             spec = config
         else:
-            if not isinstance(config, dict):
-                raise ValueError(f"speculative_config must be a dict, got {config!r}.")
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(config) - known)
-            if unknown:
-                raise ValueError(f"speculative_config has unknown key(s) {unknown}; "
-                                 f"known: {sorted(known)}.")
-            for required in ("method", "num_speculative_tokens"):
-                if required not in config:
-                    raise ValueError(f"speculative_config.{required} is required.")
+            check_config_dict("speculative_config", config, cls,
+                              ("method", "num_speculative_tokens"))
             spec = cls(**config)
         if spec is not None and spec.method == "draft_model" and target_hf_config is not None:
             spec.check_draft_vocab(target_hf_config)

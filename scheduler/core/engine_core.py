@@ -5,7 +5,8 @@ Two loops, picked by config (``step_fn``): ``step`` keeps one step in flight;
 the CPU plans step t+1 while step t runs and applies results one step late
 (docs/architecture.md §3). Aborts from any thread are queued and applied on the loop thread
 only, before a schedule or a result (§3 rule 5); a failed step aborts every request.
-Threading: ``abort_requests`` and ``get_metrics`` may be called from any thread.
+Threading: ``abort_requests``, ``release_kv`` and ``get_metrics`` may be called from any
+thread.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class EngineCore:
         # Empty steps still advance the PP ring on the workers, so they are sent there.
         self._send_empty_steps = config.parallel_config.pipeline_parallel_size > 1
         self._abort_queue: deque[list[str]] = deque()  # appends are thread-safe
+        self._release_queue: deque[list[str]] = deque()  # KV a peer has pulled
         self._pending_outputs: list[EngineCoreOutput] = []
         self._dead: BaseException | None = None
         self._num_idle_empty_steps = 0
@@ -82,11 +84,18 @@ class EngineCore:
         Each aborted request gets exactly one final output, with finish_reason ABORT."""
         self._abort_queue.append(list(request_ids))
 
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Thread-safe: a peer engine has pulled these finished requests' KV (prefill /
+        decode disaggregation), so their held blocks may go back to the pool."""
+        self._release_queue.append(list(request_ids))
+
     def _process_aborts(self) -> None:
         while self._abort_queue:
             ids = self._abort_queue.popleft()
             self._pending_outputs.extend(
                 self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
+        while self._release_queue:
+            self.scheduler.kv_transfer.release(self._release_queue.popleft())
 
     # ---- the loops -----------------------------------------------------------------
     def step(self) -> tuple[EngineCoreOutputs, bool]:
@@ -175,7 +184,9 @@ class EngineCore:
 
     def _should_execute(self, scheduler_output: SchedulerOutput) -> bool:
         if (not scheduler_output.is_empty or scheduler_output.finished_req_ids
-                or scheduler_output.preempted_req_ids or self._send_empty_steps):
+                or scheduler_output.preempted_req_ids or self._send_empty_steps
+                or scheduler_output.kv_connector_metadata is not None
+                or self.scheduler.kv_transfer.has_pending_work()):
             self._num_idle_empty_steps = 0
             return True
         # Nothing to run: with steps in flight, their results will change that.
@@ -251,6 +262,9 @@ class EngineCore:
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
+        if self._release_queue:
+            self._process_aborts()  # loop thread: a release needs no step
+        self.scheduler.kv_transfer.free_expired()
         return bool(self._abort_queue or self._pending_outputs or self.batch_queue
                     or self.scheduler.has_requests())
 
@@ -274,6 +288,7 @@ class EngineCore:
             num_waiting=len(s.waiting), kv_cache_usage=kv.usage)
         if s.num_spec_tokens:
             metrics.update(s.spec_decode_counters.metrics())
+        metrics.update(s.kv_transfer.metrics())
         metrics[device_info_key(self.device_info)] = float(self.device_info.get("count", 1))
         return metrics
 

@@ -147,6 +147,11 @@ class EngineCoreLoop:
             self.engine_core.abort_requests(now)
         self._wakeup.set()
 
+    def release_kv(self, request_ids: list[str]) -> None:
+        """A peer engine has pulled these finished requests' KV: free their blocks."""
+        self.engine_core.release_kv(request_ids)
+        self._wakeup.set()
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"EngineCore died: {self.dead_error!r}") from self.dead_error

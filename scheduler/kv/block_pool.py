@@ -15,7 +15,7 @@ the EngineCore whenever it goes idle):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from raylm.scheduler.config.validation import check_at_least
 
@@ -42,6 +42,9 @@ class BlockPool:
         self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks)
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # Called with (block_hash, block_id) when a cached block is evicted for reuse (a KV
+        # offload tier keeps its content; its KV is settled and no step in flight uses it).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > len(self.free_block_queue):
@@ -56,6 +59,17 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
+        h = block.block_hash
+        if h is not None:
+            if self.cached_block_hash_to_block.get(h) is block:
+                del self.cached_block_hash_to_block[h]
+                if self.on_evict is not None:
+                    self.on_evict(h, block.block_id)
+            block.block_hash = None
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop a block from the prefix-cache index (its KV is not what its hash says: a
+        failed load); the block itself stays where it is."""
         h = block.block_hash
         if h is not None:
             if self.cached_block_hash_to_block.get(h) is block:

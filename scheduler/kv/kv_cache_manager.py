@@ -182,6 +182,21 @@ class KVCacheManager:
             self.num_deferred_blocks -= len(blocks)
             self.block_pool.free_blocks(blocks)
 
+    def invalidate_from(self, request_id: str, block_index: int) -> None:
+        """A failed load: the request's blocks from ``block_index`` on hold garbage, so none
+        of them may be a prefix-cache hit and only the ones before stay indexed for it."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        for block in blocks[block_index:]:
+            self.block_pool.uncache(block)
+        if request_id in self.num_cached_block:
+            self.num_cached_block[request_id] = min(self.num_cached_block[request_id],
+                                                    block_index)
+
+    def uncache_block_ids(self, block_ids: set[int]) -> None:
+        """Drop blocks a load failed for from the prefix-cache index, whoever holds them."""
+        for block_id in block_ids:
+            self.block_pool.uncache(self.block_pool.blocks[block_id])
+
     def has_deferred_frees(self) -> bool:
         return bool(self._deferred)
 

@@ -32,6 +32,8 @@ from raylm.scheduler.sampling_params import SamplingParams
 
 EOS = 2
 VOCAB = 1000
+# What a request computed on KV that failed to load samples (never an expected token).
+POISON = VOCAB + 1
 
 
 def expected_token(req_id: str, position: int) -> int:
@@ -97,6 +99,8 @@ class _ReqState:
         self.block_ids = block_ids
         self.num_computed = num_computed
         self.logprobs = logprobs
+        self.poisoned = False  # it read KV whose load failed: its outputs are garbage
+        self.first_bad = -1  # the first position it read garbage at
 
 
 class FakeRunner:
@@ -120,6 +124,9 @@ class FakeRunner:
         self.scheduled_tokens: collections.Counter[str] = collections.Counter()
         self.num_sampled: collections.Counter[str] = collections.Counter()
         self.num_steps = 0
+        # A fake KV connector's worker side (sched_fake_kv.py): moves the fake KV before a
+        # step and reports with it.
+        self.kv_worker = None
 
     def token_at(self, req_id: str, st: _ReqState, position: int) -> int:
         if self.eos_at.get(req_id) == position - st.num_prompt:
@@ -138,6 +145,7 @@ class FakeRunner:
         self.num_steps += 1
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self._drop(rid)
+        spoiled = self.kv_worker.before_step(so, self) if self.kv_worker is not None else set()
         for nd in so.scheduled_new_reqs:
             assert nd.req_id not in self.reqs, f"{nd.req_id} sent as new twice"
             st = _ReqState(list(nd.prompt_token_ids) + list(nd.output_token_ids),
@@ -150,7 +158,12 @@ class FakeRunner:
             for b in st.block_ids:
                 self.block_users[b].add(nd.req_id)
             for pos in range(nd.num_computed_tokens):  # a prefix hit reads the right KV
-                slot = self.kv[st.block_ids[pos // self.block_size]][pos % self.block_size]
+                block = st.block_ids[pos // self.block_size]
+                if block in spoiled:  # loaded in this very step, and the load failed
+                    if not st.poisoned:
+                        st.poisoned, st.first_bad = True, pos
+                    continue
+                slot = self.kv[block][pos % self.block_size]
                 assert slot == (st.tokens[pos], pos), (nd.req_id, pos, slot, st.tokens[pos])
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -189,17 +202,22 @@ class FakeRunner:
                 assert self.block_users[block] == {rid}, (
                     f"step {so.step_id}: {rid} writes block {block} shared with "
                     f"{self.block_users[block]}")
-                self.kv[block][pos % self.block_size] = (tok, pos)
+                self.kv[block][pos % self.block_size] = (
+                    ("poison", pos) if st.poisoned else (tok, pos))
             st.num_computed = start + num_known
             out: list[int] = []
             if st.num_computed == len(st.tokens):  # the last known token was an input
                 for _ in range(1 + num_accepted):
-                    tok = self.token_at(rid, st, len(st.tokens))
+                    tok = POISON if st.poisoned else self.token_at(rid, st, len(st.tokens))
                     st.tokens.append(tok)
                     out.append(tok)
                 st.num_computed += num_accepted
                 self.num_sampled[rid] += 1
                 self.num_accepted[rid] += num_accepted
+            if st.poisoned and st.first_bad >= 0 and self.kv_worker is not None:
+                # What the scheduler must recompute: all this step settled from there on.
+                self.kv_worker.expected_lost += st.num_computed - st.first_bad
+                st.first_bad = -1
             req_ids.append(rid)
             proposed.append(num_drafts)
             sampled.append(out)
@@ -209,7 +227,9 @@ class FakeRunner:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            num_draft_tokens=proposed if spec else None)
+            num_draft_tokens=proposed if spec else None,
+            kv_connector_output=(self.kv_worker.after_step(so, self)
+                                 if self.kv_worker is not None else None))
 
 
 class LazyFuture(Future):
@@ -240,6 +260,7 @@ class FakeExecutor:
     fail_at_step: int | None = None
     step_time: float = 0.0
     spec_rng: random.Random | None = None
+    kv_worker: object = None  # a fake KV connector's worker side (sched_fake_kv.py)
     # Run state, not options.
     runner: FakeRunner | None = field(default=None, init=False)
     pending: collections.deque[tuple[Future, SchedulerOutput]] = field(
@@ -258,6 +279,7 @@ class FakeExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner = FakeRunner(num_blocks, self.block_size, self.eos_at, self.spec_rng)
+        self.runner.kv_worker = self.kv_worker
         if self.mode == "thread":
             self._thread = threading.Thread(target=self._loop, daemon=True)
             self._thread.start()

@@ -87,6 +87,36 @@ def _check_step(engine: EngineCore, fenced: dict[int, set[int]]) -> None:
             assert r.num_output_placeholders == 0 and r.num_stale_output_tokens == 0, r
 
 
+def drive(engine: EngineCore, executor: FakeExecutor, fenced: dict[int, set[int]],
+          arrivals: dict[int, list], aborts: dict[int, list[str]], rng: random.Random
+          ) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Step until drained: requests arrive and aborts come at their steps, the device
+    sometimes finishes a step early; the invariants are checked after every step.
+    Returns each request's delivered tokens and final outputs."""
+    reqs = [r.request_id for rs in arrivals.values() for r in rs]
+    delivered: dict[str, list[int]] = {rid: [] for rid in reqs}
+    finals: dict[str, list] = {rid: [] for rid in reqs}
+    last_arrival = max(arrivals, default=0)
+    step = 0
+    while step <= last_arrival or engine.has_work():
+        for r in arrivals.get(step, ()):
+            engine.add_request(r)
+        if aborts.get(step):
+            engine.abort_requests(aborts[step])
+        if rng.random() < 0.3:
+            executor.resolve_next()  # the device finishes early; the engine sees it later
+        out, _ = engine.step_fn()
+        for o in out.outputs if out is not None else ():
+            assert not finals[o.request_id], f"{o.request_id}: output after its final one"
+            delivered[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finals[o.request_id].append(o)
+        _check_step(engine, fenced)
+        step += 1
+        assert step < 5000, "engine did not drain"
+    return delivered, finals
+
+
 _DRAFT_MODEL_DIR = write_draft_model_config(tempfile.mkdtemp(prefix="raylm-fake-draft-"))
 
 
@@ -126,27 +156,7 @@ def test_engine_loop_invariants(sc):
             aborts.setdefault(arrive + abort_after, []).append(rid)
     reqs = {r.request_id: r for rs in arrivals.values() for r in rs}
 
-    delivered: dict[str, list[int]] = {rid: [] for rid in reqs}
-    finals: dict[str, list] = {rid: [] for rid in reqs}
-    last_arrival = max(arrivals, default=0)
-    step = 0
-    while step <= last_arrival or engine.has_work():
-        for r in arrivals.get(step, ()):
-            engine.add_request(r)
-        if aborts.get(step):
-            engine.abort_requests(aborts[step])
-        if rng.random() < 0.3:
-            executor.resolve_next()  # the device finishes early; the engine sees it later
-        out, _ = engine.step_fn()
-        for o in out.outputs if out is not None else ():
-            assert not finals[o.request_id], f"{o.request_id}: output after its final one"
-            delivered[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                finals[o.request_id].append(o)
-        _check_step(engine, fenced)
-        step += 1
-        assert step < 5000, "engine did not drain"
-
+    delivered, finals = drive(engine, executor, fenced, arrivals, aborts, rng)
     for rid, r in reqs.items():
         assert len(finals[rid]) == 1, (rid, finals[rid])
         final = finals[rid][0]

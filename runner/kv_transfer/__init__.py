@@ -1,0 +1,1 @@
+"""KV connectors, worker side: the host offload pool, pulls from a peer, fault injection."""

@@ -1,0 +1,1 @@
+"""KV connectors, scheduler side (docs/architecture.md §2): offload tier, prefill/decode transfer."""
