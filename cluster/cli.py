@@ -165,12 +165,68 @@ def build_llm_config(args: argparse.Namespace) -> Any:
         **devices)
 
 
+def pd_app_args(args: argparse.Namespace, llm_config: Any) -> dict[str, Any]:
+    """The prefill/decode app's args (cluster/serve/pd_app.py) from the serve flags: both
+    sides are the model's LLMConfig with their replica counts and, if given, their own
+    tensor_parallel_size; the app fills in each side's kv_transfer_config."""
+    base = llm_config.model_dump(exclude_unset=True)
+    base["engine_kwargs"] = {k: v for k, v in base.get("engine_kwargs", {}).items()
+                             if k != "cpu_burst_threads"}  # two engines share the node
+
+    def side(replicas: int | None, tp: int | None) -> dict[str, Any]:
+        deployment = {k: v for k, v in base.get("deployment_config", {}).items()
+                      if k != "autoscaling_config"}
+        config = {**base, "deployment_config": {**deployment, "num_replicas": replicas or 1}}
+        if tp is not None:
+            config["engine_kwargs"] = {**base["engine_kwargs"], "tensor_parallel_size": tp}
+        return config
+
+    return {"prefill_config": side(args.prefill_replicas, args.prefill_tensor_parallel_size),
+            "decode_config": side(args.decode_replicas, args.decode_tensor_parallel_size),
+            "proxy_deployment_config": {"num_replicas": 1}}
+
+
+def http_server_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The app config's ``http_server`` from the HTTP flags (only those given)."""
+    from raylm.cluster.serve.deployment_config import HTTPServerConfig
+
+    config = {k: getattr(args, k) for k in ("allowed_origins", "allowed_methods",
+                                            "allowed_headers", "max_request_body_bytes",
+                                            "max_json_depth")
+              if getattr(args, k) is not None}
+    if args.allow_credentials:
+        config["allow_credentials"] = True
+    if args.public_metrics:
+        config["public_metrics"] = True
+    HTTPServerConfig.model_validate(config)  # a bad combination fails before Ray starts
+    return config
+
+
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form: '["https://a.example"]') or comma-separated."""
+    import json
+
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
     from raylm.cluster.serve.app import build_openai_app
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or "
+                         "llama3_json): tool_choice 'auto' is served whenever a parser is set.")
+    http_server_config(args)
     llm_config = build_llm_config(args)
     address = envs.ray_address()
     if address and args.proxy is not None:
@@ -186,9 +242,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = {"llm_configs": [llm_config.model_dump(exclude_unset=True)],
-               "ingress_in_replica": not args.separate_ingress}
-        serve.run(build_openai_app(app), name=args.app_name, route_prefix="/")
+        if args.prefill_replicas or args.decode_replicas:
+            from raylm.cluster.serve.pd_app import build_pd_openai_app
+
+            serve.run(build_pd_openai_app(pd_app_args(args, llm_config)), name=args.app_name,
+                      route_prefix="/")
+        else:
+            app = {"llm_configs": [llm_config.model_dump(exclude_unset=True)],
+                   "ingress_in_replica": not args.separate_ingress,
+                   "http_server": http_server_config(args)}
+            serve.run(build_openai_app(app), name=args.app_name, route_prefix="/")
         print(f"raylm: serving {llm_config.model_id!r} at http://{args.host}:{args.port}/v1 "
               "(Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
@@ -236,7 +299,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None,
+                   help="Bearer token every route but /health needs (and /metrics, unless "
+                        "--public-metrics)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, let /metrics answer without the key")
+    p.add_argument("--allowed-origins", type=_string_list, default=None,
+                   help="CORS: origins a browser may call the API from, a JSON list or "
+                        "comma-separated ('*' for any); unset: CORS off")
+    p.add_argument("--allowed-methods", type=_string_list, default=None,
+                   help="CORS: allowed methods (default: all)")
+    p.add_argument("--allowed-headers", type=_string_list, default=None,
+                   help="CORS: allowed request headers (default: all)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (needs explicit --allowed-origins)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="refuse larger request bodies with 413 (default 16 MiB)")
+    p.add_argument("--max-json-depth", type=int, default=None,
+                   help="refuse request bodies nested deeper with 400 (default 64)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, accepted with --tool-call-parser (which alone turns "
+                        "tool_choice 'auto' on)")
     p.add_argument("--app-name", default="raylm")
     p.add_argument("--num-replicas", type=int)
     p.add_argument("--min-replicas", type=int)
@@ -251,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route HTTP through an ingress deployment in front of the model's "
                         "replicas (a replica that dies mid-stream then ends its streams with "
                         "an error event) instead of the replicas answering HTTP themselves")
+    # Prefill/decode disaggregation (cluster/serve/pd_app.py): either count turns it on.
+    for side, what in (("prefill", "compute a prompt's KV and hand it over"),
+                       ("decode", "continue from the handed-over KV")):
+        p.add_argument(f"--{side}-replicas", type=int, default=None,
+                       help=f"prefill/decode disaggregation: this many {side} engines ({what})")
+        p.add_argument(f"--{side}-tensor-parallel-size", type=int, default=None,
+                       help=f"the {side} engines' TP size (default: -tp)")
     p.add_argument("--num-gpus-per-worker", type=float, default=None,
                    help="GPUs each TP x PP rank takes (default: 1 on a cluster that has "
                         "GPUs, else 0; 0 runs on CPU)")

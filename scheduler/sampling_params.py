@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
@@ -9,8 +10,13 @@ from typing import Any
 from raylm.scheduler.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
-# The most top logprobs a request may ask for per token (vLLM's default max_logprobs).
+# The most top logprobs a request may ask for per token by default (vLLM's default
+# max_logprobs; the engine argument ``max_logprobs`` sets it, the intake checks it).
 MAX_LOGPROBS = 20
+# What every integer field must fit: the runner keeps them in int64 columns.
+_INT64_MAX = 2**63 - 1
+# logit_bias values are clamped to this range, as OpenAI documents it (and vLLM does).
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class RequestOutputKind(IntEnum):
@@ -65,9 +71,16 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of those token ids before any other processing (OpenAI's and
+    vLLM's semantics; values clamped to [-100, 100]). The intake checks the ids against
+    the vocabulary."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each RequestOutput carries (see RequestOutputKind); the engine computes the
     same either way."""
+    extra_args: dict[str, Any] | None = field(default=None, compare=False)
+    """Arguments for engine extensions (vLLM's name); ``"kv_transfer_params"`` tells a KV
+    connector to send this request's KV to a peer or pull it from one."""
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -79,6 +92,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
         self._verify()
         if self.temperature < _GREEDY_EPS:
             # Greedy ignores the truncation knobs; normalise them so batching is uniform.
@@ -90,6 +105,16 @@ class SamplingParams:
         def bad(name: str, value: object, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {value!r}.")
 
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, v, "must be a finite number")
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+                     "prompt_logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, int) and not -_INT64_MAX <= v <= _INT64_MAX:
+                raise bad(name, v, f"must be at most {_INT64_MAX} in magnitude")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "must be at least 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -116,11 +141,11 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, value, f"must be between 0 and {MAX_LOGPROBS}")
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise bad(name, value, "must be a non-negative integer (the engine's "
+                                       "max_logprobs bounds it)")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not isinstance(t, int) or not 0 <= t <= _INT64_MAX:
                 raise bad("stop_token_ids", list(self.stop_token_ids), "must be non-negative integers")
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -131,6 +156,8 @@ class SamplingParams:
                       "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", self.extra_args, "must be a dict")
         if self.stop and not self.detokenize:
             raise bad("stop", list(self.stop), "needs detokenize=True (stop strings match text)")
 
@@ -145,3 +172,22 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
+
+
+def _clamped_bias(bias: Any) -> dict[int, float]:
+    """``{token id: bias}`` with integer ids and finite biases clamped to +-100; ValueError
+    naming logit_bias otherwise."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got "
+                         f"{type(bias).__name__}.")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= _INT64_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), "
+                             f"got {token!r}.")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for "
+                             f"token {token}.")
+        out[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+    return out

@@ -17,6 +17,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from raylm.cluster.engine.vllm_args import translate_vllm_kwargs
 from raylm.runner.loading.gguf_checkpoint import find_gguf_file, read_gguf_config
 from raylm.scheduler.config.engine_config import (
     SUPPORTED_ARCHITECTURES,
@@ -29,7 +30,10 @@ from raylm.scheduler.config.engine_config import (
     PlacementStrategy,
     SchedulerConfig,
 )
+from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.intake import RequestLimits
+from raylm.scheduler.sampling_params import MAX_LOGPROBS
 
 
 def _arg(default: Any, help: str, *aliases: str, bounds: dict[str, float] | None = None) -> Any:
@@ -40,6 +44,9 @@ def _arg(default: Any, help: str, *aliases: str, bounds: dict[str, float] | None
 
 
 _AT_LEAST_1 = {"minimum": 1}
+# The output formats the server parses (cluster/serve/tool_parsers.py, reasoning.py).
+ToolCallParserName = Literal["hermes", "llama3_json"]
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 @dataclass(frozen=True)
@@ -94,17 +101,58 @@ class EngineArgs:
               "rank's own", bounds=_AT_LEAST_1)
     max_queued_requests: int | None = _arg(None, "serving: refuse requests beyond this many "
                                                  "waiting (HTTP 503)", bounds=_AT_LEAST_1)
+    # ---- serving: what one request may ask for (the intake's RequestLimits) -------------
+    max_logprobs: int = _arg(MAX_LOGPROBS, "most top logprobs per token a request may ask "
+                                           "for (logprobs, top_logprobs, prompt_logprobs)",
+                             bounds={"minimum": 0})
+    max_n: int = _arg(128, "most completions per prompt (n) of one request",
+                      bounds=_AT_LEAST_1)
+    max_stop_strings: int = _arg(64, "most stop strings of one request", bounds=_AT_LEAST_1)
+    max_stop_string_chars: int = _arg(1024, "longest stop string, in characters",
+                                      bounds=_AT_LEAST_1)
+    max_logit_bias: int = _arg(1024, "most logit_bias entries of one request",
+                               bounds=_AT_LEAST_1)
+    max_structured_output_chars: int = _arg(
+        65536, "longest structured-output spec (JSON schema, regex, grammar, choices), in "
+               "characters", bounds=_AT_LEAST_1)
+    grammar_compile_timeout_s: float = _arg(
+        10.0, "seconds a structured-output spec may take to compile before the request is "
+              "refused (HTTP 400); other requests never wait for it",
+        bounds={"exclusiveMinimum": 0})
+    # ---- serving: the model's text format (vLLM's frontend arguments) --------------------
+    tool_call_parser: ToolCallParserName | None = _arg(
+        None, "parse the model's tool calls out of its text for tool_choice \"auto\" "
+              "(vLLM's names: hermes for <tool_call> JSON, llama3_json); unset: \"auto\" is "
+              "refused, \"required\" and a named function still work")
+    reasoning_parser: ReasoningParserName | None = _arg(
+        None, "split <think>...</think> reasoning into reasoning_content (vLLM's names: "
+              "deepseek_r1 when the template opens <think> itself, qwen3 when the model "
+              "writes both tags)")
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, vLLM's dict (JSON on the command line): {\"method\": "
               "\"ngram\" | \"draft_model\", \"num_speculative_tokens\": k, ...}")
+    kv_transfer_config: dict[str, Any] | None = _arg(
+        None, "KV connector, vLLM's dict (JSON on the command line): {\"kv_connector\": "
+              "\"OffloadingConnector\" | \"RayKVConnector\", \"kv_role\": \"kv_producer\" | "
+              "\"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": {...}}")
+    kv_offloading_size: float | None = _arg(
+        None, "GiB of host memory that keep KV blocks evicted from the device pool, loaded "
+              "back on a prefix hit (vLLM's native offloading: the OffloadingConnector; it "
+              "sets that connector's num_cpu_blocks)",
+        bounds={"exclusiveMinimum": 0})
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}.")
+        """vLLM's names are accepted too: a vLLM argument raylm has no field for is
+        accepted where raylm already behaves as it asks, else refused (``vllm_args``);
+        every refused or unknown key is named in one ValueError."""
+        kwargs = translate_vllm_kwargs(kwargs, {f.name for f in fields(cls)})
         return cls(model=model, **kwargs)  # type: ignore[arg-type]
+
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask for (the intake's limits)."""
+        return RequestLimits(**{f.name: getattr(self, f.name)
+                                for f in dataclasses.fields(RequestLimits)})
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -112,6 +160,7 @@ class EngineArgs:
     # ---- EngineConfig --------------------------------------------------------------------
     def create_engine_config(self, hf_config: dict[str, Any] | None = None) -> EngineConfig:
         """``hf_config``: the checkpoint's config.json, read from ``model`` when None."""
+        self.request_limits()  # the serving limits check themselves
         model_config = self.create_model_config(hf_config)
         return EngineConfig(
             model_config=model_config,
@@ -119,7 +168,27 @@ class EngineArgs:
             scheduler_config=self.create_scheduler_config(model_config.max_model_len),
             parallel_config=self.create_parallel_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
+            kv_transfer_config=self.create_kv_transfer_config(model_config),
         )
+
+    def create_kv_transfer_config(self, model_config: ModelConfig) -> KVTransferConfig | None:
+        """``kv_transfer_config``, with ``kv_offloading_size`` turned into the host pool's
+        blocks (it alone means the OffloadingConnector; it sets num_cpu_blocks)."""
+        size = self.kv_offloading_size
+        if size is not None and not size > 0:
+            raise ValueError(f"kv_offloading_size must be positive (GiB), got {size!r}.")
+        config = dict(self.kv_transfer_config or {})
+        if size is None:
+            return KVTransferConfig.from_dict(config or None)
+        config.setdefault("kv_connector", "OffloadingConnector")
+        if config["kv_connector"] != "OffloadingConnector":
+            raise ValueError(f"kv_offloading_size sizes the OffloadingConnector, but "
+                             f"kv_transfer_config names {config['kv_connector']!r}.")
+        extra = dict(config.get("kv_connector_extra_config") or {})
+        per_block = kv_bytes_per_block(model_config.hf_config, self.dtype, self.block_size)
+        extra["num_cpu_blocks"] = max(1, int(size * (1 << 30)) // per_block)
+        config["kv_connector_extra_config"] = extra
+        return KVTransferConfig.from_dict(config)
 
     def create_model_config(self, hf_config: dict[str, Any] | None = None) -> ModelConfig:
         # A GGUF checkpoint carries its config in the file's metadata.
@@ -156,12 +225,20 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
+            distributed_executor_backend=self._executor_backend(),
             placement_group_strategy=self.placement_group_strategy,
             dp_sync_interval=self.dp_sync_interval,
             cpu_burst_threads=self.cpu_burst_threads,
             placement_timeout_s=self.placement_timeout_s,
         )
+
+    def _executor_backend(self) -> str | None:
+        """The backend asked for; unset with prefill/decode transfer, Ray (its peers reach
+        the worker actors)."""
+        kv = self.kv_transfer_config or {}
+        if self.distributed_executor_backend is None and kv.get("kv_connector") == "RayKVConnector":
+            return "ray"
+        return self.distributed_executor_backend
 
     def check_without_checkpoint(self) -> None:
         """Every check of ``create_engine_config`` that does not read the checkpoint (the
@@ -170,6 +247,22 @@ class EngineArgs:
         self.create_engine_config(hf_config={
             "architectures": [SUPPORTED_ARCHITECTURES[0]],
             "max_position_embeddings": max(self.max_model_len or 0, 2)})
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def kv_bytes_per_block(hf_config: dict[str, Any], dtype: str, block_size: int) -> int:
+    """The whole model's KV bytes per block (all layers and KV heads), at ``dtype`` or,
+    for "auto", the checkpoint's (an upper bound: float32 may run in bfloat16)."""
+    if "num_hidden_layers" not in hf_config:
+        return 1  # a stand-in config (arguments checked without the checkpoint)
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    name = dtype if dtype != "auto" else str(hf_config.get("torch_dtype", "float32"))
+    elem = _DTYPE_BYTES.get(name, 4)
+    return 2 * int(hf_config["num_hidden_layers"]) * block_size * kv_heads * head_dim * elem
 
 
 # ---- the surfaces derived from the fields ------------------------------------------------

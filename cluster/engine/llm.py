@@ -98,15 +98,17 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or ``chat_template``),
-        then generate."""
+        with ``tools`` (OpenAI's function definitions) when given, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conv in conversations:
             text, token_ids = apply_chat_template(
                 self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

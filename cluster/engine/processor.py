@@ -7,6 +7,7 @@ runs ``validate_prompt`` on it, each exactly once per request; the HTTP server, 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Callable
@@ -16,8 +17,8 @@ from typing import Any
 from raylm.cluster.engine.output_processor import ParentRequest
 from raylm.cluster.engine.outputs import RequestMetrics
 from raylm.scheduler.config.engine_config import ModelConfig
-from raylm.scheduler.intake import validate_prompt
-from raylm.scheduler.request import Request
+from raylm.scheduler.intake import RequestLimits, structured_output_chars, validate_prompt
+from raylm.scheduler.request import InvalidRequestError, Request
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.structured.params import StructuredOutputsParams
 
@@ -37,17 +38,25 @@ class ValidatedPrompt:
     params: SamplingParams
 
 
-def _compile_structured_outputs(params: StructuredOutputsParams) -> None:
-    # xgrammar imports torch: loaded on the first constrained request only.
-    from raylm.runner.structured.xgrammar_backend import validate
-
-    validate(params)
+def check_text(text: str, field: str = "prompt") -> None:
+    """Text the tokenizer can encode: valid Unicode (JSON lets a client send a lone UTF-16
+    surrogate such as "\\ud800", which no UTF-8 tokenizer takes); InvalidRequestError
+    naming ``field`` otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{field} is not valid Unicode: it holds a lone UTF-16 surrogate "
+            f"(\\u{ord(text[e.start]):04x}) at character {e.start}; send UTF-8 text.",
+            field) from None
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any,
+                 limits: RequestLimits | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.limits = limits or RequestLimits()
         # Seeds for unseeded requests come from the engine seed: runs are reproducible,
         # and a request's randomness never depends on what else is in its batch.
         self._seed_rng = random.Random(model_config.seed)
@@ -63,11 +72,42 @@ class InputProcessor:
         validate_prompt(token_ids, params, max_model_len=self.model_config.max_model_len,
                         vocab_size=self.model_config.vocab_size,
                         strict_max_tokens=strict_max_tokens,
-                        check_structured_outputs=_compile_structured_outputs)
+                        check_structured_outputs=self._compile_structured_outputs,
+                        limits=self.limits)
         return ValidatedPrompt(text, token_ids, params)
+
+    def _compile_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        # xgrammar imports torch: loaded on the first constrained request only. A spec
+        # ``precheck_structured_outputs`` saw resolves at once.
+        from raylm.runner.structured.xgrammar_backend import validate
+
+        validate(params, self.limits.grammar_compile_timeout_s)
+
+    async def precheck_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """The compile check of ``process``, awaited off the event loop (the server runs
+        it first, so ``process`` then finds the spec known): a spec that does not compile
+        within ``grammar_compile_timeout_s`` is refused, and other requests never wait
+        for it. InvalidRequestError naming the problem."""
+        from raylm.runner.structured.xgrammar_backend import start_check
+
+        chars, most = structured_output_chars(params), self.limits.max_structured_output_chars
+        if chars > most:
+            raise InvalidRequestError(
+                f"the structured-output spec has {chars} characters, more than the {most} "
+                "this server compiles (max_structured_output_chars).", "structured_outputs")
+        timeout = self.limits.grammar_compile_timeout_s
+        future, check = start_check(params)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except TimeoutError:
+            assert check is not None
+            raise InvalidRequestError(str(check.timed_out(params, timeout))) from None
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            check_text(prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from raylm.cluster.serve.config import LLMConfig, OpenAIAppConfig, load_app_config
+from raylm.cluster.serve.deployment_config import HTTPServerConfig
 from raylm.cluster.serve.routes import build_openai_api, serve_stream
 from raylm.cluster.serve.serving import OpenAIServing
 
@@ -87,8 +88,8 @@ class LLMServer:
         self.llm_config = (llm_config if isinstance(llm_config, LLMConfig)
                            else LLMConfig.model_validate(llm_config))
         self.engine = (engine_factory or default_engine_factory)(self.llm_config)
-        self.serving = OpenAIServing(self.engine, self.llm_config.model_id,
-                                     max_pending_requests(self.llm_config))
+        self.serving = OpenAIServing.from_llm_config(self.engine, self.llm_config,
+                                                     max_pending_requests(self.llm_config))
 
     async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
         interval_ms = self.llm_config.experimental_configs.stream_batching_interval_ms
@@ -106,12 +107,16 @@ class LLMServer:
         return self.serving.metrics.families()
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except Exception as e:  # the process is going away; say why, don't raise
-                logger.warning("engine shutdown failed: %r", e)
+        shutdown_engine(getattr(self, "engine", None))
+
+
+def shutdown_engine(engine: Any) -> None:
+    """A replica's engine at the replica's end (its ``__del__``)."""
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception as e:  # the process is going away; say why, don't raise
+            logger.warning("engine shutdown failed: %r", e)
 
 
 class _ReplicaBackend:
@@ -138,10 +143,16 @@ class LLMIngressServer(LLMServer):
     ``ingress_in_replica`` (no ingress hop, no handle between the HTTP route and the engine;
     its streams are cut if it dies, as nothing is left to send them an error event)."""
 
+    def __init__(self, llm_config: LLMConfig | dict[str, Any],
+                 engine_factory: EngineFactory | None = None,
+                 http_server: dict[str, Any] | None = None):
+        super().__init__(llm_config, engine_factory)
+        self.http_server = HTTPServerConfig.model_validate(http_server or {})
+
     def __serve_build_asgi_app__(self) -> Any:
         model_id = self.llm_config.model_id
         return build_openai_api({model_id: _ReplicaBackend(self)},
-                                {model_id: self.llm_config.api_key})
+                                {model_id: self.llm_config.api_key}, self.http_server)
 
 
 class _HandleBackend:
@@ -167,12 +178,14 @@ class _HandleBackend:
 class OpenAIIngress:
     """The HTTP entry: routes by ``model`` to the LLMServer deployments."""
 
-    def __init__(self, llm_handles: dict[str, Any], api_keys: dict[str, str | None]):
+    def __init__(self, llm_handles: dict[str, Any], api_keys: dict[str, str | None],
+                 http_server: dict[str, Any] | None = None):
         self._backends = {name: _HandleBackend(h) for name, h in llm_handles.items()}
         self._api_keys = api_keys
+        self._http_server = HTTPServerConfig.model_validate(http_server or {})
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_openai_api(self._backends, self._api_keys)
+        return build_openai_api(self._backends, self._api_keys, self._http_server)
 
 
 def deployment_name(model_id: str) -> str:
@@ -256,7 +269,8 @@ def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
         (llm_config,) = app_config.llm_configs
         server = serve.deployment(serve.ingress()(LLMIngressServer)).options(
             **llm_server_options(llm_config))
-        return server.bind(llm_config.model_dump(exclude_unset=True), engine_factory)
+        return server.bind(llm_config.model_dump(exclude_unset=True), engine_factory,
+                           app_config.http_server.model_dump())
     handles = {}
     for llm_config in app_config.llm_configs:
         server = serve.deployment(LLMServer).options(**llm_server_options(llm_config))
@@ -264,7 +278,7 @@ def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
         **ingress_options(app_config))
     api_keys = {c.model_id: c.api_key for c in app_config.llm_configs}
-    return ingress.bind(handles, api_keys)
+    return ingress.bind(handles, api_keys, app_config.http_server.model_dump())
 
 
 def build_openai_app(args: Any) -> Any:

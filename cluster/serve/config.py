@@ -14,12 +14,8 @@ from typing import Any
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
     ValidationInfo,
     create_model,
     field_validator,
@@ -27,13 +23,24 @@ from pydantic import (
 )
 
 from raylm.cluster.engine.engine_args import EngineArgs, engine_arg_fields, engine_arg_types
-from raylm.scheduler.config.engine_config import PlacementStrategy, dp_rank_bundles, stage_bundles
+from raylm.cluster.engine.vllm_args import drop_accepted, vllm_refusals
+from raylm.cluster.serve.deployment_config import (
+    STRICT,
+    AutoscalingConfig,
+    DeploymentConfig,
+    ExperimentalConfigs,
+    HTTPServerConfig,
+    PlacementGroupConfig,
+)
+from raylm.cluster.serve.ray_llm_migration import migrate_ray_llm_config
+from raylm.scheduler.config.engine_config import dp_rank_bundles, stage_bundles
 
 __all__ = [
     "AutoscalingConfig",
     "DeploymentConfig",
     "EngineKwargs",
     "ExperimentalConfigs",
+    "HTTPServerConfig",
     "LLMConfig",
     "ModelLoadingConfig",
     "OpenAIAppConfig",
@@ -42,7 +49,6 @@ __all__ = [
 ]
 
 BUILD_OPENAI_APP = "raylm.cluster:build_openai_app"
-_STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
 def _read_yaml(path: str | os.PathLike[str]) -> Any:
@@ -51,7 +57,7 @@ def _read_yaml(path: str | os.PathLike[str]) -> Any:
 
 
 class ModelLoadingConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     model_id: str = Field(min_length=1, description="The name clients send as `model`.")
     # A local Hugging Face folder (config.json + safetensors + tokenizer) or GGUF file on
@@ -109,7 +115,19 @@ ENGINE_ARGS_ELSEWHERE = {
 
 
 class _EngineKwargsBase(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, data: Any) -> Any:
+        """vLLM's arguments raylm has no field for: dropped where raylm already behaves as
+        they ask, refused (all named at once) otherwise (cluster/engine/vllm_args.py)."""
+        if not isinstance(data, Mapping):
+            return data
+        refused = vllm_refusals(data, cls.model_fields)
+        if refused:
+            raise ValueError("refused engine argument(s): " + "; ".join(refused))
+        return drop_accepted(data, cls.model_fields)
 
     @field_validator("*")
     @classmethod
@@ -151,115 +169,18 @@ def _engine_kwargs_model() -> type[_EngineKwargsBase]:
 EngineKwargs = _engine_kwargs_model()
 
 
-class AutoscalingConfig(BaseModel):
-    """Ray Serve replica autoscaling (a subset of ``ray.serve.config.AutoscalingConfig``)."""
-
-    model_config = _STRICT
-
-    min_replicas: NonNegativeInt = Field(1, description="Fewest replicas (0: scale to zero).")
-    max_replicas: PositiveInt = Field(1, description="Most replicas.")
-    # An LLM replica batches many requests, so the target is far above Serve's default 2.
-    target_ongoing_requests: PositiveFloat = Field(
-        16, description="Ongoing requests per replica the autoscaler aims for.")
-    initial_replicas: NonNegativeInt | None = Field(
-        None, description="Replicas at deploy time (default: min_replicas).")
-    upscale_delay_s: NonNegativeFloat | None = Field(
-        None, description="How long demand must stay high before a replica is added.")
-    downscale_delay_s: NonNegativeFloat | None = Field(
-        None, description="How long demand must stay low before a replica is removed.")
-    look_back_period_s: PositiveFloat | None = Field(
-        None, description="The window Serve averages ongoing requests over (Serve: 30 s).")
-
-    @model_validator(mode="after")
-    def _check_range(self) -> AutoscalingConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas} must not exceed "
-                             f"max_replicas={self.max_replicas}.")
-        init = self.initial_replicas
-        if init is not None and not self.min_replicas <= init <= self.max_replicas:
-            raise ValueError(f"initial_replicas={init} must lie in [min_replicas="
-                             f"{self.min_replicas}, max_replicas={self.max_replicas}].")
-        return self
 
 
-class DeploymentConfig(BaseModel):
-    """Ray Serve deployment options of the LLM server."""
-
-    model_config = _STRICT
-
-    autoscaling_config: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    # Requests one replica accepts at once; beyond it the router queues or picks another.
-    max_ongoing_requests: PositiveInt = 64
-    # A fixed replica count instead of autoscaling.
-    num_replicas: NonNegativeInt | None = None
-    # How long a replica being scaled down waits for in-flight generations (Serve: 20 s).
-    graceful_shutdown_timeout_s: NonNegativeFloat | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> DeploymentConfig:
-        if self.num_replicas is not None and "autoscaling_config" in self.model_fields_set:
-            raise ValueError(f"num_replicas={self.num_replicas} and autoscaling_config are "
-                             "exclusive; set one of them.")
-        target = self.autoscaling_config.target_ongoing_requests
-        if self.num_replicas is None and target > self.max_ongoing_requests:
-            raise ValueError(
-                f"autoscaling_config.target_ongoing_requests={target} exceeds "
-                f"max_ongoing_requests={self.max_ongoing_requests}; a replica can never "
-                "reach its target, so autoscaling would not work.")
-        return self
-
-    def to_serve_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``serve.deployment(...)`` / ``Deployment.options(...)``."""
-        opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests}
-        if self.num_replicas is not None:
-            opts["num_replicas"] = self.num_replicas
-        else:
-            opts["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
-        if self.graceful_shutdown_timeout_s is not None:
-            opts["graceful_shutdown_timeout_s"] = self.graceful_shutdown_timeout_s
-        return opts
 
 
-class PlacementGroupConfig(BaseModel):
-    """Bundles of one replica: bundle 0 holds the replica (and rank 0's driver side),
-    bundles 1.. hold the TP x PP worker actors, in rank order."""
-
-    model_config = _STRICT
-
-    bundles: list[dict[str, NonNegativeFloat]] = Field(min_length=1)
-    strategy: PlacementStrategy = "PACK"
-
-    @field_validator("bundles")
-    @classmethod
-    def _bundles_reserve_something(cls, bundles: list[dict[str, float]]) -> list[dict[str, float]]:
-        for i, bundle in enumerate(bundles):
-            # Ray rejects a bundle that reserves nothing; say which one before Ray does.
-            if not any(v > 0 for v in bundle.values()):
-                raise ValueError(f"bundles[{i}]={bundle!r} reserves no resource; "
-                                 "give at least one resource a positive amount.")
-            if any(not k for k in bundle):
-                raise ValueError(f"bundles[{i}]={bundle!r} has an empty resource name.")
-        return bundles
 
 
-class ExperimentalConfigs(BaseModel):
-    """Ray Serve LLM's ``experimental_configs``: the keys raylm reads (others are refused,
-    as everywhere in this config)."""
-
-    model_config = _STRICT
-
-    # A request's streamed chunks that the replica produces within this window of the
-    # first cross the Serve handle (and the HTTP proxy) as one item; the first token is
-    # never delayed. Every item costs CPU in the replica, the ingress and the proxy: the
-    # window must span several decode steps to save any (bench/serve.py; figures in
-    # docs/performance.md). Same key, meaning and default as Ray Serve LLM; 0 sends each chunk on its own.
-    stream_batching_interval_ms: NonNegativeFloat = 50.0
 
 
 class LLMConfig(BaseModel):
     """One model served by the OpenAI app: what to load, how to run it, how to scale it."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     model_loading_config: ModelLoadingConfig
     engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)  # type: ignore[valid-type]
@@ -273,6 +194,24 @@ class LLMConfig(BaseModel):
     api_key: str | None = Field(default=None, min_length=1)
     runtime_env: dict[str, Any] | None = None
     experimental_configs: ExperimentalConfigs = Field(default_factory=ExperimentalConfigs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_ray_serve_llm(cls, data: Any) -> Any:
+        """A config written for Ray Serve LLM: its keys that raylm implements differently
+        are mapped, those whose value raylm already honours dropped, and every one that
+        raylm does not implement named in one error (with any unknown key beside)."""
+        if not isinstance(data, Mapping):
+            return data
+        migrated, refused, unknown = migrate_ray_llm_config(data, cls.model_fields,
+                                                            EngineKwargs.model_fields)
+        if refused:
+            message = ("keys of Ray Serve LLM's LLMConfig that raylm does not implement: "
+                       + "; ".join(refused))
+            if unknown:
+                message += f". Unknown keys: {unknown}"
+            raise ValueError(message + ".")
+        return migrated
 
     @model_validator(mode="after")
     def _check_consistency(self) -> LLMConfig:
@@ -395,17 +334,40 @@ class LLMConfig(BaseModel):
         return cls.model_validate(data)
 
 
+
+
+# Ray Serve LLM's build_openai_app args (LLMServingArgs) that raylm does not implement.
+_RAY_APP_KEYS = {
+    "ingress_deployment_config": "raylm sizes its ingress deployment from the models' "
+                                 "replicas",
+    "ingress_cls_config": "raylm's ingress is its own OpenAIIngress",
+}
+
+
 class OpenAIAppConfig(BaseModel):
     """The args of ``build_openai_app``: the models one OpenAI endpoint serves."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     llm_configs: list[LLMConfig] = Field(min_length=1)
+    http_server: HTTPServerConfig = Field(default_factory=HTTPServerConfig)
     # One model only: its LLMServer replicas answer HTTP themselves, with no ingress
     # deployment. Each streamed chunk then crosses one Python process fewer
     # (docs/performance.md has the cost), but a replica that dies mid-stream cuts its streams: no
     # process is left to end them with an error event, as the ingress does.
     ingress_in_replica: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ray_app_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            refused = [f"{k}: {why}" for k, why in _RAY_APP_KEYS.items()
+                       if data.get(k) not in (None, {})]
+            if refused:
+                raise ValueError("keys of Ray Serve LLM's build_openai_app args that raylm "
+                                 "does not implement: " + "; ".join(refused) + ".")
+            data = {k: v for k, v in data.items() if k not in _RAY_APP_KEYS}
+        return data
 
     @field_validator("llm_configs", mode="before")
     @classmethod

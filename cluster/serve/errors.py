@@ -5,11 +5,16 @@ name OpenAI's clients map to exception classes (``BadRequestError`` etc.). A 400
 client's fault and comes only from explicit checks: an ``OpenAIError`` from the server's, an
 ``InvalidRequestError`` from the intake's or the engine's admission. Anything else is the
 server's fault: a 500 logged with its traceback (a ``ValueError`` from a bug included).
+
+An error body never carries a stack trace or a file path: a message keeps its first line
+only, paths in it become ``<path>``, and a 500 names the exception's type and first line
+(the log has the rest).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -23,6 +28,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -47,12 +53,41 @@ class EngineOverloadedError(RuntimeError):
     """Raised by a server (or an engine client) that has no room for one more request."""
 
 
+# An absolute path of two or more parts (/usr/lib/..., C:\\x\\y), perhaps with :line. It
+# is a file system's (and hidden) when it starts at a usual root or names a file with an
+# extension; an API route (/v1/completions) is neither.
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.@+~-]+){2,}(?::\d+)?")
+_FS_ROOTS = frozenset({"home", "usr", "tmp", "work", "opt", "root", "var", "etc", "mnt",
+                       "srv", "lib", "lib64", "proc", "sys", "nix", "Users", "private", "app",
+                       "data", "models", "workspace"})
+_FILE = re.compile(r"\.[A-Za-z]\w{0,9}(?::\d+)?$")
+_MAX_MESSAGE = 2000
+
+
+def _hide_path(match: re.Match[str]) -> str:
+    text = match.group(0)
+    parts = [p for p in re.split(r"[/\\]", text) if p]
+    root = parts[0].rstrip(":") if parts else ""
+    if root in _FS_ROOTS or re.match(r"[A-Za-z]:$", root) or _FILE.search(text):
+        return "<path>"
+    return text
+
+
+def safe_message(message: str) -> str:
+    """``message`` fit for a client: its first line, no file paths, bounded length, valid
+    UTF-8 (a lone surrogate from the request is replaced)."""
+    lines = str(message).strip().splitlines()
+    first = lines[0] if lines else ""
+    first = _PATH.sub(_hide_path, first)[:_MAX_MESSAGE]
+    return first.encode("utf-8", "replace").decode("utf-8")
+
+
 def error_body(message: str, status_code: int = 400, param: str | None = None,
                err_type: str | None = None) -> dict[str, Any]:
     return {"error": {
-        "message": message,
+        "message": safe_message(message),
         "type": err_type or _TYPES.get(status_code, HTTPStatus(status_code).phrase),
-        "param": param,
+        "param": None if param is None else safe_message(param),
         "code": status_code,
     }}
 

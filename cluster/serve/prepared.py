@@ -6,13 +6,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from raylm.cluster.engine.processor import ValidatedPrompt
-from raylm.cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
+from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.protocol import CompletionRequest
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 
 
 @dataclass
@@ -33,3 +38,5 @@ class PreparedRequest:
     created: int
     model: str
     engine_requests: list[EngineRequest]
+    # Chat: a new ChatOutputParser per choice (content, reasoning, tool calls).
+    output_parser: Callable[[], Any] | None = None

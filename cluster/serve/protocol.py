@@ -1,25 +1,27 @@
-"""The OpenAI request and response schemas (with vLLM's sampling extras), as pydantic models.
+"""The OpenAI completion request (with vLLM's sampling extras) and the base every request
 
 Requests convert themselves to a ``SamplingParams``; that conversion is the only one, used
-by the HTTP server and by batch runs alike.
+by the HTTP server and by batch runs alike. Fields a client sends that no model here
+declares are accepted and logged (as vLLM does: new OpenAI fields appear often), except
+those in ``UNSUPPORTED_FIELDS``: OpenAI's and vLLM's fields that would change the output
+and that raylm does not implement, refused with a 400 naming them.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from raylm.cluster.engine.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from raylm.cluster.serve.structured_outputs import (
     ResponseFormat,
     StructuredOutputsRequest,
     to_structured_outputs_params,
 )
-from raylm.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from raylm.scheduler.sampling_params import SamplingParams
+from raylm.scheduler.structured.params import StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -28,38 +30,110 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     # OpenAI clients send fields this server does not know (and new ones appear often):
-    # accept and ignore them, as vLLM does.
+    # accept them (UNSUPPORTED_FIELDS lists the ones that are refused), as vLLM does.
     model_config = ConfigDict(extra="allow")
+
+
+def _never(_: Any) -> bool:
+    return False
+
+
+def _falsy(value: Any) -> bool:
+    return not value
+
+
+# Request fields that change the output and that raylm does not implement: field -> (which
+# values are accepted anyway: those that ask for nothing, what raylm does instead).
+# Fields that do not change the output (store, metadata, service_tier, prediction...) are
+# not listed: like any unknown field they are accepted and logged.
+UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # OpenAI
+    "functions": (_falsy, "deprecated by OpenAI; send tools"),
+    "function_call": (_falsy, "deprecated by OpenAI; send tool_choice"),
+    "audio": (lambda v: v is None, "raylm generates text only"),
+    "modalities": (lambda v: not v or list(v) == ["text"], "raylm generates text only"),
+    "web_search_options": (lambda v: v is None, "raylm has no web search"),
+    "reasoning_effort": (lambda v: v is None, "raylm has no reasoning-effort control"),
+    "verbosity": (lambda v: v is None, "raylm has no verbosity control"),
+    "best_of": (lambda v: v in (None, 1), "raylm returns every sampled completion (n)"),
+    "suffix": (_falsy, "raylm has no fill-in-the-middle"),
+    # vLLM extras
+    "use_beam_search": (_falsy, "raylm has no beam search"),
+    "length_penalty": (lambda v: v in (None, 1, 1.0), "raylm has no beam search"),
+    "prompt_logprobs": (lambda v: v is None, "send echo with logprobs on /v1/completions"),
+    "truncate_prompt_tokens": (lambda v: v is None, "raylm never truncates a prompt"),
+    "allowed_token_ids": (lambda v: v is None, "send logit_bias"),
+    "bad_words": (_falsy, "send logit_bias"),
+    "priority": (lambda v: v in (None, 0), "raylm schedules first come, first served"),
+    "return_tokens_as_token_ids": (_falsy, "raylm returns tokens as text"),
+    "echo": (_falsy, "echo is a /v1/completions field"),  # on chat (vLLM's extra)
+    "documents": (_falsy, "raylm renders messages and tools only"),
+    "mm_processor_kwargs": (_falsy, "raylm serves text only"),
+    "guided_json": (lambda v: v is None, "send structured_outputs.json"),
+    "guided_regex": (lambda v: v is None, "send structured_outputs.regex"),
+    "guided_choice": (lambda v: v is None, "send structured_outputs.choice"),
+    "guided_grammar": (lambda v: v is None, "send structured_outputs.grammar"),
+    "guided_decoding_backend": (lambda v: v is None, "raylm's backend is xgrammar"),
+    "guided_whitespace_pattern": (lambda v: v is None,
+                                  "send structured_outputs.disable_any_whitespace"),
+    "vllm_xargs": (_falsy, "raylm has no engine extensions"),
+}
+
+
+def refused_fields(request: BaseModel) -> list[str]:
+    """The request's fields that raylm refuses, each with why (see UNSUPPORTED_FIELDS)."""
+    extra = request.model_extra or {}
+    out = []
+    for name, value in extra.items():
+        rule = UNSUPPORTED_FIELDS.get(name)
+        if rule is not None and not rule[0](value):
+            out.append(f"{name} ({rule[1]})")
+    return out
+
+
+def ignored_fields(request: BaseModel) -> list[str]:
+    """Fields the request carries that no model declares and that are not refused."""
+    return sorted(k for k in (request.model_extra or {})
+                  if k not in UNSUPPORTED_FIELDS)
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+# Bounds the schema states (so /openapi.json describes them and fuzzing mostly sends what
+# the engine takes); SamplingParams and the intake check the rest and say why.
+_INT64 = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT64)]
+Count = Annotated[int, Field(ge=0, le=_INT64)]
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=_INT64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=-_INT64, le=_INT64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=_INT64)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Token id (as a string, OpenAI's form) -> bias added to its logit, clamped to +-100.
+    logit_bias: dict[str, float] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs extra.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -74,6 +148,23 @@ class _SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (ValueError naming the field when malformed)."""
+        return to_structured_outputs_params(self.response_format, self.structured_outputs)
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (vLLM's semantics); ValueError naming it
+        for a key that is not a token id."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got "
+                                 f"{key!r}.")
+            out[int(key)] = value
+        return out
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the bad field."""
@@ -87,8 +178,8 @@ class _SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            structured_outputs=to_structured_outputs_params(self.response_format,
-                                                            self.structured_outputs),
+            structured_outputs=self.structured_outputs_params(),
+            logit_bias=self.token_bias(),
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
@@ -97,11 +188,10 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16
+    logprobs: Count | None = None
     echo: bool = False
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -112,10 +202,8 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if self.stream and self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported with stream (prompt logprobs "
                              "are returned in non-streaming responses)")
@@ -147,199 +235,5 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
-class ContentPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: str
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    chat_template: str | None = None  # a Jinja template replacing the model's (vLLM extra)
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise ValueError("top_logprobs requires logprobs to be true")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
-        return self
-
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
-
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
-                          default_max_tokens)
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
-
-
-# ---- responses ---------------------------------------------------------------------------
-
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogProbs(OpenAIBaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class _Choice(OpenAIBaseModel):
-    """What every choice carries beside its content: which one, and why it ended (None
-    until it has)."""
-
-    index: int
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class _Response(OpenAIBaseModel):
-    """The fields of every completion response, in OpenAI's order (a subclass narrows
-    ``object`` and ``choices``; a field it redeclares keeps its place here)."""
-
-    id: str
-    object: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[Any]
-    usage: UsageInfo | None = None
-
-
-class CompletionResponseChoice(_Choice):
-    text: str
-    logprobs: CompletionLogProbs | None = None
-
-
-class CompletionResponse(_Response):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionResponseChoice]
-
-
-class ChatTopLogprob(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogProbs(OpenAIBaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(_Choice):
-    message: ChatResponseMessage
-    logprobs: ChatLogProbs | None = None
-
-
-class ChatCompletionStreamChoice(_Choice):
-    delta: dict[str, str]  # only the keys that changed: {"role": ...} first, then {"content": ...}
-    logprobs: ChatLogProbs | None = None
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion", "chat.completion.chunk"] = "chat.completion"
-    choices: list[ChatCompletionResponseChoice] | list[ChatCompletionStreamChoice]
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "raylm"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-# ---- logprobs: engine format (one {token_id: Logprob} per token) to OpenAI's two formats ----
-
-def _token_text(token_id: int, lp: Logprob | None, decode: Callable[[int], str]) -> str:
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else decode(token_id)
-
-
-def _top(entries: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
-    ranked = [(t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= top_n]
-    return sorted(ranked, key=lambda item: item[1].rank)
-
-
-def completion_logprobs(token_ids: list[int], logprobs: PromptLogprobs, top_n: int,
-                        offset: int, decode: Callable[[int], str],
-                        out: CompletionLogProbs | None = None) -> CompletionLogProbs:
-    """Legacy completions format; ``offset`` is where the first token's text starts. A
-    None entry (an echoed prompt's first token) has no logprob. Appends to ``out``."""
-    out = out if out is not None else CompletionLogProbs()
-    for token_id, entries in zip(token_ids, logprobs, strict=False):
-        if entries is None:
-            text = decode(token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            out.text_offset.append(offset)
-            offset += len(text)
-            continue
-        sampled = entries.get(token_id)
-        text = _token_text(token_id, sampled, decode)
-        out.tokens.append(text)
-        out.token_logprobs.append(sampled.logprob if sampled is not None else None)
-        # Like vLLM, the sampled token is listed among the top ones even when outside the top-n.
-        top = {_token_text(t, lp, decode): lp.logprob for t, lp in _top(entries, top_n)}
-        if sampled is not None:
-            top.setdefault(text, sampled.logprob)
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out
-
-
-def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, top_n: int,
-                  decode: Callable[[int], str]) -> ChatLogProbs:
-    content = []
-    for token_id, entries in zip(token_ids, logprobs, strict=False):
-        sampled = entries.get(token_id)
-        text = _token_text(token_id, sampled, decode)
-        top = []
-        for t, lp in _top(entries, top_n):
-            top_text = _token_text(t, lp, decode)
-            top.append(ChatTopLogprob(token=top_text, logprob=max(lp.logprob, -9999.0),
-                                      bytes=list(top_text.encode("utf-8", "replace"))))
-        content.append(ChatTokenLogprob(
-            token=text, logprob=max(sampled.logprob, -9999.0) if sampled else -9999.0,
-            bytes=list(text.encode("utf-8", "replace")), top_logprobs=top))
-    return ChatLogProbs(content=content)

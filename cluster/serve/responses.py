@@ -2,6 +2,9 @@
 
 Completions number their choices ``prompt_index * n + output.index`` (as OpenAI and vLLM).
 Streaming sends deltas: the text and tokens each choice gained since its previous chunk.
+A chat choice's text goes through its ``ChatOutputParser`` (reasoning, tool calls), in one
+piece for a whole response and chunk by chunk for a stream; a choice that called tools
+and stopped on its own ends with ``finish_reason`` "tool_calls".
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
+from raylm.cluster.serve.chat_protocol import ToolCall
 from raylm.cluster.serve.errors import from_exception
 from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, PreparedRequest
-from raylm.cluster.serve.protocol import (
+from raylm.cluster.serve.response_protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
@@ -27,6 +31,7 @@ from raylm.cluster.serve.protocol import (
     chat_logprobs,
     completion_logprobs,
 )
+from raylm.cluster.serve.tool_parsers import ChatOutputParser, merge_deltas
 
 DONE = "data: [DONE]\n\n"
 Streams = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
@@ -50,6 +55,10 @@ class _Format:
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def parser(self) -> ChatOutputParser:
+        factory = self.p.output_parser
+        return factory() if factory is not None else ChatOutputParser()
 
     def echo_text(self, prompt_index: int) -> str:
         if self.chat or not self.req.echo:
@@ -108,14 +117,34 @@ def full_response(prepared: PreparedRequest, finals: list[RequestOutput],
                                      finish_reason="length")
             generated += len(c.token_ids)
             if fmt.chat:
+                parser = fmt.parser()
+                message = merge_deltas([parser.feed(c.text), parser.finish()])
+                calls = [ToolCall.model_validate(call) for call in message["tool_calls"]]
                 choices.append(ChatCompletionResponseChoice(
-                    index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    index=c.index, message=ChatResponseMessage(
+                        content=message["content"] or (None if calls else ""),
+                        reasoning_content=message["reasoning_content"], tool_calls=calls),
+                    logprobs=logprobs, finish_reason=_finish_reason(c, parser),
+                    stop_reason=c.stop_reason))
             else:
                 choices.append(CompletionResponseChoice(
                     index=i * n + c.index, text=echo + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return fmt.response(choices, fmt.usage(generated), chunk=False).model_dump(mode="json")
+
+
+def _finish_reason(c: CompletionOutput, parser: ChatOutputParser) -> str | None:
+    if parser.called and c.finish_reason == "stop":
+        return "tool_calls"
+    return c.finish_reason
+
+
+def _join(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]:
+    """Two stream deltas as one: texts joined, tool call fragments in order."""
+    out = dict(a or {})
+    for key, value in (b or {}).items():
+        out[key] = out[key] + value if key in out else value
+    return out
 
 
 @dataclass
@@ -125,6 +154,7 @@ class _ChoiceState:
     offset: int = 0  # characters already sent (echoed prompt included)
     started: bool = False
     done: bool = False
+    parser: ChatOutputParser | None = None  # chat only
 
 
 async def sse_lines(prepared: PreparedRequest, streams: Streams, tokenizer: Any) -> AsyncIterator[str]:
@@ -174,9 +204,16 @@ def _delta_choice(fmt: _Format, states: dict[int, _ChoiceState], prompt_index: i
     st.offset += len(delta)
     st.done = c.finish_reason is not None
     if fmt.chat:
+        if st.parser is None:
+            st.parser = fmt.parser()
+        parts = st.parser.feed(delta) if delta else None
+        if st.done:
+            parts = _join(parts, st.parser.finish())
+        elif not parts and logprobs is None:
+            return None  # all of it held back (perhaps the start of a tag)
         return ChatCompletionStreamChoice(
-            index=index, delta={"content": delta} if delta else {}, logprobs=logprobs,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            index=index, delta=parts or {}, logprobs=logprobs,
+            finish_reason=_finish_reason(c, st.parser), stop_reason=c.stop_reason)
     return CompletionResponseChoice(index=index, text=delta, logprobs=logprobs,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 

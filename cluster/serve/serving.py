@@ -3,13 +3,18 @@
 One code path for the HTTP server and for batch runs; a call returns a response dict or an
 async iterator of SSE lines. Every prompt goes once through the engine client's intake
 (``input_processor.process``) before anything runs; what fails there is a 400
-(``raylm.cluster.serve.errors``). Streams are primed (their first output awaited) before
-returning, so an engine-side refusal is a 400 too, not a broken stream.
+(``raylm.cluster.serve.errors``). A structured-output spec (the request's, or the grammar
+of a required or named tool call) is compiled first, off the event loop and within
+``grammar_compile_timeout_s``, so the intake then finds it checked and no request waits
+for another's grammar. Streams are primed (their first output awaited) before returning,
+so an engine-side refusal is a 400 too, not a broken stream. Also /tokenize and
+/detokenize (vLLM's shapes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -21,7 +26,9 @@ from pydantic import ValidationError
 from raylm.cluster.engine.chat_utils import apply_chat_template
 from raylm.cluster.engine.engine_protocol import EngineClient
 from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.processor import check_text
 from raylm.cluster.serve import responses as openai_responses
+from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
 from raylm.cluster.serve.errors import (
     OpenAIError,
     bad_request,
@@ -34,34 +41,61 @@ from raylm.cluster.serve.metrics import ServingMetrics
 from raylm.cluster.serve.prepared import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    DETOKENIZE,
+    TOKENIZE,
     EngineRequest,
     PreparedRequest,
 )
 from raylm.cluster.serve.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
+    ignored_fields,
     random_id,
+    refused_fields,
 )
+from raylm.cluster.serve.response_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from raylm.cluster.serve.tool_parsers import ChatOutputParser
 from raylm.scheduler.core.executor_base import EngineDeadError
+from raylm.scheduler.request import InvalidRequestError
 from raylm.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
     """Serves one model. ``max_pending_requests`` bounds the sequences in flight (running
-    plus queued, n counted per request); beyond it requests get 503 at once."""
+    plus queued, n counted per request); beyond it requests get 503 at once.
+    ``tool_call_parser`` and ``reasoning_parser`` (vLLM's names) say how the model writes
+    tool calls and reasoning (``raylm.cluster.serve.tool_parsers``)."""
 
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  max_pending_requests: int | None = None,
-                 metrics: ServingMetrics | None = None):
+                 metrics: ServingMetrics | None = None, *,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine = engine
         self.model_name = served_model_name or engine.model_config.name
         self.max_model_len = engine.model_config.max_model_len
         self.max_pending_requests = max_pending_requests
         self.metrics = metrics or ServingMetrics(self.model_name, engine.get_stats)
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         # Engine request id -> sequences (n) admitted and not yet finished. Keyed, not a bare
         # counter, so that releasing twice, or a stream that never started, stays correct.
         self._pending: dict[str, int] = {}
+
+    @classmethod
+    def from_llm_config(cls, engine: EngineClient, llm_config: Any,
+                        max_pending_requests: int | None = None) -> OpenAIServing:
+        """The serving of one replica of a Serve ``LLMConfig``."""
+        ek = llm_config.engine_kwargs
+        return cls(engine, llm_config.model_id, max_pending_requests,
+                   tool_call_parser=ek.tool_call_parser, reasoning_parser=ek.reasoning_parser)
 
     # ---- model information ---------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -79,23 +113,64 @@ class OpenAIServing:
     # ---- entry points ----------------------------------------------------------------------
     async def handle(self, route: str, body: Any) -> dict[str, Any] | AsyncIterator[str]:
         """Run one API call; raises OpenAIError for anything the client did wrong."""
-        prepared = self.prepare(route, body)
-        return await self.run(prepared)
+        if route == TOKENIZE:
+            return self.tokenize(body)
+        if route == DETOKENIZE:
+            return self.detokenize(body)
+        request = self.parse(route, body)
+        try:
+            constraint = request.structured_outputs_params()
+        except ValueError as e:
+            raise bad_request(str(e), _field_of(e, request)) from e
+        if constraint is not None:
+            try:
+                await self.engine.input_processor.precheck_structured_outputs(constraint)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), e.param) from e
+        return await self.run(self.prepare(route, request))
+
+    def parse(self, route: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
+        """The request model of ``route``: 400 for a malformed body or a field raylm
+        refuses (``UNSUPPORTED_FIELDS``), 404 for another model or route."""
+        model: type
+        if route == COMPLETIONS:
+            model = CompletionRequest
+        elif route == CHAT_COMPLETIONS:
+            model = ChatCompletionRequest
+        else:
+            raise not_found(f"route {route!r} does not exist.")
+        request = _parse(model, body)
+        self._check_model(request.model)
+        refused = refused_fields(request)
+        if refused:
+            raise bad_request("unsupported field(s): " + "; ".join(refused) + ".",
+                              refused[0].split(" ", 1)[0])
+        ignored = ignored_fields(request)
+        if ignored:
+            logger.info("request fields ignored (unknown to raylm): %s", ignored)
+        if isinstance(request, ChatCompletionRequest) and request.tool_mode == "auto" \
+                and self.tool_call_parser is None:
+            raise bad_request(
+                "tool_choice 'auto' (the default when tools are given) needs the server "
+                "started with a tool_call_parser (raylm serve --tool-call-parser hermes, "
+                "or engine_kwargs.tool_call_parser); send tool_choice 'required', 'none' or "
+                "a named function to call tools without one.", "tool_choice")
+        return request
 
     def prepare(self, route: str, body: Any) -> PreparedRequest:
         prompts: list[Any]
-        if route == COMPLETIONS:
-            request: Any = _parse(CompletionRequest, body)
-            self._check_model(request.model)
+        request = body if isinstance(body, (CompletionRequest, ChatCompletionRequest)) \
+            else self.parse(route, body)
+        output_parser = None
+        if isinstance(request, CompletionRequest):
             prompts = request.prompts()  # text, or token ids (never tokenized)
             prefix = "cmpl"
-        elif route == CHAT_COMPLETIONS:
-            request = _parse(ChatCompletionRequest, body)
-            self._check_model(request.model)
+        else:
             prompts = [self._apply_chat_template(request)]
             prefix = "chatcmpl"
-        else:
-            raise not_found(f"route {route!r} does not exist.")
+            output_parser = partial(
+                ChatOutputParser, request.tool_mode, request.named_function,
+                self.tool_call_parser, self.reasoning_parser, request.parallel_tool_calls)
         response_id = random_id(prefix)
         intake = self.engine.input_processor
         params = partial(self._sampling_params, request)
@@ -105,7 +180,36 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts)
         ]
         return PreparedRequest(route, request, response_id, int(time.time()), self.model_name,
-                               engine_requests)
+                               engine_requests, output_parser)
+
+    # ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        chat = isinstance(body, dict) and "messages" in body
+        request: Any = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+        self._check_model(request.model)
+        if chat:
+            tokens = self._apply_chat_template(request)["prompt_token_ids"]
+        else:
+            try:
+                check_text(request.prompt)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), "prompt") from e
+            tokens = list(self.engine.tokenizer(
+                request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
+        strs = (self.engine.tokenizer.convert_ids_to_tokens(tokens)
+                if request.return_token_strs else None)
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,
+                                tokens=tokens, token_strs=strs).model_dump()
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        request = _parse(DetokenizeRequest, body)
+        self._check_model(request.model)
+        vocab = self.engine.model_config.vocab_size
+        bad = sorted({t for t in request.tokens if not 0 <= t < vocab})
+        if bad:
+            raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab}).",
+                              "tokens")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens)).model_dump()
 
     async def run(self, prepared: PreparedRequest) -> dict[str, Any] | AsyncIterator[str]:
         self._admit(prepared.engine_requests)
@@ -129,14 +233,18 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise not_found(f"The model `{model}` does not exist.", "model")
 
-    def _apply_chat_template(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        """The rendered conversation, tokenized once (by the template's renderer)."""
+    def _apply_chat_template(self, request: ChatCompletionRequest | TokenizeChatRequest
+                             ) -> dict[str, Any]:
+        """The rendered conversation (with its tools), tokenized once (by the template's
+        renderer)."""
         try:
             text, token_ids = apply_chat_template(
                 self.engine.tokenizer, request.conversation(),
                 add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs,
+                tools=request.tool_definitions())
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise bad_request(str(e), param) from e
@@ -150,8 +258,7 @@ class OpenAIServing:
         try:
             return request.to_sampling_params(default_max_tokens=default_max_tokens)
         except ValueError as e:
-            field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field
-            raise bad_request(str(e), field if field in type(request).model_fields else None) from e
+            raise bad_request(str(e), _field_of(e, request)) from e
 
     # ---- running -------------------------------------------------------------------------
     def _admit(self, engine_requests: list[EngineRequest]) -> None:
@@ -235,6 +342,12 @@ async def _last(first: RequestOutput, it: AsyncIterator[RequestOutput]) -> Reque
         async for out in it:
             last = out
     return last
+
+
+def _field_of(error: ValueError, request: Any) -> str | None:
+    """The request field a ValueError's message starts with (SamplingParams' messages do)."""
+    field = str(error).split(" ", 1)[0].split(".", 1)[0]
+    return field if field in type(request).model_fields else None
 
 
 def _parse(model: type, body: Any):

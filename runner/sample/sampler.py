@@ -1,7 +1,8 @@
 """Batched sampling over full-vocabulary float32 logits, vLLM's order of operations.
 
-raw logprobs (if asked) -> min_tokens mask -> penalties -> greedy argmax | (temperature ->
-min_p -> top_k/top_p -> Gumbel-max with the position-keyed hash RNG of ``rng``).
+raw logprobs (if asked) -> min_tokens mask -> logit_bias -> penalties -> greedy argmax |
+(temperature -> min_p -> top_k/top_p -> Gumbel-max with the position-keyed hash RNG of
+``rng``).
 
 Per-row parameters are tensors; a feature no row uses is ``None`` and costs nothing.
 """
@@ -36,6 +37,11 @@ class SamplingMetadata:
     # min_tokens: (row, token) pairs forced to -inf (stop tokens before min_tokens outputs).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # logit_bias: (row, token, bias) triples added to the logits (OpenAI's and vLLM's
+    # semantics: before penalties and sampling, after the raw logprobs).
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # top-n width; None = no row wants logprobs
     # The widest top-k of the step, computed on the host: reading it from the device tensor
     # would synchronize the stream every sampled step.
@@ -71,6 +77,9 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if md.banned_rows is not None:
             logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        if md.bias_rows is not None:
+            logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values.to(logits.dtype),
+                              accumulate=True)
         if not md.no_penalties:
             logits = apply_penalties(logits, md, self.vocab_size)
         sampled = self._sample(logits, md).unsqueeze(1)

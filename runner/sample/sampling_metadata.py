@@ -55,10 +55,24 @@ def build_sampling_metadata(ib: InputBatch, batch: StepBatch, vocab_size: int,
         if pairs:
             md.banned_rows = to(np.array([p[0] for p in pairs], np.int64))
             md.banned_tokens = to(np.array([p[1] for p in pairs], np.int64))
+    _add_logit_bias(md, ib, rows, to)
     num_logprobs = ib.num_logprobs[rows]
     if (num_logprobs >= 0).any():
         md.max_num_logprobs = int(num_logprobs.max())
     return md
+
+
+def _add_logit_bias(md: SamplingMetadata, ib: InputBatch, rows: np.ndarray, to) -> None:
+    """Every row of a request with a logit_bias (each verified position, with speculative
+    decoding) gets its biases."""
+    states = ib.states
+    biased = [(i, bias) for i, r in enumerate(rows.tolist())
+              if (bias := states[r].sampling_params.logit_bias)]
+    if not biased:
+        return
+    md.bias_rows = to(np.array([i for i, bias in biased for _ in bias], np.int64))
+    md.bias_tokens = to(np.array([t for _, bias in biased for t in bias], np.int64))
+    md.bias_values = to(np.array([v for _, bias in biased for v in bias.values()], np.float32))
 
 
 def _add_penalties(md: SamplingMetadata, ib: InputBatch, batch: StepBatch,

@@ -5,11 +5,32 @@ Plugged into ``raylm.scheduler.structured.manager.StructuredOutputManager`` (whi
 is why this lives in the runner layer and not beside the scheduler. ``validate`` is the
 front end's check: it parses a spec without a tokenizer, so a bad schema or regex is a
 ValueError (HTTP 400) before the request reaches the engine.
+
+JSON: ``json_object`` is a JSON object (the schema ``{"type": "object"}``, as OpenAI's JSON
+mode and vLLM), never a bare array or number. Whitespace between JSON tokens is bounded:
+at most ``JSON_MAX_WHITESPACE`` characters in a row (xgrammar's ``max_whitespace_cnt``),
+enough for a newline and the indentation of pretty-printed JSON a few levels deep, and too
+few for a weak model to spend its whole ``max_tokens`` on blanks (docs/serving.md,
+Structured outputs). ``disable_any_whitespace`` allows none at all.
+
+Time: a spec is parsed (the tokenizer-free step, where the slow cases are: a regex
+``pattern`` with nested counted repetitions takes seconds) on a thread of its own, which
+xgrammar runs without the GIL, and waited for at most a timeout: ``start_check`` for the
+server's intake (awaited off its event loop), ``validate`` for the offline one. A spec
+that timed out is remembered and refused at once afterwards; so is the engine's compile
+(``XgrammarBackend.compile``, with ``ENGINE_COMPILE_TIMEOUT_S``). A thread that timed out
+cannot be stopped: it runs to its end, and while ``MAX_RUNAWAY_CHECKS`` of them still
+run, new checks are refused rather than queued behind them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -17,6 +38,24 @@ import numpy as np
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.structured.manager import StructuredOutputManager
 from raylm.scheduler.structured.params import StructuredOutputsParams
+
+# Most whitespace characters in a row between JSON tokens (xgrammar 0.2.9's
+# ``max_whitespace_cnt``): a newline and 5 spaces, the indentation of pretty-printed JSON
+# two levels deep at 2 spaces a level (one at 4). A random-weight model spends every blank
+# it is allowed: with no bound 12 of 32 requests of the tests' POINTS schema ran out of
+# max_tokens=200 on whitespace, with 8 five did, with 6 none (tests/cluster/
+# test_openai_structured.py).
+JSON_MAX_WHITESPACE = 6
+# The schema of OpenAI's JSON mode (``response_format: {"type": "json_object"}``).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Seconds a spec may take to parse (the intake's default; ``grammar_compile_timeout_s``).
+DEFAULT_CHECK_TIMEOUT_S = 10.0
+# Seconds the engine waits for a compile against the vocabulary; the request then ends
+# with finish_reason "error".
+ENGINE_COMPILE_TIMEOUT_S = 60.0
+# Timed-out checks still running beyond which new ones are refused at once.
+MAX_RUNAWAY_CHECKS = 4
+_MEMO_SIZE = 4096
 
 
 def _xgr() -> Any:
@@ -36,6 +75,8 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 
 
 def _schema_text(params: StructuredOutputsParams) -> str:
+    if params.kind == "json_object":
+        return JSON_OBJECT_SCHEMA
     if isinstance(params.json, dict):
         return json.dumps(params.json)
     try:
@@ -45,25 +86,168 @@ def _schema_text(params: StructuredOutputsParams) -> str:
     return str(params.json)
 
 
-def validate(params: StructuredOutputsParams) -> None:
-    """Raise ValueError naming the problem if the constraint cannot compile."""
+def json_whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    """xgrammar's whitespace keywords for a JSON spec (see the module docstring)."""
+    if params.disable_any_whitespace:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+
+
+def _compile_error(kind: str, e: Exception) -> ValueError:
+    # xgrammar's messages may start with its C++ source location: keep the last line.
+    message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return ValueError(f"structured_outputs.{kind} does not compile: {message}")
+
+
+def _parse(params: StructuredOutputsParams) -> None:
+    """Parse the spec into a grammar without a tokenizer; ValueError naming the problem."""
     xgr = _xgr()
     kind = params.kind
     try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(_schema_text(params),
-                                         any_whitespace=not params.disable_any_whitespace)
+        if kind in ("json", "json_object"):
+            xgr.Grammar.from_json_schema(_schema_text(params), **json_whitespace(params))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(params.grammar)
         elif kind == "choice":
             xgr.Grammar.from_ebnf(choice_grammar(params.choice or ()))
-    except ValueError:
-        raise
+    except ValueError as e:
+        if str(e).startswith("structured_outputs."):
+            raise
+        raise _compile_error(kind, e) from None
     except Exception as e:  # xgrammar raises RuntimeError with its parser's message
-        message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ValueError(f"structured_outputs.{kind} does not compile: {message}") from None
+        raise _compile_error(kind, e) from None
+
+
+class _Memo:
+    """What is known of specs already checked, by a digest of their cache key: valid,
+    or too slow (an LRU, so a flood of distinct specs cannot grow it without end)."""
+
+    def __init__(self, size: int = _MEMO_SIZE) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._known: OrderedDict[bytes, str] = OrderedDict()  # digest -> "ok" | error
+        self.runaway = 0  # timed-out threads still running
+
+    @staticmethod
+    def key(params: StructuredOutputsParams) -> bytes:
+        return hashlib.sha256(repr((params.cache_key, json_whitespace(params))).encode(
+            "utf-8", "surrogatepass")).digest()
+
+    def get(self, key: bytes) -> str | None:
+        with self._lock:
+            found = self._known.get(key)
+            if found is not None:
+                self._known.move_to_end(key)
+            return found
+
+    def put(self, key: bytes, outcome: str) -> None:
+        with self._lock:
+            self._known[key] = outcome
+            self._known.move_to_end(key)
+            while len(self._known) > self._size:
+                self._known.popitem(last=False)
+
+    def timed_out(self, key: bytes, message: str) -> None:
+        self.put(key, message)
+        with self._lock:
+            self.runaway += 1
+
+    def runaway_done(self) -> None:
+        with self._lock:
+            self.runaway -= 1
+
+
+_memo = _Memo()
+
+
+def _timeout_message(params: StructuredOutputsParams, timeout_s: float) -> str:
+    return (f"structured_outputs.{params.kind} took longer than {timeout_s:g} s to compile "
+            "(grammar_compile_timeout_s); simplify it (nested counted repetitions such as "
+            "(x{1,200}){1,200} expand into very large grammars).")
+
+
+class _Check:
+    """``fn`` on a thread of its own; ``future`` gets its result or exception.
+
+    A waiter that gives up calls ``timed_out``; if the thread then ends later, it tells
+    the memo (one runaway fewer) instead of recording its outcome, so a spec that timed
+    out stays refused."""
+
+    def __init__(self, fn: Callable[[], Any], key: bytes, memo_outcome: bool) -> None:
+        self.key = key
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()
+        self._lock = threading.Lock()
+        self._ended = self._abandoned = False
+        self._fn, self._memo_outcome = fn, memo_outcome
+        # Not a daemon: the interpreter's exit waits for a runaway compile to end (a daemon
+        # thread stopped inside xgrammar's C++ code aborts the process).
+        threading.Thread(target=self._run, name="raylm-grammar-check", daemon=False).start()
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            result = self._fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            error = e
+        with self._lock:
+            self._ended, late = True, self._abandoned
+        if late:
+            _memo.runaway_done()
+        elif self._memo_outcome and (error is None or isinstance(error, ValueError)):
+            _memo.put(self.key, "ok" if error is None else str(error))
+        if error is None:
+            self.future.set_result(result)
+        else:
+            self.future.set_exception(error)
+
+    def timed_out(self, params: StructuredOutputsParams, timeout_s: float) -> ValueError:
+        """The waiter gives up: from now on the spec is refused. The error to raise."""
+        message = _timeout_message(params, timeout_s)
+        with self._lock:
+            if not self._ended:
+                self._abandoned = True
+                _memo.timed_out(self.key, message)
+        return ValueError(message)
+
+
+def _resolved(outcome: str) -> Future:
+    future: Future = Future()
+    if outcome == "ok":
+        future.set_result(None)
+    else:
+        future.set_exception(ValueError(outcome))
+    return future
+
+
+def start_check(params: StructuredOutputsParams) -> tuple[Future, _Check | None]:
+    """Start checking that ``params`` compiles: a Future of None or its ValueError, and
+    the running check (None when the outcome is known at once: a spec seen before, or
+    the compiler busy with runaways). Wait with a timeout, then ``check.timed_out``."""
+    key = _memo.key(params)
+    known = _memo.get(key)
+    if known is not None:
+        return _resolved(known), None
+    if _memo.runaway >= MAX_RUNAWAY_CHECKS:
+        return _resolved(
+            "structured outputs are refused for now: earlier specs that took too long to "
+            "compile still occupy the grammar compiler; retry later."), None
+    check = _Check(lambda: _parse(params), key, memo_outcome=True)
+    return check.future, check
+
+
+def validate(params: StructuredOutputsParams,
+             timeout_s: float = DEFAULT_CHECK_TIMEOUT_S) -> None:
+    """Raise ValueError naming the problem if the constraint cannot compile, or does not
+    within ``timeout_s`` (blocks the calling thread; the server awaits ``start_check``)."""
+    future, check = start_check(params)
+    try:
+        future.result(timeout=timeout_s)
+    except TimeoutError:
+        assert check is not None
+        raise check.timed_out(params, timeout_s) from None
 
 
 # Bytes that JSON text never holds raw (RFC 8259: control characters inside strings must
@@ -134,9 +318,11 @@ class XgrammarGrammar:
 
 
 class XgrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int,
+                 compile_timeout_s: float = ENGINE_COMPILE_TIMEOUT_S) -> None:
         xgr = _xgr()
         self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # The manager caches compiled grammars by spec; one thread per compile here.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1,
@@ -158,22 +344,32 @@ class XgrammarBackend:
         return _pack(allowed, (self.vocab_size + 31) // 32)
 
     def compile(self, params: StructuredOutputsParams) -> tuple[Any, bool]:
-        """(compiled grammar, whether its output is JSON)."""
+        """(compiled grammar, whether its output is JSON). Waits at most
+        ``compile_timeout_s``; a spec that timed out is refused at once afterwards."""
+        key = _memo.key(params)
+        known = _memo.get(key)
+        if known is not None and known != "ok":
+            raise ValueError(known)
+        check = _Check(lambda: self._compile(params), key, memo_outcome=False)
+        try:
+            return check.future.result(timeout=self.compile_timeout_s)
+        except TimeoutError:
+            raise check.timed_out(params, self.compile_timeout_s) from None
+
+    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, bool]:
         c = self.compiler
         kind = params.kind
         try:
-            if kind == "json":
-                return c.compile_json_schema(
-                    _schema_text(params), any_whitespace=not params.disable_any_whitespace), True
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar(), True
+            if kind in ("json", "json_object"):
+                return c.compile_json_schema(_schema_text(params),
+                                             **json_whitespace(params)), True
             if kind == "regex":
                 return c.compile_regex(params.regex), False
             if kind == "choice":
                 return c.compile_grammar(choice_grammar(params.choice or ())), False
             return c.compile_grammar(params.grammar), False
         except Exception as e:
-            raise ValueError(f"structured_outputs.{kind} does not compile: {e}") from None
+            raise _compile_error(kind, e) from None
 
     def new_grammar(self, compiled: tuple[Any, bool]) -> XgrammarGrammar:
         grammar, is_json = compiled

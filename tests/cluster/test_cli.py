@@ -93,6 +93,45 @@ def test_bad_values_exit_2_before_ray_starts(llama_path, capsys):
         main(["serve", "/no/such/model"])
 
 
+def test_serve_http_flags_build_the_app_http_config(llama_path, monkeypatch):
+    from raylm.cluster.cli import http_server_config
+    from raylm.cluster.serve.deployment_config import HTTPServerConfig
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = build_parser().parse_args([
+        "serve", llama_path, "--allowed-origins", '["https://a.example", "https://b.example"]',
+        "--allowed-methods", "GET,POST", "--allowed-headers", "Authorization",
+        "--allow-credentials", "--max-request-body-bytes", "4096", "--max-json-depth", "8",
+        "--public-metrics", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--max-n", "4", "--max-logprobs", "3", "--grammar-compile-timeout-s", "2"])
+    http = HTTPServerConfig.model_validate(http_server_config(args))
+    assert http.allowed_origins == ["https://a.example", "https://b.example"]
+    assert (http.allowed_methods, http.allowed_headers) == (["GET", "POST"], ["Authorization"])
+    assert http.allow_credentials and http.public_metrics
+    assert (http.max_request_body_bytes, http.max_json_depth) == (4096, 8)
+    ek = build_llm_config(args).engine_kwargs
+    assert (ek.tool_call_parser, ek.reasoning_parser) == ("hermes", "qwen3")
+    assert (ek.max_n, ek.max_logprobs, ek.grammar_compile_timeout_s) == (4, 3, 2.0)
+    # Unset: CORS off, the defaults of HTTPServerConfig.
+    assert http_server_config(build_parser().parse_args(["serve"])) == {}
+    assert HTTPServerConfig().allowed_origins == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--allowed-origins", "*", "--allow-credentials"], "allow_credentials needs explicit"),
+])
+def test_bad_serve_http_flags_exit_2_before_ray_starts(llama_path, capsys, flags, message):
+    assert main(["serve", llama_path, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_tool_call_parser_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "qwen3_coder"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     """A tiny demo model made by the CLI itself, for RAYLM_DEMO_MODEL_DIR."""
@@ -274,3 +313,24 @@ def test_proxy_applies_only_to_a_local_instance(llama_path, monkeypatch, capsys)
     env = local_serve_env("haproxy")
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] != env["RAY_SERVE_HAPROXY_METRICS_PORT"]
+
+
+def test_pd_flags_build_both_sides_of_the_pd_app(llama_path, monkeypatch):
+    """--prefill-replicas / --decode-replicas serve the PD app: each side is the model's
+    config with its replica count and, if given, its own TP size; the app's config loads."""
+    from raylm.cluster.cli import pd_app_args
+    from raylm.cluster.serve.pd_app import PDServingArgs
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = build_parser().parse_args([
+        "serve", llama_path, "--prefill-replicas", "2", "--decode-replicas", "1",
+        "--decode-tensor-parallel-size", "2", "--max-num-seqs", "8"])
+    pd = pd_app_args(args, build_llm_config(args))
+    assert pd["prefill_config"]["deployment_config"]["num_replicas"] == 2
+    assert pd["decode_config"]["deployment_config"]["num_replicas"] == 1
+    assert pd["decode_config"]["engine_kwargs"]["tensor_parallel_size"] == 2
+    assert "tensor_parallel_size" not in pd["prefill_config"]["engine_kwargs"]
+    assert all("cpu_burst_threads" not in pd[k]["engine_kwargs"]
+               for k in ("prefill_config", "decode_config"))
+    parsed = PDServingArgs.model_validate(pd)
+    assert parsed.side("decode").engine_kwargs.max_num_seqs == 8

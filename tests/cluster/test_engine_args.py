@@ -29,8 +29,14 @@ NON_DEFAULTS = {
     "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "data_parallel_size": 2,
     "distributed_executor_backend": "ray", "placement_group_strategy": "SPREAD",
     "placement_timeout_s": 60.0, "dp_sync_interval": 4, "cpu_burst_threads": 2,
-    "max_queued_requests": 5,
+    "max_queued_requests": 5, "max_logprobs": 5, "max_n": 4, "max_stop_strings": 3,
+    "max_stop_string_chars": 16, "max_logit_bias": 10, "max_structured_output_chars": 500,
+    "grammar_compile_timeout_s": 2.5, "tool_call_parser": "hermes",
+    "reasoning_parser": "qwen3",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+    "kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                           "kv_connector_extra_config": {"num_cpu_blocks": 8}},
+    "kv_offloading_size": 0.5,
 }
 
 

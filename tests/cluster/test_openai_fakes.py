@@ -172,6 +172,26 @@ def running_server(app):
         thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def real_engine_client(path: str, model: str, **engine_kwargs):
+    """The real AsyncLLM (in process) on ``path`` behind the routes on loopback uvicorn:
+    yields the official openai client; shuts the engine down after."""
+    import openai
+
+    from raylm.cluster.engine.async_llm import AsyncLLM
+    from raylm.cluster.serve.routes import LocalBackend, build_openai_api
+    from raylm.cluster.serve.serving import OpenAIServing
+
+    engine = AsyncLLM.from_engine_args(path, **engine_kwargs)
+    app = build_openai_api({model: LocalBackend(OpenAIServing(engine, model))})
+    try:
+        with running_server(app) as base:
+            yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                timeout=120)
+    finally:
+        engine.shutdown()
+
+
 # ---- the fake itself must behave, or the API tests prove nothing --------------------------
 
 @pytest.fixture(scope="module")

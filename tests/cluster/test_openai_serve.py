@@ -3,6 +3,7 @@ the official openai client. One Ray instance and one Serve app (two models) for 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -15,13 +16,14 @@ from test_openai_fakes import ENGINE_METRIC_NAMES
 pytestmark = pytest.mark.ray
 
 MODEL, SMALL = "tiny-llama", "tiny-llama-small"
+ORIGIN = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
 def base_url(llama_path):
-    args = {"llm_configs": [
+    args = {"http_server": {"allowed_origins": [ORIGIN]}, "llm_configs": [
         {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
-         "engine_kwargs": {"max_num_seqs": 64},
+         "engine_kwargs": {"max_num_seqs": 64, "tool_call_parser": "hermes", "max_n": 8},
          "deployment_config": {"max_ongoing_requests": 128}},
         # A second model, to test routing and a deliberately tiny admission limit.
         {"model_loading_config": {"model_id": SMALL, "model_source": llama_path},
@@ -197,3 +199,32 @@ def test_overload_is_503(base_url):
     r = httpx.post(f"{base_url}/v1/completions",
                    json={"model": SMALL, "prompt": "after", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_app_config_reaches_the_ingress_and_the_replicas(client, base_url):
+    """Through Serve: the app's http_server (CORS) configures the ingress, each model's
+    engine_kwargs its replica (a tool_call_parser, the request limits); /tokenize,
+    /detokenize and /version route like the rest."""
+    pre = httpx.options(f"{base_url}/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert pre.headers.get("access-control-allow-origin") == ORIGIN
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}]
+    messages = [{"role": "user", "content": "call f"}]
+    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                          max_tokens=4)  # "auto": MODEL has a parser
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="tool_call_parser"):
+        client.chat.completions.create(model=SMALL, messages=messages, tools=tools)
+    named = client.chat.completions.create(
+        model=SMALL, messages=messages, tools=tools, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "f"}})
+    assert json.loads(named.choices[0].message.tool_calls[0].function.arguments) in (
+        {"x": 1}, {"x": 2})
+    with pytest.raises(openai.BadRequestError, match="max_n"):
+        client.completions.create(model=MODEL, prompt="x", n=9)
+    tok = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert httpx.post(f"{base_url}/detokenize", json={"model": SMALL, "tokens": tok["tokens"]}
+                      ).json() == {"prompt": "hello"}
+    assert httpx.get(f"{base_url}/version").json()["version"]

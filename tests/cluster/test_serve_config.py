@@ -9,14 +9,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from raylm.cluster.serve.config import (
+from raylm.cluster.serve.config import EngineKwargs, LLMConfig, OpenAIAppConfig, load_app_config
+from raylm.cluster.serve.deployment_config import (
     AutoscalingConfig,
     DeploymentConfig,
-    EngineKwargs,
-    LLMConfig,
-    OpenAIAppConfig,
     PlacementGroupConfig,
-    load_app_config,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "cluster" / "serve" / "example_config.yaml"

@@ -11,13 +11,11 @@ import pytest
 import yaml
 from pydantic import Field, create_model
 
-from raylm.cluster.serve.config import (
+from raylm.cluster.serve.config import EngineKwargs, LLMConfig, ModelLoadingConfig
+from raylm.cluster.serve.deployment_config import (
     AutoscalingConfig,
     DeploymentConfig,
-    EngineKwargs,
     ExperimentalConfigs,
-    LLMConfig,
-    ModelLoadingConfig,
 )
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "raylm"

@@ -7,6 +7,13 @@ Args: root (the chart context), groups (worker group values), serving (bool).
 {{- with $v.rayVersion }}
 rayVersion: {{ . | quote }}
 {{- end }}
+{{- if include "raylm.rayTokenAuth" .root }}
+# Ray's token authentication: KubeRay keeps a generated token in a Secret and sets
+# RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in every Ray container; the GCS, the dashboard
+# and its job API refuse callers without it.
+authOptions:
+  mode: token
+{{- end }}
 enableInTreeAutoscaling: {{ $v.autoscaler.enabled }}
 {{- if $v.autoscaler.enabled }}
 autoscalerOptions:
@@ -22,6 +29,9 @@ autoscalerOptions:
   {{- end }}
 {{- end }}
 headGroupSpec:
+  # The head's GCS, dashboard and client ports stay inside the cluster: the model is served
+  # through <name>-serve-svc, which carries the Serve port alone.
+  serviceType: ClusterIP
   rayStartParams:
     {{- /* merge gives the first dict precedence: num-gpus "0" always wins. */}}
     {{- $params := merge (dict "num-gpus" "0") (deepCopy (default (dict) $v.head.rayStartParams)) (dict "dashboard-host" "0.0.0.0") }}
@@ -175,4 +185,16 @@ value alone). Args: root, group.
 {{- $_ := set $res (printf "accelerator_type:%s" $t) 1 }}
 {{- end }}
 {{- toJson $res }}
+{{- end }}
+
+{{/*
+"true" when the Ray cluster runs with token authentication (security.rayTokenAuth; auto:
+from rayVersion 2.52.0, the first Ray that has it), else "".
+*/}}
+{{- define "raylm.rayTokenAuth" -}}
+{{- $mode := .Values.security.rayTokenAuth }}
+{{- $version := .Values.rayVersion }}
+{{- if eq (toString $mode) "true" }}true
+{{- else if and (eq (toString $mode) "auto") $version (semverCompare ">=2.52.0-0" $version) }}true
+{{- end }}
 {{- end }}

@@ -8,6 +8,15 @@ Checks values.schema.json cannot express. Each failure names the value and what 
 {{- fail (printf "raylm: resource name %q must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter) as KubeRay requires; set fullnameOverride." $name) }}
 {{- end }}
 
+{{- /* Ray token authentication needs Ray 2.52.0 or newer (and KubeRay needs rayVersion). */}}
+{{- if eq (toString $v.security.rayTokenAuth) "true" }}
+{{- if not $v.rayVersion }}
+{{- fail "raylm: security.rayTokenAuth=true needs rayVersion (KubeRay enables token authentication only for a stated Ray 2.52.0 or newer)." }}
+{{- else if not (semverCompare ">=2.52.0-0" $v.rayVersion) }}
+{{- fail (printf "raylm: security.rayTokenAuth=true but rayVersion %s has no token authentication (Ray 2.52.0 or newer); upgrade the image or set security.rayTokenAuth=auto." $v.rayVersion) }}
+{{- end }}
+{{- end }}
+
 {{- /* Serve replica autoscaling. */}}
 {{- $dc := $v.llmConfig.deployment_config }}
 {{- $as := $dc.autoscaling_config }}
