@@ -5,6 +5,8 @@ Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: 
 (``LazyWeight``: each TP rank then reads only its range), and reads whole, through
 ``read_whole``, only what every rank keeps entire (a row-parallel bias). Column-parallel
 layers split the output features, row-parallel ones the input features (then all-reduce).
+A linear may carry a ``lora`` hook (``LinearLoRA``: raylm.runner.lora adds the step's
+adapter products to its local output, before a row-parallel all-reduce).
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ Weight = torch.Tensor | LazyWeight
 def read_whole(weight: Weight) -> torch.Tensor:
     """All of a checkpoint tensor: a ``torch.Tensor`` as it is, a lazy one read now."""
     return weight if isinstance(weight, torch.Tensor) else weight.read()
+
+
+class LinearLoRA(Protocol):
+    """A linear's LoRA hook (raylm.runner.lora.layers.LoRALinear)."""
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the step's adapter products of ``x`` to ``out``, in place."""
+        ...
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -145,6 +155,7 @@ class ColumnParallelLinear(PackedLinearWeight, nn.Module):
         self.output_size = output_size
         self.output_size_per_partition = divide(output_size, ctx.tp_size, "output_size")
         self.gather_output = gather_output
+        self.lora: LinearLoRA | None = None
         self.weight = _new_param((self.output_size_per_partition, input_size), ctx, params_dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -161,6 +172,8 @@ class ColumnParallelLinear(PackedLinearWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.apply(x, out)
         return tp_all_gather(out, self.ctx) if self.gather_output else out
 
 
@@ -182,7 +195,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         beats one wide matmul whose output is then read through strided chunks. Elsewhere,
         a packed CPU weight included (one oneDNN matmul is as fast as two), one fused
         matmul split into views."""
-        if x.device.type != "cpu" or self.packed_weight is not None:
+        if x.device.type != "cpu" or self.packed_weight is not None or self.lora is not None:
             return list(self(x).split(self.output_sizes_per_partition, dim=-1))
         weights = self.weight.split(self.output_sizes_per_partition, dim=0)
         biases = (self.bias.split(self.output_sizes_per_partition, dim=0)
@@ -259,6 +272,7 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
         self.input_size_per_partition = divide(input_size, ctx.tp_size, "input_size")
         self.output_size = output_size
         self.reduce_results = reduce_results
+        self.lora: LinearLoRA | None = None
         self.weight = _new_param((output_size, self.input_size_per_partition), ctx, params_dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -278,6 +292,8 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, packed_weight=self.packed_weight)
+        if self.lora is not None:  # this rank's share, summed by the all-reduce
+            self.lora.apply(x, out)
         if self.reduce_results:
             out = tp_all_reduce(out, self.ctx)
         if self.bias is not None:

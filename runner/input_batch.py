@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from raylm.runner.sample.rng import to_int64_seed
+from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -32,6 +33,7 @@ class CachedRequestState:
     # Tokens that must not be sampled before ``min_tokens`` outputs (stop ids + EOS).
     min_tokens_stop_ids: tuple[int, ...] = ()
     row: int | None = None  # row in the InputBatch; None once the request is dropped
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,6 +67,7 @@ class InputBatch:
         for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks",
                      "top_k", "seeds", "min_tokens"):
             grow(name, (), np.int64, 0)
+        grow("lora_ids", (), np.int64, 0)  # each row's adapter id (0: the base model)
         grow("last_sampled_pos", (), np.int64, -1)  # position of the newest sampled token
         grow("num_logprobs", (), np.int64, -1)  # -1: no logprobs
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -93,6 +96,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, state.block_ids)
         self.last_sampled_pos[row] = -1
+        self.lora_ids[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
         sp = state.sampling_params
         greedy = sp.temperature < 1e-5
         self.is_greedy[row] = greedy
@@ -136,7 +140,7 @@ class InputBatch:
         for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks",
                      "top_k", "seeds", "min_tokens", "last_sampled_pos", "num_logprobs",
                      "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "is_greedy", "needs_history"):
+                     "frequency_penalty", "is_greedy", "needs_history", "lora_ids"):
             arr = getattr(self, name)
             arr[dst] = arr[src]
         n = self.num_tokens[src]

@@ -26,6 +26,7 @@ from raylm.runner.cuda_graphs import DecodeGraphs, setup_decode_padding
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.kv_transfer.steps import KVConnectorSteps
 from raylm.runner.loading.model_loader import get_model, resolve_dtype
+from raylm.runner.lora.manager import LoRAManager
 from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
@@ -104,11 +105,16 @@ class ModelRunner:
         # A KV connector's worker side (offload tier, prefill/decode transfer), driven by
         # the Worker around each step.
         self.kv_steps = KVConnectorSteps.make(engine_config, ctx)
+        # LoRA adapters (docs/architecture.md, "LoRA adapters"); the draft model runs without them.
+        self.lora = LoRAManager.make(engine_config, self.device,
+                                     self.input_preparer.attention_backend)
 
     # ---------------------------------------------------------------- setup
     def load_model(self, model: nn.Module | None = None) -> None:
         """Load from ``model_config.model`` (or take an already built model: tests)."""
         self.model = model if model is not None else get_model(self.model_config, self.ctx)
+        if self.lora is not None:
+            self.lora.attach(self.model)
         if self.ctx.is_last_pp_rank:
             self.sampler = Sampler(self.vocab_size, self.device)
         if self.speculator is not None:
@@ -137,8 +143,9 @@ class ModelRunner:
         if self.kv_steps is not None:
             self.kv_steps.bind(self.kv_caches, self.model.attention_layers)
         if self.pad_decode_steps:
+            model = self.model if self.lora is None else self.lora.graph_forward(self.model)
             self.decode_graphs = setup_decode_padding(
-                self.input_preparer, self.model, self.device,
+                self.input_preparer, model, self.device,
                 self.engine_config.scheduler_config.max_num_seqs,
                 self.max_num_blocks_per_seq, scratch_block=num_blocks,
                 capture=self.use_cuda_graphs)
@@ -183,6 +190,9 @@ class ModelRunner:
         batch = self.input_preparer.prepare(so, self._settle_placeholders)
         if self.speculator is not None:
             self.speculator.place_device_drafts(batch)
+        if self.lora is not None:
+            self.lora.begin_step(self.input_batch.lora_ids[batch.rows], batch.num_scheduled,
+                                 int(batch.positions.shape[0]))
         loads = self.kv_steps is not None and self.kv_steps.has_step_loads()
         hidden = (self.decode_graphs.replay(batch.padded_rows)  # graphs skip the layer hooks
                   if batch.padded_rows and self.decode_graphs is not None and not loads
@@ -365,7 +375,10 @@ class ModelRunner:
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=sp, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, seed=new.sampling_seed,
-                output_token_ids=list(new.output_token_ids), min_tokens_stop_ids=stop_ids)
+                output_token_ids=list(new.output_token_ids), min_tokens_stop_ids=stop_ids,
+                lora_request=new.lora_request)
+            if self.lora is not None:
+                self.lora.add_request(new.lora_request)
             self.requests[new.req_id] = state
             ib.add_request(state)
             if self.pp_ring is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_seed: int  # explicit seed, or one drawn for the request at arrival
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

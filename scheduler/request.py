@@ -13,6 +13,7 @@ import time
 from enum import IntEnum
 
 from raylm.scheduler.core_outputs import FinishReason
+from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.structured.manager import StructuredOutputRequest
 
@@ -85,6 +86,7 @@ class Request:
         max_model_len: int,
         sampling_seed: int,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         check_prompt_room(len(prompt_token_ids), max_model_len)
         self.request_id = request_id
@@ -95,6 +97,9 @@ class Request:
         self.max_model_len = max_model_len
         self.sampling_seed = sampling_seed
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # The LoRA adapter the request runs with (None: the base model). It keys the
+        # request's prefix-cache blocks (kv_cache_utils) and counts toward max_loras.
+        self.lora_request = lora_request
         self.num_prompt_tokens = len(self.prompt_token_ids)
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sampling_params.max_tokens is None else min(

@@ -32,6 +32,7 @@ from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
 from raylm.scheduler.kv_transfer.factory import make_connector_scheduler
 from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
+from raylm.scheduler.lora import active_adapters, admits, lora_requests_info
 from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
@@ -74,6 +75,10 @@ class Scheduler:
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
         self._stats_snapshot = (0, 0, 0)
+        # LoRA: a step holds requests of at most this many distinct adapters (the workers'
+        # device slots); None without LoRA.
+        lora = config.lora_config
+        self.max_loras = lora.max_loras if lora is not None else None
         kv = self.kv_cache_manager
         self.kv_transfer = KVTransferScheduling(
             make_connector_scheduler(config, kv.get_block_ids), requests=self.requests,
@@ -120,6 +125,11 @@ class Scheduler:
                 f"request {request.request_id!r} needs {needed} KV blocks (prompt "
                 f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens{drafts}) "
                 f"but the pool holds only {self.kv_cache_manager.num_blocks}.")
+        if request.lora_request is not None and self.max_loras is None:
+            raise InvalidRequestError(
+                f"request {request.request_id!r} names LoRA adapter "
+                f"{request.lora_request.lora_name!r} but this engine runs without LoRA "
+                "(enable_lora=False).", "model")
         self.structured_output.validate_request(request)
 
     def add_request(self, request: Request) -> None:
@@ -287,8 +297,14 @@ class Scheduler:
         kv = self.kv_cache_manager
         kv_transfer = self.kv_transfer
         scheduled: list[Request] = []
+        # LoRA: requests whose adapter would exceed max_loras wait, in order, in front.
+        skipped: list[Request] = []
+        adapters = active_adapters(self.running) if self.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting[0]
+            if self.max_loras is not None and not admits(request, adapters, self.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             num_external, load_async = 0, False
             if kv_transfer.holds_blocks(request):  # its KV was loaded from outside
                 hit_blocks, num_hit = [], request.num_computed_tokens
@@ -316,6 +332,9 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            if request.lora_request is not None:
+                adapters.add(request.lora_request.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         return scheduled
 
     def _preempt_request(self, request: Request) -> None:
@@ -363,6 +382,13 @@ class Scheduler:
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def lora_metrics(self) -> dict[str, float]:
+        """``lora_requests_info`` (vLLM's): the running and waiting adapters; none without
+        LoRA."""
+        if self.max_loras is None:
+            return {}
+        return lora_requests_info(self.running, self.waiting, self.max_loras)
 
     def check_integrity(self, no_steps_in_flight: bool = False) -> None:
         """Pool invariants and per-request ledger sanity; stricter with nothing in flight."""

@@ -75,4 +75,5 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         block_ids=block_ids,
         num_computed_tokens=request.num_computed_tokens,
         sampling_seed=request.sampling_seed,
+        lora_request=request.lora_request,
     )

@@ -119,3 +119,66 @@ def hf_oracle():
         return oracles[path]
 
     return get
+
+
+# ---- LoRA: random PEFT adapters for the tiny Llama, and transformers + PEFT as oracle ----
+# (rank, lora_alpha, use_rslora, target modules): four ranks, rsLoRA, attention only, MLP only.
+LORA_SPECS = [
+    (8, 16, False, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj")),
+    (4, 8, True, ("q_proj", "v_proj")),
+    (16, 8, False, ("o_proj", "gate_proj", "up_proj", "down_proj")),
+    (2, 4, False, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj")),
+]
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(llama_path, tmp_path_factory) -> list[str]:
+    """Four PEFT adapter folders for ``llama_path`` (LORA_SPECS)."""
+    from raylm.runner.lora.random_adapter import write_random_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    return [write_random_adapter(str(root / f"adapter{i}"), llama_path, r, alpha,
+                                 targets, use_rslora=rslora, seed=10 + i)
+            for i, (r, alpha, rslora, targets) in enumerate(LORA_SPECS)]
+
+
+class PeftOracle:
+    """transformers + PEFT greedy generate, the adapter applied unmerged (None: the base
+    model alone); results cached per (adapter, prompt, length)."""
+
+    def __init__(self, base_path: str) -> None:
+        self.base_path = base_path
+        self._models: dict[str | None, object] = {}
+        self._cache: dict[tuple, list[int]] = {}
+
+    def _model(self, adapter: str | None):
+        if adapter not in self._models:
+            import torch
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=torch.float32)
+            model.generation_config.eos_token_id = None  # ignore_eos
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, adapter)  # unmerged
+            self._models[adapter] = model.eval()
+        return self._models[adapter]
+
+    def greedy(self, adapter: str | None, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        key = (adapter, tuple(prompt_ids), max_tokens)
+        if key not in self._cache:
+            import torch
+
+            with torch.inference_mode():
+                out = self._model(adapter).generate(
+                    torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                    pad_token_id=0)
+            self._cache[key] = out[0, len(prompt_ids):].tolist()
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def peft_oracle(llama_path) -> PeftOracle:
+    return PeftOracle(llama_path)

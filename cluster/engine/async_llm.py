@@ -20,7 +20,7 @@ from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import ValidatedPrompt
-from raylm.cluster.serve.metrics import kv_connector_stats, spec_decode_stats
+from raylm.cluster.serve.metrics import kv_connector_stats, lora_stats, spec_decode_stats
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.scheduler_stats import parse_device_info
 
@@ -164,6 +164,7 @@ class AsyncLLM:
             "devices": parse_device_info(m),
             **spec_decode_stats(m),
             **kv_connector_stats(m),
+            **lora_stats(m),
         }
 
     def shutdown(self) -> None:

@@ -31,6 +31,7 @@ from raylm.scheduler.config.engine_config import (
     SchedulerConfig,
 )
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
+from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
 from raylm.scheduler.intake import RequestLimits
 from raylm.scheduler.sampling_params import MAX_LOGPROBS
@@ -141,6 +142,23 @@ class EngineArgs:
               "sets that connector's num_cpu_blocks)",
         bounds={"exclusiveMinimum": 0})
 
+    # ---- LoRA adapters (vLLM's names) ---------------------------------------------------
+    enable_lora: bool = _arg(False, "serve PEFT LoRA adapters per request (LLM.generate's "
+                                    "lora_request; on the server, an adapter's name as `model`)")
+    max_loras: int = _arg(1, "LoRA adapters one step may use (each rank's device slots); "
+                             "requests of further adapters wait", bounds=_AT_LEAST_1)
+    max_lora_rank: int = _arg(16, "largest LoRA rank a device slot holds", bounds=_AT_LEAST_1)
+    max_cpu_loras: int | None = _arg(None, "LoRA adapters each rank keeps in host memory, "
+                                           "least recently used out (default: max_loras)",
+                                     bounds=_AT_LEAST_1)
+    lora_modules: list[str] | None = _arg(
+        None, "serving: LoRA adapters served from the start, each `name=path` (a PEFT "
+              "folder), requested by `name` (or `model:name`) as the model")
+    allowed_lora_root: str | None = _arg(
+        None, "serving: turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter, "
+              "loading adapters only from folders under this root (unset: off; a client "
+              "names the path, so keep it to a folder of adapters)")
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
         """vLLM's names are accepted too: a vLLM argument raylm has no field for is
@@ -169,7 +187,28 @@ class EngineArgs:
             parallel_config=self.create_parallel_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
             kv_transfer_config=self.create_kv_transfer_config(model_config),
+            lora_config=self.create_lora_config(),
         )
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits (checked whether LoRA is on or not), None with LoRA off."""
+        self.lora_module_paths()  # each entry checks itself
+        config = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras)
+        return config if self.enable_lora else None
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path (vLLM's ``name=path`` form)."""
+        modules: dict[str, str] = {}
+        for entry in self.lora_modules or ():
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name or not path or ":" in name:
+                raise ValueError(f"lora_modules entry {entry!r} must be `name=path` (a name "
+                                 "without ':').")
+            if name in modules:
+                raise ValueError(f"lora_modules names {name!r} twice.")
+            modules[name] = path
+        return modules
 
     def create_kv_transfer_config(self, model_config: ModelConfig) -> KVTransferConfig | None:
         """``kv_transfer_config``, with ``kv_offloading_size`` turned into the host pool's
@@ -288,6 +327,9 @@ def _cli_kwargs(annotation: Any) -> dict[str, Any]:
         return {"choices": choices, "type": type(choices[0])}
     if typing.get_origin(annotation) is dict:
         return {"type": _json_object, "metavar": "JSON"}
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return {"type": item, "nargs": "+"}
     assert annotation in (int, float, str), f"no CLI form for the annotation {annotation!r}"
     return {"type": annotation}
 

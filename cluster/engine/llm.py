@@ -13,6 +13,7 @@ from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import PromptType
+from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,18 @@ def _release(engine: LLMEngine) -> None:
         engine.shutdown()
     except Exception as e:  # noqa: BLE001 - nobody to raise to
         logger.warning("Releasing the engine failed: %r", e)
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request has {len(loras)} entries but there are {num_prompts} "
+                         "prompts.")
+    return loras
 
 
 class LLM:
@@ -58,8 +71,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. ``lora_request``:
+        one LoRA adapter for every prompt, or a list with one per prompt (None: the base
+        model); the engine needs ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -75,6 +91,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts."
                 )
+        loras = _per_prompt(lora_request, len(prompts))
         # Only final outputs are read here: build none per step (vLLM's LLM does the same).
         final_only: dict[int, SamplingParams] = {}
         for p in params_list:
@@ -83,8 +100,8 @@ class LLM:
         # Every prompt through the intake before anything is queued: a bad one fails the
         # call cleanly.
         intake = self.llm_engine.input_processor
-        validated = [intake.process(prompt, final_only[id(p)])
-                     for prompt, p in zip(prompts, params_list, strict=True)]
+        validated = [intake.process(prompt, final_only[id(p)], lora_request=lora)
+                     for prompt, p, lora in zip(prompts, params_list, loras, strict=True)]
         ids = [str(next(self._ids)) for _ in prompts]
         for request_id, prompt in zip(ids, validated, strict=True):
             self.llm_engine.add_request(request_id, prompt)
@@ -99,6 +116,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or ``chat_template``),
         with ``tools`` (OpenAI's function definitions) when given, then generate."""
@@ -110,7 +128,8 @@ class LLM:
                 chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                 tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -93,7 +93,8 @@ class LLMEngine:
         self.model_config = self.engine_config.model_config
         self.tokenizer = load_tokenizer(self.model_config.tokenizer or self.model_config.model)
         self.input_processor = InputProcessor(self.model_config, self.tokenizer,
-                                              engine_args.request_limits())
+                                              engine_args.request_limits(),
+                                              self.engine_config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The output processor is touched by the caller's thread (add/abort) and by
         # whoever calls step(); one lock keeps its dicts consistent.

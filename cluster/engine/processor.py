@@ -17,7 +17,9 @@ from typing import Any
 from raylm.cluster.engine.output_processor import ParentRequest
 from raylm.cluster.engine.outputs import RequestMetrics
 from raylm.scheduler.config.engine_config import ModelConfig
+from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.intake import RequestLimits, structured_output_chars, validate_prompt
+from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.request import InvalidRequestError, Request
 from raylm.scheduler.sampling_params import SamplingParams
 from raylm.scheduler.structured.params import StructuredOutputsParams
@@ -36,6 +38,7 @@ class ValidatedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # its adapter, checked (None: the base model)
 
 
 def check_text(text: str, field: str = "prompt") -> None:
@@ -53,19 +56,26 @@ def check_text(text: str, field: str = "prompt") -> None:
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.limits = limits or RequestLimits()
+        self.lora_config = lora_config
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked, by id
         # Seeds for unseeded requests come from the engine seed: runs are reproducible,
         # and a request's randomness never depends on what else is in its batch.
         self._seed_rng = random.Random(model_config.seed)
 
     def process(self, prompt: PromptType, params: ParamsSource, *,
-                strict_max_tokens: bool = False) -> ValidatedPrompt:
+                strict_max_tokens: bool = False,
+                lora_request: LoRARequest | None = None) -> ValidatedPrompt:
         """Tokenize (text only) and validate, once each. Raises InvalidRequestError (a
         ValueError) for input the client must fix; ``params`` built from the prompt's
-        length raise their own ValueError. ``strict_max_tokens``: see ``validate_prompt``."""
+        length raise their own ValueError. ``strict_max_tokens``: see ``validate_prompt``.
+        ``lora_request``: the adapter to run with, its files checked (``check_lora``)."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         if not isinstance(params, SamplingParams):
             params = params(len(token_ids))
@@ -74,7 +84,35 @@ class InputProcessor:
                         strict_max_tokens=strict_max_tokens,
                         check_structured_outputs=self._compile_structured_outputs,
                         limits=self.limits)
-        return ValidatedPrompt(text, token_ids, params)
+        return ValidatedPrompt(text, token_ids, params, lora_request)
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """A LoRA adapter this engine can run: LoRA on, an id that names one adapter
+        only, files that fit the model and ``max_lora_rank`` (read once per adapter).
+        InvalidRequestError naming what is wrong."""
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got "
+                                      f"{type(lora).__name__}.", "lora_request")
+        if self.lora_config is None:
+            raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r} requested, but this "
+                                      "engine runs without LoRA (enable_lora=False).",
+                                      "lora_request")
+        known = self._loras.get(lora.lora_int_id)
+        if known == lora:
+            return
+        if known is not None:
+            raise InvalidRequestError(
+                f"lora_int_id {lora.lora_int_id} already names adapter {known.lora_name!r} "
+                f"at {known.lora_path!r}; one id must always name the same adapter.",
+                "lora_request")
+        from raylm.runner.lora.peft import check_adapter
+
+        try:
+            check_adapter(lora.lora_path, self.model_config.hf_config,
+                          self.lora_config.max_lora_rank)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "lora_request") from None
+        self._loras[lora.lora_int_id] = lora
 
     def _compile_structured_outputs(self, params: StructuredOutputsParams) -> None:
         # xgrammar imports torch: loaded on the first constrained request only. A spec
@@ -138,6 +176,6 @@ class InputProcessor:
                 request_id=child_id, prompt_token_ids=prompt_token_ids,
                 sampling_params=params, eos_token_ids=self.model_config.eos_token_ids,
                 max_model_len=self.model_config.max_model_len, sampling_seed=seed,
-                arrival_time=parent.metrics.arrival_time,
+                arrival_time=parent.metrics.arrival_time, lora_request=prompt.lora_request,
             ))
         return parent, requests

@@ -63,9 +63,6 @@ VLLM_ARGS: dict[str, ForeignArg] = {
                                                "metrics are on /metrics"),
     "disable_custom_all_reduce": ForeignArg(_is(True), "raylm's all-reduce is "
                                                        "torch.distributed's"),
-    "enable_lora": ForeignArg(_is(False, None), "raylm has no LoRA support"),
-    "max_loras": ForeignArg(_is(None), "raylm has no LoRA support"),
-    "max_lora_rank": ForeignArg(_is(None), "raylm has no LoRA support"),
     "enable_expert_parallel": ForeignArg(_is(False, None),
                                          "raylm runs dense models (no experts)"),
     "limit_mm_per_prompt": ForeignArg(_is(None), "raylm serves text only"),

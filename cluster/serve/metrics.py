@@ -9,8 +9,9 @@ from the token stream the server sees; gauges and counters of the engine are rea
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -68,6 +69,18 @@ def kv_connector_stats(metrics: dict[str, Any]) -> dict[str, Any]:
     return {"kv_connector": kv} if kv else {}
 
 
+_LORA_INFO = "raylm:lora_requests_info"
+
+
+def lora_stats(metrics: dict[str, Any]) -> dict[str, Any]:
+    """get_metrics() -> the get_stats() key ``lora_requests_info``: (labels, value) of
+    each reading (scheduler/lora.py; its label values hold commas, so parsed by quotes);
+    none without LoRA."""
+    out = [(dict(re.findall(r'(\w+)="([^"]*)"', key)), float(value))
+           for key, value in metrics.items() if key.startswith(_LORA_INFO + "{")]
+    return {"lora_requests_info": out} if out else {}
+
+
 def _labelled(key: str) -> tuple[str, dict[str, str]]:
     """'name{a="x"}' -> ('name', {'a': 'x'})."""
     name, _, rest = key.partition("{")
@@ -86,6 +99,49 @@ def spec_decode_stats(metrics: dict[str, Any]) -> dict[str, Any]:
     return stats
 
 
+# The engine series a replica reports to the routers (``routing_stats``), so that an
+# ingress can show every replica's (``engine_families`` with one label per replica).
+ENGINE_SERIES = frozenset(name for name, _ in (*_GAUGES.values(), *_COUNTERS.values()))
+
+
+def routing_stats(stats: dict[str, Any]) -> dict[str, float]:
+    """The numbers of ``get_stats()`` that ``engine_families`` exports."""
+    return {key: float(stats.get(key, 0)) for key in (*_GAUGES, *_COUNTERS)}
+
+
+def engine_stats_of(families: Iterable[Metric]) -> dict[str, float]:
+    """The inverse of ``engine_families`` for one engine: its ``get_stats()`` numbers
+    read back from a /metrics snapshot (one sample per family)."""
+    keys = {name: key for table in (_GAUGES, _COUNTERS) for key, (name, _) in table.items()}
+    out = {}
+    for family in families:
+        key = keys.get(family.name)
+        if key is not None:
+            value = next((s.value for s in family.samples if not s.name.endswith("_created")),
+                         None)
+            if value is not None:
+                out[key] = float(value)
+    return out
+
+
+def engine_families(model_name: str, per_replica: Mapping[str | None, dict[str, Any]]
+                    ) -> list[Metric]:
+    """The engine's gauges and counters from ``get_stats()`` dicts: one sample per
+    replica, labelled ``replica`` with its id (no such label for the key None: the one
+    engine of this process)."""
+    labelled = any(rid is not None for rid in per_replica)
+    labels = ["model_name", "replica"] if labelled else ["model_name"]
+    out: list[Metric] = []
+    for table, kind in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+        for key, (name, doc) in table.items():
+            family: Metric = kind(name, doc, labels=labels)
+            for rid, stats in sorted(per_replica.items(), key=lambda kv: str(kv[0])):
+                values = [model_name, str(rid)] if labelled else [model_name]
+                family.add_metric(values, float(stats.get(key, 0)))
+            out.append(family)
+    return out
+
+
 class _EngineStatsCollector:
     """Reads the engine's gauges and counters when Prometheus scrapes."""
 
@@ -99,14 +155,7 @@ class _EngineStatsCollector:
         except Exception as e:  # a dead engine must not break the scrape of the rest
             logger.warning("get_stats() failed during a metrics scrape: %s", e)
             return
-        for key, (name, doc) in _GAUGES.items():
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], float(stats.get(key, 0.0)))
-            yield family
-        for key, (name, doc) in _COUNTERS.items():
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], float(stats.get(key, 0)))
-            yield family
+        yield from engine_families(self._model_name, {None: stats})
         if stats.get("devices"):
             family = GaugeMetricFamily(
                 "raylm:device_info", "Engine ranks by the device they run on (cuda, cpu).",
@@ -124,6 +173,15 @@ class _EngineStatsCollector:
                 family.add_metric([self._model_name, str(pos)], float(n))
             yield family
         yield from self._kv_families(stats.get("kv_connector") or {})
+        if stats.get("lora_requests_info"):
+            names = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+            family = GaugeMetricFamily(
+                _LORA_INFO, "LoRA adapters of running and waiting requests (labels); the "
+                "value is the time of the reading.", labels=["model_name", *names])
+            for labels, value in stats["lora_requests_info"]:
+                family.add_metric([self._model_name, *(labels.get(n, "") for n in names)],
+                                  value)
+            yield family
 
     def _kv_families(self, series: dict[str, float]) -> Iterable[Metric]:
         by_name: dict[str, list[tuple[dict[str, str], float]]] = {}

@@ -19,7 +19,6 @@ _RAY_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
                    "raylm is the engine; only Ray's default value 'vLLM' is accepted"),
     "log_engine_metrics": (lambda v: v in (True, None),
                            "raylm always exports its engine metrics on /metrics"),
-    "lora_config": (lambda v: v is None, "raylm has no LoRA support"),
     "accelerator_config": (lambda v: v is None,
                            "set accelerator_type and num_gpus_per_worker instead"),
     "server_cls": (lambda v: v is None, "raylm's replicas run its own LLMServer"),
@@ -30,12 +29,17 @@ _RAY_DEPLOYMENT_KEYS = {
     "ray_actor_options": "raylm sizes the replica from placement_group_config (bundle 0)",
     "user_config": "raylm's LLMServer takes no user_config",
     "logging_config": "set Serve's logging in the Serve config's top-level logging_config",
-    "request_router_config": "raylm uses Serve's default router",
+    "request_router_config": "set deployment_config.request_router: pow2 or prefix "
+                             "(raylm's prefix-cache-aware router)",
 }
 _RAY_AUTOSCALING_KEYS = ("metrics_interval_s", "upscaling_factor", "downscaling_factor",
                          "upscale_smoothing_factor", "downscale_smoothing_factor",
                          "smoothing_factor", "policy", "aggregation_function",
                          "downscale_to_zero_delay_s")
+# Ray Serve LLM's lora_config keys -> raylm's engine arguments. Its download settings have
+# no meaning here: adapters are folders read in place, nothing is downloaded.
+_RAY_LORA_KEYS = {"dynamic_lora_loading_path": "allowed_lora_root",
+                  "max_num_adapters_per_replica": "max_cpu_loras"}
 _RAY_EXPERIMENTAL_KEYS = {"num_ingress_replicas": "raylm's ingress deployment autoscales "
                                                   "with the model's replicas"}
 
@@ -62,7 +66,10 @@ def migrate_ray_llm_config(data: Mapping[str, Any], llm_config_keys: Collection[
             value = out.pop(key)
             if not honoured(value):
                 refused.append(f"{key}={value!r}: {why}")
+    lora = out.pop("lora_config", None)
     unknown += sorted(k for k in out if k not in llm_config_keys)
+    if lora is not None:
+        refused += _migrate_lora_config(lora, out)
     loading = section("model_loading_config")
     if loading is not None:
         if "tokenizer_source" in loading:  # Ray's name for the engine's tokenizer
@@ -100,3 +107,22 @@ def migrate_ray_llm_config(data: Mapping[str, Any], llm_config_keys: Collection[
         refused += [f"experimental_configs.{k}: {why}"
                     for k, why in _RAY_EXPERIMENTAL_KEYS.items() if k in experimental]
     return out, refused, unknown
+
+
+def _migrate_lora_config(lora: Any, out: dict[str, Any]) -> list[str]:
+    """Ray's ``lora_config`` into ``out``'s engine_kwargs: LoRA on, adapters loaded by name
+    from ``dynamic_lora_loading_path`` as requests name them (``base:adapter``), at most
+    ``max_num_adapters_per_replica`` kept per replica. Returns the refusals."""
+    if not isinstance(lora, Mapping):
+        return [f"lora_config={lora!r}: a mapping of {sorted(_RAY_LORA_KEYS)}"]
+    refused = [f"lora_config.{k}: raylm reads adapters in place from "
+               "dynamic_lora_loading_path (a folder on every node); it downloads nothing"
+               for k in lora if k not in _RAY_LORA_KEYS]
+    engine = out.get("engine_kwargs")
+    engine = dict(engine) if isinstance(engine, Mapping) else {}
+    engine.setdefault("enable_lora", True)
+    for key, ours in _RAY_LORA_KEYS.items():
+        if lora.get(key) is not None:
+            engine.setdefault(ours, lora[key])
+    out["engine_kwargs"] = engine
+    return refused

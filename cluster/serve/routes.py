@@ -40,6 +40,13 @@ from raylm.cluster.serve import metrics as metrics_mod
 from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
 from raylm.cluster.serve.deployment_config import HTTPServerConfig
 from raylm.cluster.serve.errors import OpenAIError, error_body, from_exception, pydantic_message
+from raylm.cluster.serve.lora_routes import (
+    ADAPTERS_KEY,
+    LOAD_LORA,
+    UNLOAD_LORA,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS, DETOKENIZE, TOKENIZE
 from raylm.cluster.serve.protocol import CompletionRequest
 from raylm.cluster.serve.response_protocol import (
@@ -164,10 +171,11 @@ class OpenAIRoutes:
                 return next(iter(backends.items()))
             raise OpenAIError(f"model is required; this server serves {sorted(backends)}.",
                               400, "model")
-        if not isinstance(model, str) or model not in backends:
+        name = self._backend_name(model)
+        if name is None:
             raise OpenAIError(f"The model `{model}` does not exist; this server serves "
                               f"{sorted(backends)}.", 404, "model")
-        return model, backends[model]
+        return model, backends[name]  # an adapter keeps its name: the replica resolves it
 
     async def read_body(self, request: Request) -> bytes:
         """The raw body, at most ``max_request_body_bytes`` of it (413 beyond)."""
@@ -189,8 +197,23 @@ class OpenAIRoutes:
         for the model's)."""
         body = parse_json(await self.read_body(request), self.http.max_json_depth)
         model = body.get("model")
-        self.check_auth(request, model if isinstance(model, str) else None)
+        self.check_auth(request, self._backend_name(model) or
+                        (model if isinstance(model, str) else None))
         return body
+
+    def _backend_name(self, model: Any) -> str | None:
+        """The backend that serves ``model``: its own, the base of a LoRA adapter named
+        ``base:adapter``, or with one backend any other name (an adapter its replica may
+        serve; it answers 404 if not). None where none does."""
+        backends = self.backends
+        if not isinstance(model, str):
+            return None
+        if model in backends:
+            return model
+        base = model.partition(":")[0]
+        if base in backends:
+            return base
+        return next(iter(backends)) if len(backends) == 1 else None
 
     async def dispatch(self, route: str, request: Request) -> Response:
         body = await self.parse_body(request)
@@ -200,12 +223,25 @@ class OpenAIRoutes:
 
     async def models(self, request: Request) -> dict[str, Any]:
         cards = await asyncio.gather(*(b.model_card() for b in self.backends.values()))
-        return {"object": "list", "data": list(cards)}
+        data = []
+        for card in cards:  # a model, then its LoRA adapters (each with its parent)
+            card = dict(card)
+            adapters = card.pop(ADAPTERS_KEY, [])
+            data += [card, *adapters]
+        return {"object": "list", "data": data}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        """One model's card (``client.models.retrieve``)."""
+        """One model's card (``client.models.retrieve``), a LoRA adapter's included."""
         _, backend = self.backend_for(model_id)
-        return await backend.model_card()
+        card = dict(await backend.model_card())
+        adapters = card.pop(ADAPTERS_KEY, [])
+        if model_id == card.get("id"):
+            return card
+        name = model_id.partition(":")[2] or model_id
+        for adapter in adapters:
+            if adapter["id"] == name:
+                return adapter
+        raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
 
     async def health(self) -> Response:
         results = await asyncio.gather(*(b.check_health() for b in self.backends.values()),
@@ -376,6 +412,8 @@ REQUEST_BODIES: dict[str, list[type[BaseModel]]] = {
     CHAT_COMPLETIONS: [ChatCompletionRequest],
     TOKENIZE: [TokenizeCompletionRequest, TokenizeChatRequest],
     DETOKENIZE: [DetokenizeRequest],
+    LOAD_LORA: [LoadLoRAAdapterRequest],
+    UNLOAD_LORA: [UnloadLoRAAdapterRequest],
 }
 
 

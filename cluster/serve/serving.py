@@ -37,6 +37,14 @@ from raylm.cluster.serve.errors import (
     overloaded,
     pydantic_message,
 )
+from raylm.cluster.serve.lora_routes import (
+    ADAPTERS_KEY,
+    LOAD_LORA,
+    UNLOAD_LORA,
+    LoadLoRAAdapterRequest,
+    LoRAModules,
+    UnloadLoRAAdapterRequest,
+)
 from raylm.cluster.serve.metrics import ServingMetrics
 from raylm.cluster.serve.prepared import (
     CHAT_COMPLETIONS,
@@ -62,6 +70,7 @@ from raylm.cluster.serve.response_protocol import (
 )
 from raylm.cluster.serve.tool_parsers import ChatOutputParser
 from raylm.scheduler.core.executor_base import EngineDeadError
+from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.request import InvalidRequestError
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -77,7 +86,8 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  max_pending_requests: int | None = None,
                  metrics: ServingMetrics | None = None, *,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 loras: LoRAModules | None = None):
         self.engine = engine
         self.model_name = served_model_name or engine.model_config.name
         self.max_model_len = engine.model_config.max_model_len
@@ -88,19 +98,28 @@ class OpenAIServing:
         # Engine request id -> sequences (n) admitted and not yet finished. Keyed, not a bare
         # counter, so that releasing twice, or a stream that never started, stays correct.
         self._pending: dict[str, int] = {}
+        # LoRA adapters served as models of their own (lora_routes.py); None without LoRA.
+        self.loras = loras
 
     @classmethod
     def from_llm_config(cls, engine: EngineClient, llm_config: Any,
                         max_pending_requests: int | None = None) -> OpenAIServing:
         """The serving of one replica of a Serve ``LLMConfig``."""
         ek = llm_config.engine_kwargs
+        loras = LoRAModules.from_engine_kwargs(ek, llm_config.model_id, engine)
         return cls(engine, llm_config.model_id, max_pending_requests,
-                   tool_call_parser=ek.tool_call_parser, reasoning_parser=ek.reasoning_parser)
+                   tool_call_parser=ek.tool_call_parser, reasoning_parser=ek.reasoning_parser,
+                   loras=loras)
 
     # ---- model information ---------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
-        return ModelCard(id=self.model_name, root=self.engine.model_config.model,
+        """The model's card; with LoRA, its adapters' cards under ``ADAPTERS_KEY`` (the
+        routes list them as models of their own)."""
+        card = ModelCard(id=self.model_name, root=self.engine.model_config.model,
                          max_model_len=self.max_model_len).model_dump()
+        if self.loras is not None:
+            card[ADAPTERS_KEY] = self.loras.cards()
+        return card
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -117,6 +136,12 @@ class OpenAIServing:
             return self.tokenize(body)
         if route == DETOKENIZE:
             return self.detokenize(body)
+        if route in (LOAD_LORA, UNLOAD_LORA):
+            if self.loras is None:
+                raise bad_request("this server runs without LoRA (enable_lora).", "lora_name")
+            self.loras.check_runtime_loading()
+            return self.loras.handle(_parse(
+                LoadLoRAAdapterRequest if route == LOAD_LORA else UnloadLoRAAdapterRequest, body))
         request = self.parse(route, body)
         try:
             constraint = request.structured_outputs_params()
@@ -174,12 +199,14 @@ class OpenAIServing:
         response_id = random_id(prefix)
         intake = self.engine.input_processor
         params = partial(self._sampling_params, request)
+        lora = self._check_model(request.model)
         engine_requests = [
-            EngineRequest(f"{response_id}-{i}",
-                          intake.process(prompt, params, strict_max_tokens=True))
+            EngineRequest(f"{response_id}-{i}", intake.process(
+                prompt, params, strict_max_tokens=True, lora_request=lora))
             for i, prompt in enumerate(prompts)
         ]
-        return PreparedRequest(route, request, response_id, int(time.time()), self.model_name,
+        return PreparedRequest(route, request, response_id, int(time.time()),
+                               self.model_name if lora is None else str(request.model),
                                engine_requests, output_parser)
 
     # ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------
@@ -229,9 +256,13 @@ class OpenAIServing:
         return openai_responses.full_response(prepared, finals, self.engine.tokenizer)
 
     # ---- validation ----------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise not_found(f"The model `{model}` does not exist.", "model")
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """404 unless ``model`` is this model or one of its LoRA adapters (returned)."""
+        if model is None or model == self.model_name:
+            return None
+        if self.loras is not None:
+            return self.loras.resolve(model)
+        raise not_found(f"The model `{model}` does not exist.", "model")
 
     def _apply_chat_template(self, request: ChatCompletionRequest | TokenizeChatRequest
                              ) -> dict[str, Any]:

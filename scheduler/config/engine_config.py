@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
+from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
 from raylm.scheduler.config.validation import check_at_least
 
@@ -228,6 +229,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: LoRA adapters off
 
     def __post_init__(self) -> None:
         spec = self.speculative_config

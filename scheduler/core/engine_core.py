@@ -289,6 +289,7 @@ class EngineCore:
         if s.num_spec_tokens:
             metrics.update(s.spec_decode_counters.metrics())
         metrics.update(s.kv_transfer.metrics())
+        metrics.update(s.lora_metrics())
         metrics[device_info_key(self.device_info)] = float(self.device_info.get("count", 1))
         return metrics
 

@@ -37,6 +37,9 @@ NON_DEFAULTS = {
     "kv_transfer_config": {"kv_connector": "OffloadingConnector",
                            "kv_connector_extra_config": {"num_cpu_blocks": 8}},
     "kv_offloading_size": 0.5,
+    "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4,
+    "lora_modules": ["sql=/adapters/sql", "chat=/adapters/chat"],
+    "allowed_lora_root": "/adapters",
 }
 
 
@@ -102,6 +105,8 @@ def _flag(name: str, value: object) -> list[str]:
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return [flag if value else "--no-" + flag[2:]]
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
     return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 

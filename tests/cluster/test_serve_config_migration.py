@@ -134,7 +134,7 @@ def test_tokenizer_source_maps_to_the_engines_tokenizer():
 def test_every_unimplemented_ray_key_is_named_in_one_error():
     data = {
         "model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "s3://b/m"}},
-        "lora_config": {"max_num_adapters_per_replica": 4},
+        "lora_config": {"max_num_adapters_per_replica": 4, "download_timeout_s": 10},
         "log_engine_metrics": False,
         "llm_engine": "SGLang",
         "server_cls": "my.Server",
@@ -142,7 +142,7 @@ def test_every_unimplemented_ray_key_is_named_in_one_error():
         "experimental_configs": {"num_ingress_replicas": 2},
         "deployment_config": {"ray_actor_options": {"num_cpus": 2},
                               "autoscaling_config": {"upscaling_factor": 2.0}},
-        "engine_kwargs": {"enable_chunked_prefill": False, "enable_lora": True,
+        "engine_kwargs": {"enable_chunked_prefill": False, "enable_expert_parallel": True,
                           "kv_cache_dtype": "fp8", "made_up_key": 1},
         "also_made_up": 2,
     }
@@ -151,16 +151,28 @@ def test_every_unimplemented_ray_key_is_named_in_one_error():
     errors = e.value.errors()
     assert len(errors) == 1
     message = errors[0]["msg"]
-    for key in ("lora_config", "log_engine_metrics=False", "llm_engine='SGLang'", "server_cls",
+    for key in ("lora_config.download_timeout_s", "log_engine_metrics=False", "llm_engine='SGLang'", "server_cls",
                 "model_loading_config.model_source", "placement_group_config.bundle_per_worker",
                 "experimental_configs.num_ingress_replicas",
                 "deployment_config.ray_actor_options",
                 "deployment_config.autoscaling_config.upscaling_factor",
-                "engine_kwargs.enable_chunked_prefill=False", "engine_kwargs.enable_lora=True",
+                "engine_kwargs.enable_chunked_prefill=False",
+                "engine_kwargs.enable_expert_parallel=True",
                 "engine_kwargs.kv_cache_dtype='fp8'", "engine_kwargs.made_up_key",
                 "also_made_up"):
         assert key in message, key
-    assert "raylm always chunks long prompts" in message and "no LoRA support" in message
+    assert "raylm always chunks long prompts" in message and "downloads nothing" in message
+
+
+def test_ray_lora_config_turns_lora_on_with_adapters_by_name_from_its_path(tmp_path):
+    cfg = LLMConfig.model_validate({
+        "model_loading_config": {"model_id": "m", "model_source": "/models/m"},
+        "lora_config": {"dynamic_lora_loading_path": str(tmp_path),
+                        "max_num_adapters_per_replica": 4},
+        "engine_kwargs": {"max_loras": 2}})
+    ek = cfg.engine_kwargs
+    assert (ek.enable_lora, ek.allowed_lora_root, ek.max_cpu_loras, ek.max_loras) == \
+        (True, str(tmp_path), 4, 2)
 
 
 def test_build_openai_app_args_ray_keys_are_refused():
@@ -189,7 +201,7 @@ def test_vllm_arguments_raylm_already_honours_are_accepted(kwargs):
     ({"enable_chunked_prefill": False}, "always chunks long prompts"),
     ({"kv_cache_dtype": "fp8"}, "model's dtype"),
     ({"quantization": "awq"}, "unquantized"),
-    ({"enable_lora": True}, "no LoRA support"),
+    ({"enable_expert_parallel": True}, "dense models"),
     ({"task": "embed"}, "text generation only"),
     ({"enable_auto_tool_choice": True}, "needs tool_call_parser"),
     ({"scheduling_policy": "priority"}, "first come, first served"),
@@ -217,7 +229,7 @@ def test_vllm_names_shared_with_raylm_reach_the_engine_config(llama_path):
 
 def test_one_refusal_message_lists_refused_and_unknown_engine_arguments():
     with pytest.raises(ValueError) as e:
-        EngineArgs.from_kwargs("/m", enable_lora=True, max_num_sequences=3)
+        EngineArgs.from_kwargs("/m", enable_expert_parallel=True, max_num_sequences=3)
     message = str(e.value)
-    assert "enable_lora=True: raylm has no LoRA support" in message
+    assert "enable_expert_parallel=True: raylm runs dense models" in message
     assert "unknown engine argument(s) ['max_num_sequences']" in message
