@@ -60,12 +60,37 @@ def active_adapters(requests: Iterable[Any]) -> set[int]:
     return {i for i in map(lora_id, requests) if i}
 
 
-def admits(request: Any, active: set[int], max_loras: int) -> bool:
-    """Whether ``request`` may join a batch already holding adapters ``active`` without
-    more than ``max_loras`` distinct adapters: the workers' device slots hold that many,
-    so a request whose adapter would not fit waits (nothing is dropped)."""
-    i = lora_id(request)
-    return i == 0 or i in active or len(active) < max_loras
+# Steps a request may be passed over for want of a device slot before no other adapter's
+# request passes it: requests of the adapters in use would otherwise keep them in use.
+MAX_LORA_SKIPS = 16
+
+
+class LoRAAdmission:
+    """One step's admission of waiting requests under ``max_loras`` distinct adapters (the
+    workers' device slots): a request whose adapter would not fit waits, in order, nothing
+    dropped; base-model requests never wait for a slot. A request passed over more than
+    MAX_LORA_SKIPS steps holds every later adapter request back until the adapters in use
+    drain and its own gets a slot."""
+
+    def __init__(self, running: Iterable[Any], max_loras: int) -> None:
+        self.active = active_adapters(running)
+        self.max_loras = max_loras
+        self.holding = False
+
+    def admits(self, request: Any) -> bool:
+        i = lora_id(request)
+        if i == 0:
+            return True
+        if not self.holding and (i in self.active or len(self.active) < self.max_loras):
+            return True
+        if not self.holding:
+            request.num_lora_skips += 1
+            self.holding = request.num_lora_skips > MAX_LORA_SKIPS
+        return False
+
+    def admitted(self, request: Any) -> None:
+        if lora_id(request):
+            self.active.add(lora_id(request))
 
 
 def _names(requests: Iterable[Any]) -> str:

@@ -100,6 +100,7 @@ class Request:
         # The LoRA adapter the request runs with (None: the base model). It keys the
         # request's prefix-cache blocks (kv_cache_utils) and counts toward max_loras.
         self.lora_request = lora_request
+        self.num_lora_skips = 0  # steps passed over for want of a LoRA slot (scheduler/lora.py)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sampling_params.max_tokens is None else min(

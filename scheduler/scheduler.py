@@ -32,7 +32,7 @@ from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
 from raylm.scheduler.kv_transfer.factory import make_connector_scheduler
 from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
-from raylm.scheduler.lora import active_adapters, admits, lora_requests_info
+from raylm.scheduler.lora import LoRAAdmission, lora_requests_info
 from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
 from raylm.scheduler.scheduler_stats import SchedulerCounters
@@ -299,10 +299,11 @@ class Scheduler:
         scheduled: list[Request] = []
         # LoRA: requests whose adapter would exceed max_loras wait, in order, in front.
         skipped: list[Request] = []
-        adapters = active_adapters(self.running) if self.max_loras is not None else set()
+        loras = LoRAAdmission(self.running, self.max_loras) if self.max_loras is not None \
+            else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting[0]
-            if self.max_loras is not None and not admits(request, adapters, self.max_loras):
+            if loras is not None and not loras.admits(request):
                 skipped.append(self.waiting.popleft())
                 continue
             num_external, load_async = 0, False
@@ -332,8 +333,8 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
-            if request.lora_request is not None:
-                adapters.add(request.lora_request.lora_int_id)
+            if loras is not None:
+                loras.admitted(request)
         self.waiting.extendleft(reversed(skipped))
         return scheduled
 

@@ -57,6 +57,9 @@ class LoRAModules:
         self.base_name = base_name
         self._check = check
         self.allowed_root = os.path.realpath(allowed_root) if allowed_root else None
+        if self.allowed_root is not None and not os.path.isdir(self.allowed_root):
+            raise ValueError(f"allowed_lora_root {allowed_root!r} is not a folder on this node "
+                             "(adapters are read in place; URIs are not fetched).")
         self.adapters: dict[str, LoRARequest] = {}
         self._created: dict[str, int] = {}
         self._ids = itertools.count(1)

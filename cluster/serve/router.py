@@ -76,12 +76,19 @@ class _PublishesStats:
         self._view().drop_replica(replica_id.unique_id)
 
 
+def _is_model_request(pending_request: PendingRequest) -> bool:
+    """A request for the model (LLMServer.handle), not the ingress's own calls to the
+    replicas (/metrics scrapes, model cards, health): only those count as decisions."""
+    return pending_request.metadata.call_method == "handle"
+
+
 class Pow2Router(_PublishesStats, PowerOfTwoChoicesRequestRouter):
     """Serve's power of two choices, publishing what it sees."""
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        self._view().count("pow2")
+        if _is_model_request(pending_request):
+            self._view().count("pow2")
 
 
 class PrefixAwareRouter(_PublishesStats, RequestRouter):
@@ -154,8 +161,9 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
         if routing.hashes:
             self._index.insert(rid, routing.hashes)
         self._adapters.touch(rid, routing.adapter)
-        self._view().count(routing.decision, len(routing.hashes or ()) * block,
-                           routing.matched.get(rid, 0) * block)
+        if _is_model_request(pending_request):
+            self._view().count(routing.decision, len(routing.hashes or ()) * block,
+                               routing.matched.get(rid, 0) * block)
 
     # ---- internals --------------------------------------------------------------------
     def _hashes(self, pending_request: PendingRequest | None) -> list[int] | None:

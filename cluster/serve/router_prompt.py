@@ -84,7 +84,10 @@ class PromptHasher:
         if not isinstance(body, Mapping):
             return None
         model = body.get("model")
-        return model if isinstance(model, str) and model != self.model_id else None
+        if not isinstance(model, str) or model == self.model_id:
+            return None
+        base, sep, name = model.partition(":")  # base:adapter names the same adapter
+        return name if sep and base == self.model_id else model
 
     def _token_ids(self, route: str, body: Mapping[str, Any]) -> list[int] | None:
         tok = self._tokenizer

@@ -18,8 +18,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from raylm.cluster.serve.metrics import ENGINE_SERIES, engine_families, engine_stats_of
 
-_DECISION_HELP = ("Requests the router sent to a replica, by what decided: prefix_match, "
-                  "least_loaded (loads too uneven), most_free_kv (no match), no_prompt, pow2.")
+_DECISION_HELP = ("Model requests the router sent to a replica, by what decided: "
+                  "prefix_match, least_loaded (loads too uneven), adapter_match (a replica "
+                  "holding the LoRA adapter), most_free_kv (no match), no_prompt, pow2.")
 
 
 class RouterView:

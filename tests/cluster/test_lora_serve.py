@@ -147,6 +147,10 @@ def test_runtime_loading_is_off_without_a_root(llama_path, lora_adapters):
     assert e.value.status_code == 400
     assert LoRAModules.from_engine_kwargs(types.SimpleNamespace(enable_lora=False), MODEL,
                                           engine) is None
+    for root in ("s3://bucket/adapters", lora_adapters[0] + "/adapter_config.json"):
+        with pytest.raises(ValueError, match="not a folder"):
+            LoRAModules.from_engine_kwargs(types.SimpleNamespace(
+                enable_lora=True, allowed_lora_root=root, lora_modules=None), MODEL, engine)
 
 
 def test_serve_flags_reach_the_replicas_engine_kwargs(lora_adapters):

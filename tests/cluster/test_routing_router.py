@@ -72,7 +72,8 @@ class Harness:
         self.router.update_replicas(list(self.replicas.values()))
 
     async def route(self, body) -> str:
-        meta = RequestMetadata(request_id="r", internal_request_id=uuid.uuid4().hex)
+        meta = RequestMetadata(request_id="r", internal_request_id=uuid.uuid4().hex,
+                               call_method="handle")
         pending = PendingRequest(args=["/v1/completions", body], kwargs={}, metadata=meta)
         ranks = await self.router.choose_replicas(list(self.replicas.values()), pending)
         chosen = next(r for (r,) in ranks if r.queue_len < r.max_ongoing_requests)
@@ -172,6 +173,12 @@ def test_prompt_hasher_renders_chats_and_tokenizes_text_as_the_replica_does(llam
     # Another served name (an adapter) keys its own blocks; unreadable bodies hash to None.
     assert not set(hasher.hashes("/v1/completions", {"model": "adapter", "prompt": [5] * 20})) & \
         set(prompt_block_hashes([5] * 20, 8))
+    # An adapter's two spellings are one adapter.
+    assert hasher.adapter({"model": "m:adapter"}) == hasher.adapter({"model": "adapter"}) == \
+        "adapter"
+    assert hasher.adapter({"model": "m"}) is None and hasher.adapter({}) is None
+    assert hasher.hashes("/v1/completions", {"model": "m:adapter", "prompt": [5] * 20}) == \
+        hasher.hashes("/v1/completions", {"model": "adapter", "prompt": [5] * 20})
     assert hasher.hashes("/v1/chat/completions", {"messages": "not a list"}) is None
     assert hasher.hashes("/tokenize", {"prompt": "x"}) is None
     off = PromptHasher({**config, "engine_kwargs": {"enable_prefix_caching": False}},

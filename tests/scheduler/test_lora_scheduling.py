@@ -20,7 +20,7 @@ from sched_fake_executor import (
 from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.core.engine_core import EngineCore
 from raylm.scheduler.kv.kv_cache_utils import update_block_hashes
-from raylm.scheduler.lora import LoRARequest
+from raylm.scheduler.lora import MAX_LORA_SKIPS, LoRARequest
 from raylm.scheduler.request import InvalidRequestError
 from raylm.scheduler.scheduler import Scheduler
 
@@ -76,6 +76,31 @@ def test_waiting_requests_keep_their_order_and_base_requests_pass():
     (info,) = sched.lora_metrics()
     assert info == ('raylm:lora_requests_info{running_lora_adapters="adapter0",'
                     'waiting_lora_adapters="adapter1",max_lora="1"}')
+
+
+def test_a_request_passed_over_too_long_holds_other_adapters_back():
+    """max_loras=1, adapter a always busy: a new ``a`` request arrives every step. b1 is
+    passed over until its skips exceed MAX_LORA_SKIPS; then later ``a`` requests wait
+    behind it (base requests still pass), a drains, and b1 runs."""
+    engine = EngineCore(_lora_config(False, 1, max_num_batched_tokens=64, num_kv_blocks=200),
+                        FakeExecutor(num_blocks=200))
+    a, b = ADAPTERS[:2]
+    engine.add_request(_with_lora(make_request("a0", 4, max_tokens=6), a))
+    b1 = _with_lora(make_request("b1", 4, max_tokens=3), b)
+    engine.add_request(b1)
+    first_b_step = None
+    for step in range(60):
+        engine.add_request(_with_lora(make_request(f"a{step + 1}", 4, max_tokens=6), a))
+        engine.add_request(make_request(f"base{step}", 4, max_tokens=2))
+        engine.step()
+        running = {r.request_id for r in engine.scheduler.running}
+        if "b1" in running and first_b_step is None:
+            first_b_step = step
+            assert not any(rid.startswith("a") for rid in running), running  # a drained
+    assert first_b_step is not None and MAX_LORA_SKIPS < first_b_step < MAX_LORA_SKIPS + 12
+    assert b1.num_lora_skips > MAX_LORA_SKIPS
+    collect(engine.run_until_idle())
+    engine.scheduler.check_integrity(no_steps_in_flight=True)
 
 
 def test_prefix_blocks_are_keyed_by_adapter():
