@@ -129,6 +129,7 @@ class AsyncModelRunnerOutput:
     copy: AsyncCopy
     has_logprobs: bool
     prompt_logprobs_dict: dict[str, PromptLogprobsChunk] | None = None  # already on the host
+    pooled_dict: dict[str, list[float]] | None = None  # embeddings, already on the host
     kv_connector_output: KVConnectorOutput | None = None
 
     def done(self) -> bool:
@@ -140,5 +141,6 @@ class AsyncModelRunnerOutput:
         out = build_model_runner_output(self.req_ids, self.req_id_to_index, self.sample_mask,
                                         arrays[0][:, 0], self.num_logprobs, logprob_arrays)
         out.prompt_logprobs_dict = self.prompt_logprobs_dict or {}
+        out.pooled_dict = self.pooled_dict or {}
         out.kv_connector_output = self.kv_connector_output
         return out

@@ -31,8 +31,10 @@ from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors
 from raylm.runner.placeholders import OnHost, PendingPlaceholders, Placeholders
+from raylm.runner.pooler import Pooler
 from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
 from raylm.runner.prepare_inputs import AsyncInputStats, InputPreparer, StepBatch
+from raylm.runner.prompt_results import PromptResults
 from raylm.runner.sample.prompt_logprobs import compute_prompt_logprobs
 from raylm.runner.sample.sampler import Sampler, SamplerOutput
 from raylm.runner.sample.sampling_metadata import build_sampling_metadata
@@ -43,7 +45,6 @@ from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import (
     DraftTokenIds,
     ModelRunnerOutput,
-    PromptLogprobsChunk,
     SchedulerOutput,
 )
 from raylm.scheduler.structured.manager import GrammarOutput
@@ -78,6 +79,7 @@ class ModelRunner:
         # the PP layer pairs it with the ids it broadcasts).
         self.sampled_req_id_to_index: dict[str, int] = {}
         self.copier = AsyncOutputCopier(self.device)
+        self.pooler = Pooler()
         self._pending = PendingPlaceholders()
         # Async PP, stages that do not sample: the ids come back pp_size steps later.
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
@@ -247,12 +249,12 @@ class ModelRunner:
         """Logits of the sampled positions, then sampling; with a grammar, the logits wait
         for ``sample_tokens`` (its bitmask is not known yet) and the step returns None."""
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        prompt_results = self._prompt_results(batch, hidden)
         if so.structured_output_request_ids:
             self.deferred_sampling = DeferredSampling(so.step_id, batch, logits, pp_transport,
-                                                      prompt_logprobs)
+                                                      prompt_results)
             return None
-        return self._sample(batch, logits, pp_transport, prompt_logprobs)
+        return self._sample(batch, logits, pp_transport, prompt_results)
 
     def _execute_last_stage_speculative(self, so: SchedulerOutput, batch: StepBatch,
                                         hidden: torch.Tensor,
@@ -262,12 +264,12 @@ class ModelRunner:
         EngineCore, and the verification waits for ``sample_tokens`` with the bitmask of
         what it kept (the hidden states wait, not logits: which positions are verified
         depends on that)."""
-        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        prompt_results = self._prompt_results(batch, hidden)
         if so.structured_output_request_ids:
             self.deferred_sampling = DeferredSampling(so.step_id, batch, hidden, pp_transport,
-                                                      prompt_logprobs)
+                                                      prompt_results)
             return self.speculator.take_draft_token_ids(so.structured_output_request_ids)
-        return self._verify(batch, hidden, pp_transport, prompt_logprobs)
+        return self._verify(batch, hidden, pp_transport, prompt_results)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput
@@ -278,14 +280,14 @@ class ModelRunner:
             raise RuntimeError("sample_tokens without a step waiting for its sampling")
         if self.speculator is not None:
             return self._verify(state.batch, state.logits, state.pp_transport,
-                                state.prompt_logprobs, grammar_output)
+                                state.prompt_results, grammar_output)
         apply_grammar_bitmask(state.logits, state.batch.req_ids, grammar_output)
         return self._sample(state.batch, state.logits, state.pp_transport,
-                            state.prompt_logprobs)
+                            state.prompt_results)
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor,
                 pp_transport: SampledTokenTransport | None,
-                prompt_logprobs: dict[str, PromptLogprobsChunk],
+                prompt_results: PromptResults,
                 ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
                                      self._settle_placeholders)
@@ -294,15 +296,15 @@ class ModelRunner:
             # Every step that ran the model is broadcast (the other stages posted its
             # receive), non-final prefill chunks' rows included: its size is the batch's.
             pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
-        return self._bookkeeping(batch, out, prompt_logprobs)
+        return self._bookkeeping(batch, out, prompt_results)
 
     def _verify(self, batch: StepBatch, hidden: torch.Tensor,
                 pp_transport: SampledTokenTransport | None,
-                prompt_logprobs: dict[str, PromptLogprobsChunk],
+                prompt_results: PromptResults,
                 grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Verify the drafts and, under async PP, send the accepted runs to the others."""
         result = self.speculator.verify(batch, hidden, self.model, self.sampler, grammar_output)
-        result.prompt_logprobs_dict = prompt_logprobs
+        prompt_results.attach(result)
         self._broadcast_verified(result, pp_transport)
         return result
 
@@ -325,13 +327,20 @@ class ModelRunner:
             runs[i, 1:1 + len(tokens)] = tokens
         pp_transport.broadcast_sampled_token_ids(torch.from_numpy(runs).to(self.device))
 
-    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor
-                         ) -> dict[str, PromptLogprobsChunk]:
+    def _prompt_results(self, batch: StepBatch, hidden: torch.Tensor) -> PromptResults:
+        """What the step's prompt positions give besides sampling: prompt logprobs and
+        embeddings."""
         states = [self.input_batch.states[r] for r in batch.rows.tolist()]
-        if all(s.sampling_params.prompt_logprobs is None for s in states):
-            return {}
-        return compute_prompt_logprobs(self.model.compute_logits, hidden, batch.req_ids, states,
-                                       batch.seq_lens - batch.num_scheduled, batch.num_scheduled)
+        results = PromptResults()
+        num_computed = batch.seq_lens - batch.num_scheduled
+        if any(s.sampling_params.prompt_logprobs is not None for s in states):
+            results.logprobs = compute_prompt_logprobs(
+                self.model.compute_logits, hidden, batch.req_ids, states, num_computed,
+                batch.num_scheduled)
+        if any(s.sampling_params.pooling is not None for s in states):
+            results.pooled = self.pooler.pool(hidden, batch.req_ids, states, num_computed,
+                                              batch.num_scheduled)
+        return results
 
     def _receive_sampled_token_ids(self, delivery: RingDelivery | None) -> None:
         """Async PP, a stage that does not sample: the ids broadcast pp_size steps ago
@@ -362,6 +371,7 @@ class ModelRunner:
         # Hazard: a request finished or preempted while a step that sampled for it was in
         # flight. Dropping its state is safe: that step's placeholder is settled only
         # through ``state.row``, which becomes None here.
+        self.pooler.drop(so.finished_req_ids)
         for req_id in gone:
             self.requests.pop(req_id, None)
             if self.pp_ring is not None:
@@ -401,7 +411,7 @@ class ModelRunner:
                 ib.receive_tokens(state.row, start, cached.new_token_ids[i])
 
     def _bookkeeping(self, batch: StepBatch, out: SamplerOutput,
-                     prompt_logprobs: dict[str, PromptLogprobsChunk],
+                     prompt_results: PromptResults,
                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         ib = self.input_batch
         sampled = out.sampled_token_ids  # [B, 1]
@@ -419,7 +429,7 @@ class ModelRunner:
             result = build_model_runner_output(batch.req_ids, req_id_to_index, batch.sample_mask,
                                                host[0][:, 0], num_logprobs,
                                                host[1:] if lp is not None else None)
-            result.prompt_logprobs_dict = prompt_logprobs
+            prompt_results.attach(result)
             return result
         copy = self.copier.start(tensors)
         positions = ib.append_sampled(rows_valid, None)
@@ -430,7 +440,8 @@ class ModelRunner:
                                              positions, valid))
         return AsyncModelRunnerOutput(batch.req_ids, req_id_to_index, batch.sample_mask,
                                       num_logprobs, copy, has_logprobs=lp is not None,
-                                      prompt_logprobs_dict=prompt_logprobs)
+                                      prompt_logprobs_dict=prompt_results.logprobs,
+                                      pooled_dict=prompt_results.pooled)
 
     def _bookkeeping_non_last(self, batch: StepBatch) -> Placeholders | None:
         """A stage that does not sample: under async scheduling it books placeholders

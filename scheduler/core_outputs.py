@@ -159,6 +159,8 @@ class ModelRunnerOutput:
     num_draft_tokens: list[int] | None = None
     # Requests that asked for prompt logprobs and had prompt tokens in this step.
     prompt_logprobs_dict: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Embedding requests whose prompt this step completed: their pooled vectors.
+    pooled_dict: dict[str, list[float]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
 
     @classmethod
@@ -190,6 +192,7 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # rows match new_token_ids
     # The next prompt tokens' logprobs (rows continue where the previous output's ended).
     new_prompt_logprobs: LogprobsLists | None = None
+    pooled: list[float] | None = None  # an embedding request's vector (pooling)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that finished the request
     num_cached_tokens: int = 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
+from raylm.scheduler.pooling_params import PoolingParams
 from raylm.scheduler.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -75,6 +76,9 @@ class SamplingParams:
     """Added to the logits of those token ids before any other processing (OpenAI's and
     vLLM's semantics; values clamped to [-100, 100]). The intake checks the ids against
     the vocabulary."""
+    pooling: PoolingParams | None = None
+    """An embedding request (scheduler/pooling_params.py): the prompt's hidden states
+    pooled into ``RequestOutput.pooled``; the one sampled token is not part of the answer."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each RequestOutput carries (see RequestOutputKind); the engine computes the
     same either way."""
@@ -160,6 +164,23 @@ class SamplingParams:
             raise bad("extra_args", self.extra_args, "must be a dict")
         if self.stop and not self.detokenize:
             raise bad("stop", list(self.stop), "needs detokenize=True (stop strings match text)")
+        if self.pooling is not None:
+            self._verify_pooling(bad)
+
+    def _verify_pooling(self, bad: Any) -> None:
+        if not isinstance(self.pooling, PoolingParams):
+            raise bad("pooling", self.pooling, "must be a PoolingParams")
+        for name, allowed in (("n", 1), ("max_tokens", 1), ("logprobs", None),
+                              ("prompt_logprobs", None), ("structured_outputs", None)):
+            if getattr(self, name) != allowed:
+                raise bad(name, getattr(self, name),
+                          f"must be {allowed} for an embedding request (pooling)")
+
+    @property
+    def pools_every_prompt_row(self) -> bool:
+        """Mean-pooled embeddings: every prompt position must be computed here (no
+        prefix-cache hit, no loaded KV)."""
+        return self.pooling is not None and self.pooling.needs_every_prompt_row
 
     @property
     def needs_output_history(self) -> bool:

@@ -121,6 +121,7 @@ class StepSettler:
                                        num_cached_tokens=max(request.num_cached_tokens, 0))
             out.new_logprobs = _slice_logprobs(lp, len(new_token_ids))
             out.new_prompt_logprobs = prompt_lp
+            out.pooled = model_runner_output.pooled_dict.get(rid)
             outputs.append(out)
         for rid, num_good in failed.items():  # not in this step (waiting for their load)
             self.kv_transfer.roll_back(requests[rid], num_good)

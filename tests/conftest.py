@@ -100,6 +100,11 @@ class HFOracle:
         self.model.generation_config.eos_token_id = self.eos
         return out[0, len(prompt_ids):].tolist()
 
+    def last_hidden_states(self, token_ids: list[int]) -> object:
+        """The decoder's final-norm hidden states at every position ([T, hidden])."""
+        with self.torch.inference_mode():
+            return self.model.model(self.torch.tensor([token_ids])).last_hidden_state[0]
+
     def logprobs(self, token_ids: list[int]) -> object:
         """log_softmax of the logits at every position of ``token_ids`` ([T, vocab])."""
         torch = self.torch

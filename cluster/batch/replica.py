@@ -88,7 +88,7 @@ class BatchReplica:
 
         config = LLMConfig.model_validate(llm_config)
         self.engine = AsyncLLM.from_llm_config(config)
-        self.runner = BatchRunner(OpenAIServing(self.engine, config.model_id),
+        self.runner = BatchRunner(OpenAIServing.from_llm_config(self.engine, config),
                                   tuple(model_aliases), max_concurrency)
         self.replica_id = f"{ray.get_runtime_context().get_node_id()}:{os.getpid()}"
 

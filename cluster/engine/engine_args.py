@@ -48,6 +48,7 @@ _AT_LEAST_1 = {"minimum": 1}
 # The output formats the server parses (cluster/serve/tool_parsers.py, reasoning.py).
 ToolCallParserName = Literal["hermes", "llama3_json"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
+PoolingTypeName = Literal["last", "mean"]  # scheduler/pooling_params.py
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class EngineArgs:
         None, "split <think>...</think> reasoning into reasoning_content (vLLM's names: "
               "deepseek_r1 when the template opens <think> itself, qwen3 when the model "
               "writes both tags)")
+    pooling_type: PoolingTypeName = _arg(
+        "last", "how /v1/embeddings and LLM.embed pool the prompt's last hidden states: "
+                "last (the last prompt token's) or mean (over every prompt token)")
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, vLLM's dict (JSON on the command line): {\"method\": "
               "\"ngram\" | \"draft_model\", \"num_speculative_tokens\": k, ...}")

@@ -11,9 +11,10 @@ from typing import Any
 from raylm.cluster.engine.chat_utils import apply_chat_template
 from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.cluster.engine.llm_engine import LLMEngine
-from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from raylm.cluster.engine.processor import PromptType
 from raylm.scheduler.lora import LoRARequest
+from raylm.scheduler.pooling_params import PoolingParams
 from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,24 @@ class LLM:
         for request_id, prompt in zip(ids, validated, strict=True):
             self.llm_engine.add_request(request_id, prompt)
         return self._run_engine(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_type: str | None = None,
+        normalize: bool = True,
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order: the model's last hidden states pooled
+        (``pooling_type`` "last" or "mean", default the engine's ``pooling_type``),
+        L2-normalized unless ``normalize=False``. They run through the same scheduler as
+        generation (scheduler/pooling_params.py)."""
+        pooling = PoolingParams(pooling_type or self.llm_engine.engine_args.pooling_type, normalize)
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                pooling=pooling)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [EmbeddingRequestOutput.from_request_output(o) for o in outputs]
 
     def chat(
         self,

@@ -37,6 +37,7 @@ class ParentRequest:
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # filled from the first child's outputs
     num_sent_prompt_logprobs: int = 0  # DELTA: entries already delivered
+    pooled: list[float] | None = None  # an embedding request's vector
 
     @property
     def finished(self) -> bool:
@@ -59,7 +60,7 @@ class ParentRequest:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[c.make_completion(delta) for c in self.children], finished=finished,
             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics, error=self.error,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, pooled=self.pooled,
         )
 
 
@@ -144,6 +145,8 @@ class OutputProcessor:
                 parent.metrics.last_token_time = now
             if out.new_prompt_logprobs is not None and state.index == 0:
                 self._append_prompt_logprobs(parent, out.new_prompt_logprobs, state.detokenizer)
+            if out.pooled is not None:
+                parent.pooled = out.pooled
             if self._apply(state, out):
                 to_abort.append(out.request_id)
             changed[parent.request_id] = parent

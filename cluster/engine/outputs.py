@@ -52,3 +52,31 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = field(default=None)  # set when the engine died under the request
+    # An embedding request's pooled vector (SamplingParams.pooling), with its final output.
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: one prompt's embedding (``LLM.embed``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        if output.pooled is None:
+            raise RuntimeError(f"request {output.request_id!r} finished without its "
+                               f"embedding ({output.error or 'no pooled vector'})")
+        return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.pooled))

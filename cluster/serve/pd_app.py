@@ -15,7 +15,9 @@ From a Serve config::
 
 Each side gets the RayKVConnector in its role (``kv_producer`` / ``kv_consumer``) and the
 Ray executor backend unless its ``engine_kwargs`` name them; the proxy's routing, failure
-handling and metrics are ``pd_client.PDEngineClient``'s.
+handling and metrics are ``pd_client.PDEngineClient``'s. /v1/embeddings runs on the decode
+side's engine alone, its prompts computed there (no prefill hop: an embedding's answer is
+its prompt's hidden states, not KV), pooled the decode config's ``pooling_type`` way.
 """
 
 from __future__ import annotations

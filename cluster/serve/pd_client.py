@@ -1,8 +1,9 @@
 """PDEngineClient: the EngineClient a PD proxy serves the OpenAI API with.
 
 Each request is prefilled by a prefill engine (which keeps the prompt's KV) and then run
-by a decode engine that pulls that KV and streams every output token. The proxy holds no
-model: only the tokenizer and the intake. Failures, by where they happen:
+by a decode engine that pulls that KV and streams every output token (an embedding, or
+a request for several samples or prompt logprobs, runs whole on the decode engine:
+``uses_remote_prefill``). The proxy holds no model: only the tokenizer and the intake. Failures, by where they happen:
 - the prefill engine fails or its replica dies: the decode engine prefills locally (the
   client sees no error; ``num_local_prefill_fallbacks`` counts them);
 - the decode engine's pull fails (the prefill replica died meanwhile): the decode engine

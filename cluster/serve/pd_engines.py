@@ -25,8 +25,10 @@ DECODE_KV = {"kv_connector": "RayKVConnector", "kv_role": "kv_consumer"}
 
 def uses_remote_prefill(params: SamplingParams) -> bool:
     """Requests a decode engine can take over: one sample, no prompt logprobs (a pulled
-    position is never computed on the decode side, so it has no logprob)."""
-    return params.n == 1 and params.prompt_logprobs is None
+    position is never computed on the decode side, so it has no logprob), no embedding
+    (pooling reads the hidden states of the prompt's positions, which a pulled KV does not
+    carry: the decode engine runs an embedding's whole prompt itself)."""
+    return params.n == 1 and params.prompt_logprobs is None and params.pooling is None
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:

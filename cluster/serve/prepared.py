@@ -12,10 +12,12 @@ from typing import Any
 
 from raylm.cluster.engine.processor import ValidatedPrompt
 from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
 from raylm.cluster.serve.protocol import CompletionRequest
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 
@@ -32,8 +34,8 @@ class EngineRequest:
 class PreparedRequest:
     """An API call after validation: what to run and how to answer."""
 
-    kind: str  # COMPLETIONS or CHAT_COMPLETIONS
-    request: CompletionRequest | ChatCompletionRequest
+    kind: str  # COMPLETIONS, CHAT_COMPLETIONS or EMBEDDINGS
+    request: CompletionRequest | ChatCompletionRequest | EmbeddingRequest
     response_id: str
     created: int
     model: str

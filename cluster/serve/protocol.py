@@ -57,6 +57,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "verbosity": (lambda v: v is None, "raylm has no verbosity control"),
     "best_of": (lambda v: v in (None, 1), "raylm returns every sampled completion (n)"),
     "suffix": (_falsy, "raylm has no fill-in-the-middle"),
+    "dimensions": (lambda v: v is None, "raylm returns embeddings of the model's hidden size"),
     # vLLM extras
     "use_beam_search": (_falsy, "raylm has no beam search"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "raylm has no beam search"),
@@ -95,6 +96,16 @@ def ignored_fields(request: BaseModel) -> list[str]:
     """Fields the request carries that no model declares and that are not refused."""
     return sorted(k for k in (request.model_extra or {})
                   if k not in UNSUPPORTED_FIELDS)
+
+
+def as_prompts(p: Any) -> list[str | list[int]]:
+    """A prompt field (completions' ``prompt``, embeddings' ``input``: a text, texts, token
+    ids, lists of them) as a list of prompts, each text or token ids."""
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [p]  # one prompt given as token ids
+    return list(p)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -220,12 +231,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (each text or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [p]  # one prompt given as token ids
-        return list(p)
+        return as_prompts(self.prompt)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens

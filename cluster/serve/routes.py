@@ -39,6 +39,7 @@ from raylm import __version__
 from raylm.cluster.serve import metrics as metrics_mod
 from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
 from raylm.cluster.serve.deployment_config import HTTPServerConfig
+from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
 from raylm.cluster.serve.errors import OpenAIError, error_body, from_exception, pydantic_message
 from raylm.cluster.serve.lora_routes import (
     ADAPTERS_KEY,
@@ -47,7 +48,13 @@ from raylm.cluster.serve.lora_routes import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
-from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS, DETOKENIZE, TOKENIZE
+from raylm.cluster.serve.prepared import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    DETOKENIZE,
+    EMBEDDINGS,
+    TOKENIZE,
+)
 from raylm.cluster.serve.protocol import CompletionRequest
 from raylm.cluster.serve.response_protocol import (
     DetokenizeRequest,
@@ -410,6 +417,7 @@ def add_error_handlers(app: FastAPI) -> None:
 REQUEST_BODIES: dict[str, list[type[BaseModel]]] = {
     COMPLETIONS: [CompletionRequest],
     CHAT_COMPLETIONS: [ChatCompletionRequest],
+    EMBEDDINGS: [EmbeddingRequest],
     TOKENIZE: [TokenizeCompletionRequest, TokenizeChatRequest],
     DETOKENIZE: [DetokenizeRequest],
     LOAD_LORA: [LoadLoRAAdapterRequest],
@@ -446,8 +454,8 @@ def _document_bodies(app: FastAPI) -> None:
 def build_openai_api(backends: Mapping[str, ModelBackend],
                      api_keys: Mapping[str, str | None] | None = None,
                      http: HTTPServerConfig | None = None) -> FastAPI:
-    """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
-    /detokenize, /version, /health, /metrics (see ``OpenAIRoutes`` for the arguments;
+    """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
+    /tokenize, /detokenize, /version, /health, /metrics (see ``OpenAIRoutes`` for the arguments;
     ``http``: CORS, limits, whether /metrics needs the key)."""
     routes = OpenAIRoutes(backends, api_keys, http)
     http = routes.http

@@ -1,4 +1,5 @@
-"""OpenAI completions and chat completions over an EngineClient: validate, run, format.
+"""OpenAI completions, chat completions and embeddings over an EngineClient: validate,
+run, format.
 
 One code path for the HTTP server and for batch runs; a call returns a response dict or an
 async iterator of SSE lines. Every prompt goes once through the engine client's intake
@@ -7,8 +8,11 @@ async iterator of SSE lines. Every prompt goes once through the engine client's 
 of a required or named tool call) is compiled first, off the event loop and within
 ``grammar_compile_timeout_s``, so the intake then finds it checked and no request waits
 for another's grammar. Streams are primed (their first output awaited) before returning,
-so an engine-side refusal is a 400 too, not a broken stream. Also /tokenize and
-/detokenize (vLLM's shapes).
+so an engine-side refusal is a 400 too, not a broken stream. An embeddings call
+(/v1/embeddings) makes one engine request per input, all run at once, admitted, awaited,
+released and aborted as a completion's prompts are; each returns its pooled vector
+(``SamplingParams.pooling``, pooled the server's ``pooling_type`` way). Also /tokenize
+and /detokenize (vLLM's shapes).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import check_text
 from raylm.cluster.serve import responses as openai_responses
 from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.embedding_protocol import EmbeddingRequest, embedding_response
 from raylm.cluster.serve.errors import (
     OpenAIError,
     bad_request,
@@ -50,6 +55,7 @@ from raylm.cluster.serve.prepared import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     DETOKENIZE,
+    EMBEDDINGS,
     TOKENIZE,
     EngineRequest,
     PreparedRequest,
@@ -71,6 +77,7 @@ from raylm.cluster.serve.response_protocol import (
 from raylm.cluster.serve.tool_parsers import ChatOutputParser
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.lora import LoRARequest
+from raylm.scheduler.pooling_params import PoolingParams
 from raylm.scheduler.request import InvalidRequestError
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -81,13 +88,14 @@ class OpenAIServing:
     """Serves one model. ``max_pending_requests`` bounds the sequences in flight (running
     plus queued, n counted per request); beyond it requests get 503 at once.
     ``tool_call_parser`` and ``reasoning_parser`` (vLLM's names) say how the model writes
-    tool calls and reasoning (``raylm.cluster.serve.tool_parsers``)."""
+    tool calls and reasoning (``raylm.cluster.serve.tool_parsers``); ``pooling_type``
+    how /v1/embeddings pools a prompt's hidden states ("last" or "mean")."""
 
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  max_pending_requests: int | None = None,
                  metrics: ServingMetrics | None = None, *,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 loras: LoRAModules | None = None):
+                 loras: LoRAModules | None = None, pooling_type: str = "last"):
         self.engine = engine
         self.model_name = served_model_name or engine.model_config.name
         self.max_model_len = engine.model_config.max_model_len
@@ -95,6 +103,7 @@ class OpenAIServing:
         self.metrics = metrics or ServingMetrics(self.model_name, engine.get_stats)
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self.pooling_type = PoolingParams(pooling_type).pooling_type  # checked here, once
         # Engine request id -> sequences (n) admitted and not yet finished. Keyed, not a bare
         # counter, so that releasing twice, or a stream that never started, stays correct.
         self._pending: dict[str, int] = {}
@@ -109,7 +118,7 @@ class OpenAIServing:
         loras = LoRAModules.from_engine_kwargs(ek, llm_config.model_id, engine)
         return cls(engine, llm_config.model_id, max_pending_requests,
                    tool_call_parser=ek.tool_call_parser, reasoning_parser=ek.reasoning_parser,
-                   loras=loras)
+                   loras=loras, pooling_type=ek.pooling_type)
 
     # ---- model information ---------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -154,7 +163,8 @@ class OpenAIServing:
                 raise bad_request(str(e), e.param) from e
         return await self.run(self.prepare(route, request))
 
-    def parse(self, route: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
+    def parse(self, route: str, body: Any
+              ) -> CompletionRequest | ChatCompletionRequest | EmbeddingRequest:
         """The request model of ``route``: 400 for a malformed body or a field raylm
         refuses (``UNSUPPORTED_FIELDS``), 404 for another model or route."""
         model: type
@@ -162,6 +172,8 @@ class OpenAIServing:
             model = CompletionRequest
         elif route == CHAT_COMPLETIONS:
             model = ChatCompletionRequest
+        elif route == EMBEDDINGS:
+            model = EmbeddingRequest
         else:
             raise not_found(f"route {route!r} does not exist.")
         request = _parse(model, body)
@@ -184,12 +196,13 @@ class OpenAIServing:
 
     def prepare(self, route: str, body: Any) -> PreparedRequest:
         prompts: list[Any]
-        request = body if isinstance(body, (CompletionRequest, ChatCompletionRequest)) \
+        request = body if isinstance(
+            body, (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)) \
             else self.parse(route, body)
         output_parser = None
-        if isinstance(request, CompletionRequest):
+        if isinstance(request, (CompletionRequest, EmbeddingRequest)):
             prompts = request.prompts()  # text, or token ids (never tokenized)
-            prefix = "cmpl"
+            prefix = "cmpl" if isinstance(request, CompletionRequest) else "embd"
         else:
             prompts = [self._apply_chat_template(request)]
             prefix = "chatcmpl"
@@ -200,11 +213,16 @@ class OpenAIServing:
         intake = self.engine.input_processor
         params = partial(self._sampling_params, request)
         lora = self._check_model(request.model)
-        engine_requests = [
-            EngineRequest(f"{response_id}-{i}", intake.process(
-                prompt, params, strict_max_tokens=True, lora_request=lora))
-            for i, prompt in enumerate(prompts)
-        ]
+        try:
+            engine_requests = [
+                EngineRequest(f"{response_id}-{i}", intake.process(
+                    prompt, params, strict_max_tokens=True, lora_request=lora))
+                for i, prompt in enumerate(prompts)
+            ]
+        except InvalidRequestError as e:  # an embedding's prompts are its field "input"
+            if isinstance(request, EmbeddingRequest) and e.param == "prompt":
+                raise bad_request(f"input: {e}", "input") from e
+            raise
         return PreparedRequest(route, request, response_id, int(time.time()),
                                self.model_name if lora is None else str(request.model),
                                engine_requests, output_parser)
@@ -239,20 +257,25 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens)).model_dump()
 
     async def run(self, prepared: PreparedRequest) -> dict[str, Any] | AsyncIterator[str]:
-        self._admit(prepared.engine_requests)
+        request = prepared.request
+        self._admit(prepared.engine_requests,
+                    "input" if isinstance(request, EmbeddingRequest) else "n")
         try:
             streams = await self._open(prepared.engine_requests)
         except BaseException:
             self._release(prepared.engine_requests)
             raise
-        if prepared.request.stream:
+        if not isinstance(request, EmbeddingRequest) and request.stream:
             return self._stream(prepared, streams)
         try:
-            finals = await asyncio.gather(*(_last(first, it) for first, it in streams))
+            finals = await _gather_all([_last(first, it) for first, it in streams])
         except Exception as e:  # not CancelledError: a gone client's cancel must propagate
             raise from_exception(e) from e
         finally:
             self._release(prepared.engine_requests)
+        if isinstance(request, EmbeddingRequest):
+            return embedding_response(request, prepared.model, _pooled(finals),
+                                      [len(f.prompt_token_ids) for f in finals])
         return openai_responses.full_response(prepared, finals, self.engine.tokenizer)
 
     # ---- validation ----------------------------------------------------------------------
@@ -284,19 +307,24 @@ class OpenAIServing:
     def _sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
         """The request's params for a prompt of that length. An unset max_tokens is the
         room the prompt leaves (at least 1: a prompt that leaves none is the intake's to
-        report)."""
+        report). An embedding's are one token and the server's pooling."""
         default_max_tokens = max(1, self.max_model_len - num_prompt_tokens)
         try:
+            if isinstance(request, EmbeddingRequest):
+                return request.to_sampling_params(self.pooling_type)
             return request.to_sampling_params(default_max_tokens=default_max_tokens)
         except ValueError as e:
             raise bad_request(str(e), _field_of(e, request)) from e
 
     # ---- running -------------------------------------------------------------------------
-    def _admit(self, engine_requests: list[EngineRequest]) -> None:
+    def _admit(self, engine_requests: list[EngineRequest], param: str = "n") -> None:
+        """Count the requests' sequences in, or refuse them (``param``: the field that asks
+        for them: n, or an embedding's input)."""
         limit, wanted = self.max_pending_requests, sum(r.inputs.params.n for r in engine_requests)
         if limit is not None and wanted > limit:  # would never fit: not a retry-later case
-            raise bad_request(f"this request needs {wanted} sequences (prompts x n), more than "
-                              f"the {limit} this server admits at once.", "n")
+            what = "prompts x n" if param == "n" else f"one per {param}"
+            raise bad_request(f"this request needs {wanted} sequences ({what}), more than "
+                              f"the {limit} this server admits at once.", param)
         if limit is not None and self.num_pending + wanted > limit:
             raise overloaded(
                 f"The server is overloaded: {self.num_pending} sequences in flight and this "
@@ -330,13 +358,9 @@ class OpenAIServing:
     async def _open(self, engine_requests: list[EngineRequest]):
         """Start every engine request and await its first output (errors surface here)."""
         iterators = [self._generate(r) for r in engine_requests]
-        tasks = [asyncio.ensure_future(anext(it)) for it in iterators]
         try:
-            firsts = await asyncio.gather(*tasks)
+            firsts = await _gather_all([anext(it) for it in iterators])
         except BaseException as e:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             await _aclose_all(iterators)
             if not isinstance(e, Exception) or isinstance(e, OpenAIError):
                 raise  # CancelledError (the client went away) and the like propagate
@@ -365,6 +389,31 @@ async def _aclose_all(iterators: list[AsyncIterator[RequestOutput]]) -> None:
             error = error or e
     if error is not None:
         raise error
+
+
+async def _gather_all(awaitables: list[Any]) -> list[Any]:
+    """Await them all at once; when one fails (or the caller is cancelled: the client went
+    away), cancel the others, wait for them (each aborts its engine request), re-raise."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _pooled(finals: list[RequestOutput]) -> list[list[float]]:
+    """Each embedding request's vector (the engine's to give: a 500 without one)."""
+    vectors = []
+    for f in finals:
+        if f.pooled is None:
+            reason = f.outputs[0].finish_reason if f.outputs else None
+            raise OpenAIError(f"the engine returned no embedding for {f.request_id} "
+                              f"(finish reason {reason!r}).", 500)
+        vectors.append(f.pooled)
+    return vectors
 
 
 async def _last(first: RequestOutput, it: AsyncIterator[RequestOutput]) -> RequestOutput:

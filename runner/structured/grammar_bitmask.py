@@ -16,7 +16,7 @@ import torch
 
 from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.runner.prepare_inputs import StepBatch, upload
-from raylm.scheduler.core_outputs import PromptLogprobsChunk
+from raylm.runner.prompt_results import PromptResults
 from raylm.scheduler.structured.manager import GrammarOutput
 
 
@@ -31,7 +31,7 @@ class DeferredSampling:
     logits: torch.Tensor
     pp_transport: SampledTokenTransport | None
     # Computed with the forward (they need its hidden states, not the bitmask).
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    prompt_results: PromptResults = field(default_factory=PromptResults)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

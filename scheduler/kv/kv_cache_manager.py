@@ -60,7 +60,7 @@ class KVCacheManager:
 
         Never the whole sequence: the last known token must be computed to sample from it.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.pools_every_prompt_row:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         if request.sampling_params.prompt_logprobs is not None:
@@ -145,7 +145,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the request's full blocks among its first ``num_tokens`` settled tokens."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.pools_every_prompt_row:
             return
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid)

@@ -68,8 +68,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     # ---- admission -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        if request.sampling_params.prompt_logprobs is not None or not request.block_hashes:
-            return 0, False  # a loaded position has no prompt logprob
+        sp = request.sampling_params
+        if sp.prompt_logprobs is not None or sp.pools_every_prompt_row \
+                or not request.block_hashes:
+            return 0, False  # a loaded position has no prompt logprob, no pooled row
         bs = self.block_size
         start = num_computed_tokens // bs
         end = min((request.num_tokens - 1) // bs, len(request.block_hashes))

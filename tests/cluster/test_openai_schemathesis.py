@@ -69,6 +69,7 @@ def test_no_route_answers_5xx_or_drops_the_connection(base_url, operation, mode)
 
 def test_every_route_is_fuzzed():
     assert set(OPERATIONS) == {
-        "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
-        "POST /detokenize", "GET /v1/models", "GET /v1/models/{model_id}", "GET /health",
+        "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings",
+        "POST /tokenize", "POST /detokenize", "POST /v1/load_lora_adapter",
+        "POST /v1/unload_lora_adapter", "GET /v1/models", "GET /v1/models/{model_id}", "GET /health",
         "GET /metrics", "GET /version"}
