@@ -56,6 +56,11 @@ class PDServingArgs(BaseModel):
         if p.model_source != d.model_source:
             raise ValueError(f"prefill_config and decode_config must serve one model, got "
                              f"model_source {p.model_source!r} and {d.model_source!r}.")
+        for name in ("prefill_config", "decode_config"):
+            if getattr(self, name).engine_kwargs.enable_lora:
+                raise ValueError(f"{name}.engine_kwargs.enable_lora: the prefill/decode app "
+                                 "serves the base model only (a request's adapter does not "
+                                 "travel with its KV); serve LoRA adapters with the OpenAI app.")
         return self
 
     def side(self, role: str) -> LLMConfig:

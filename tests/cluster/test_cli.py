@@ -334,3 +334,8 @@ def test_pd_flags_build_both_sides_of_the_pd_app(llama_path, monkeypatch):
                for k in ("prefill_config", "decode_config"))
     parsed = PDServingArgs.model_validate(pd)
     assert parsed.side("decode").engine_kwargs.max_num_seqs == 8
+    lora = build_parser().parse_args([
+        "serve", llama_path, "--prefill-replicas", "1", "--decode-replicas", "1",
+        "--enable-lora"])
+    with pytest.raises(ValueError, match="enable_lora: the prefill/decode app serves the base"):
+        PDServingArgs.model_validate(pd_app_args(lora, build_llm_config(lora)))
