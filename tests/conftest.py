@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -187,3 +191,34 @@ class PeftOracle:
 @pytest.fixture(scope="session")
 def peft_oracle(llama_path) -> PeftOracle:
     return PeftOracle(llama_path)
+
+
+@pytest.fixture
+def moto_s3(monkeypatch):
+    """A moto S3 server on loopback; the AWS variables the driver's pyarrow reads."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "moto did not start"
+                time.sleep(0.1)
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        import boto3
+
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="raylm-test")
+        yield s3
+    finally:
+        proc.kill()
+        proc.wait()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from raylm.runner.loading.remote_files import filesystem_from_uri
 from raylm.scheduler.config import envs
 
 
@@ -106,24 +107,9 @@ def resolve(uri: str) -> Location:
     try:
         fs, path = pafs.FileSystem.from_uri(arrow_uri)
     except (ValueError, NotImplementedError):  # pyarrow.ArrowInvalid: a scheme it lacks
-        fs, path = _fsspec_location(uri)
+        fs, path = filesystem_from_uri(uri)
     shown = urlunsplit(parts._replace(query=""))
     return Location(fs, path.rstrip("/") if path != "/" else path, shown)
-
-
-def _fsspec_location(uri: str) -> tuple[Any, str]:
-    try:
-        import fsspec
-    except ImportError as e:
-        raise ValueError(f"{uri!r}: pyarrow does not know this scheme and fsspec is not "
-                         "installed.") from e
-    import pyarrow.fs as pafs
-
-    try:
-        fs, path = fsspec.core.url_to_fs(uri)
-    except (ValueError, ImportError) as e:
-        raise ValueError(f"{uri!r}: neither pyarrow nor fsspec can open it: {e}") from e
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
 # ---- a Ray job's working directory ---------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import posixpath
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,6 +29,8 @@ from typing import Any
 from raylm.cluster.serve.errors import bad_request, not_found
 from raylm.cluster.serve.protocol import OpenAIBaseModel
 from raylm.cluster.serve.response_protocol import ModelCard
+from raylm.runner.loading import remote_files
+from raylm.runner.lora.peft import CONFIG_FILE
 from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.request import InvalidRequestError
 
@@ -56,10 +59,12 @@ class LoRAModules:
                  allowed_root: str | None = None) -> None:
         self.base_name = base_name
         self._check = check
-        self.allowed_root = os.path.realpath(allowed_root) if allowed_root else None
-        if self.allowed_root is not None and not os.path.isdir(self.allowed_root):
+        self.allowed_root = _normalized_root(allowed_root) if allowed_root else None
+        if self.allowed_root is not None and not (
+                remote_files.exists(self.allowed_root) if remote_files.is_uri(self.allowed_root)
+                else os.path.isdir(self.allowed_root)):
             raise ValueError(f"allowed_lora_root {allowed_root!r} is not a folder on this node "
-                             "(adapters are read in place; URIs are not fetched).")
+                             "nor a URI that can be read from here.")
         self.adapters: dict[str, LoRARequest] = {}
         self._created: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -136,16 +141,29 @@ class LoRAModules:
         if self.allowed_root is None or not name or name.startswith(".") or "/" in name \
                 or os.sep in name:
             return None
-        path = os.path.join(self.allowed_root, name)
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        path = self._under_root(name)
+        if not remote_files.exists(posixpath.join(path, CONFIG_FILE) if remote_files.is_uri(path)
+                                   else os.path.join(path, CONFIG_FILE)):
             return None
-        self._add(name, self._under_root(path))
+        self._add(name, path)
         return self.adapters[name]
 
     def _under_root(self, path: str) -> str:
         """``path`` (absolute, or relative to the root) with links and ``..`` resolved; 400
-        unless it is inside the root."""
+        unless it is inside the root. A URI root takes URIs under it and relative paths."""
         assert self.allowed_root is not None
+        if remote_files.is_uri(self.allowed_root):
+            scheme, _, rest = self.allowed_root.partition("://")
+            if remote_files.is_uri(path):  # a URI: of the root's scheme, under it
+                other, _, where = path.partition("://")
+                where = where if other == scheme else ""
+            else:  # a name or path relative to the root
+                where = "" if path.startswith("/") else posixpath.join(rest, path)
+            inside = posixpath.normpath(where) if where else ""
+            if not inside or not (inside + "/").startswith(rest + "/"):
+                raise bad_request(f"lora_path {path!r} is outside {self.allowed_root!r}, "
+                                  "where this server loads adapters from.", "lora_path")
+            return f"{scheme}://{inside}"
         real = os.path.realpath(os.path.join(self.allowed_root, path))
         if os.path.commonpath([real, self.allowed_root]) != self.allowed_root:
             raise bad_request(f"lora_path {path!r} is outside the folder this server loads "
@@ -164,3 +182,11 @@ class LoRAModules:
         self.adapters[name] = lora
         self._created[name] = int(time.time())
 
+
+
+def _normalized_root(root: str) -> str:
+    """A local root with links resolved, or a URI without its trailing slash."""
+    if remote_files.is_uri(root):
+        scheme, _, rest = root.partition("://")
+        return f"{scheme}://{posixpath.normpath(rest)}"
+    return os.path.realpath(remote_files.local_path(root))

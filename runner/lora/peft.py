@@ -1,6 +1,8 @@
 """PEFT LoRA adapters as files: ``adapter_config.json`` and ``adapter_model.safetensors``.
 
-Pure Python (json and the safetensors header, no torch), so the intake checks an adapter
+A folder may be a URI (``s3://...``): it is copied once per node into raylm's cache
+(``adapter_folder``). Pure Python (json and the safetensors header, no torch), so the
+intake checks an adapter
 before any request of it reaches the engine: a refusal names what is wrong (a rank over
 ``max_lora_rank``, a module raylm does not adapt, a shape that is not the model's) instead
 of failing a worker mid-step. ``raylm.runner.lora.weights`` reads the tensors themselves.
@@ -15,6 +17,8 @@ import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
+
+from raylm.runner.loading.remote_files import fetch_folder
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -144,10 +148,20 @@ def projection_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
             "down_proj": (inter, hidden)}
 
 
+def adapter_folder(path: str) -> str:
+    """The local folder of the adapter at ``path`` (a path, or a URI fetched into this
+    node's cache once)."""
+    try:
+        return fetch_folder(path, (CONFIG_FILE, WEIGHTS_FILE), "lora")
+    except ValueError as e:
+        raise _refuse(path, str(e)) from None
+
+
 def check_adapter(path: str, hf_config: dict[str, Any], max_lora_rank: int
                   ) -> tuple[AdapterConfig, list[AdapterTensor]]:
     """The adapter's config and tensors, each checked against the model (layers, shapes,
     A and B in pairs) and ``max_lora_rank``; ValueError naming the first problem."""
+    path = adapter_folder(path)
     if not os.path.isdir(path):
         raise _refuse(path, "not a folder.")
     config = read_adapter_config(path)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from safetensors.torch import load_file
 
 from raylm.runner.lora.layers import LoRALinear, SliceLoRA
-from raylm.runner.lora.peft import TARGETS, WEIGHTS_FILE, check_adapter
+from raylm.runner.lora.peft import TARGETS, WEIGHTS_FILE, adapter_folder, check_adapter
 
 # (layer index, raylm's fused module) -> that module's slices of the adapter
 HostAdapter = dict[tuple[int, str], list[SliceLoRA | None]]
@@ -28,10 +28,11 @@ def _peft_module(layer: int, module: str) -> str:
 
 def load_adapter(path: str, hooks: dict[tuple[int, str], LoRALinear],
                  hf_config: dict, max_lora_rank: int) -> LoadedAdapter:
-    """The adapter at ``path`` cut for the linears in ``hooks`` (this rank's), on the host.
-    The files are checked first (``peft.check_adapter``)."""
+    """The adapter at ``path`` (a folder or a URI: ``peft.adapter_folder``) cut for the
+    linears in ``hooks`` (this rank's), on the host. The files are checked first
+    (``peft.check_adapter``)."""
     config, tensors = check_adapter(path, hf_config, max_lora_rank)
-    state = load_file(os.path.join(path, WEIGHTS_FILE))
+    state = load_file(os.path.join(adapter_folder(path), WEIGHTS_FILE))
     parts: HostAdapter = {}
     for t in tensors:
         if t.which != "A":

@@ -8,10 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -169,37 +165,6 @@ def test_rerun_after_an_interrupted_run_runs_only_the_missing_rows(two_nodes, ll
     from ray.util import placement_group_table
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
-
-
-@pytest.fixture
-def moto_s3(monkeypatch):
-    """A moto S3 server on loopback; the AWS variables the driver's pyarrow reads."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "moto did not start"
-                time.sleep(0.1)
-        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        import boto3
-
-        s3 = boto3.client("s3")
-        s3.create_bucket(Bucket="raylm-test")
-        yield s3
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_input_and_output_on_s3(two_nodes, llama_path, expected, moto_s3):

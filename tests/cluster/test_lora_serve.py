@@ -169,3 +169,44 @@ def test_serve_flags_reach_the_replicas_engine_kwargs(lora_adapters):
                                      "--lora-modules", "no-equals-sign"])
     with pytest.raises(ValueError, match="no-equals-sign"):
         build_llm_config(bad).engine_args()
+
+
+def test_adapters_on_s3_by_uri_and_by_name_from_an_s3_root(llama_path, lora_adapters,
+                                                           peft_oracle, tokenizer, moto_s3,
+                                                           tmp_path, monkeypatch):
+    """A moto S3 server: an adapter given by URI at start, another loaded by name from an
+    S3 root on its first request; each fetched once into this node's cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(cache))
+    for i in (0, 2):
+        for name in os.listdir(lora_adapters[i]):
+            with open(os.path.join(lora_adapters[i], name), "rb") as f:
+                moto_s3.put_object(Bucket="raylm-test", Key=f"adapters/a{i}/{name}",
+                                   Body=f.read())
+    root = "s3://raylm-test/adapters"
+    engine = AsyncLLM.from_engine_args(llama_path, enable_lora=True, max_loras=2)
+    kwargs = types.SimpleNamespace(enable_lora=True, allowed_lora_root=root + "/",
+                                   lora_modules=[f"s3first={root}/a0"])
+    loras = LoRAModules.from_engine_kwargs(kwargs, MODEL, engine)
+    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL, loras=loras))})
+    try:
+        with running_server(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                   timeout=120)
+            assert _text(client, "s3first") == _peft_text(peft_oracle, tokenizer,
+                                                          lora_adapters[0])
+            assert _text(client, "a2") == _peft_text(peft_oracle, tokenizer, lora_adapters[2])
+            assert client.models.retrieve("a2").root == f"{root}/a2"
+            with pytest.raises(openai.NotFoundError):
+                _text(client, "a9")  # no such folder under the root
+            post = httpx.Client(base_url=url, timeout=60).post
+            for path in ("s3://other-bucket/a0", "../a0", "/a0", "gs://raylm-test/adapters/a0"):
+                r = post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", path
+            r = post("/v1/load_lora_adapter", json={"lora_name": "again",
+                                                    "lora_path": f"{root}/a2"})
+            assert r.status_code == 200, r.text
+            assert _text(client, "again") == _text(client, "a2")
+        assert len(os.listdir(cache / "lora")) == 2  # one copy per URI on this node
+    finally:
+        engine.shutdown()
