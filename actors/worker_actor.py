@@ -5,7 +5,10 @@ stage, sends results back. Steps come over the step stream (``serve_steps``, the
 or as Ray calls (``execute_model``). One thread, the default concurrency group, makes all
 of the rank's torch calls (OpenMP keeps a team per calling thread); ``serve_steps`` holds
 it while the stream is open, so health, node info, ``call`` and shutdown use ``control``;
-a prefill rank serves its KV blocks to decode ranks on ``kv`` (prefill/decode transfer).
+a prefill rank serves its KV blocks to decode ranks on ``kv`` (prefill/decode transfer),
+and a decode rank takes the blocks that Ray Direct Transport received on ``kv_in``
+(RDT needs ``enable_tensor_transport``: Ray adds its ``_ray_system`` threads, which run
+the transfers).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import threading
 from dataclasses import replace
 from typing import Any
@@ -36,10 +40,11 @@ def new_token() -> bytes:
 
 CONTROL = "control"
 KV = "kv"
+KV_IN = "kv_in"
 SHUTDOWN_WAIT_S = 5.0  # for the torch thread to finish its step before tearing down
 
 
-@ray.remote(concurrency_groups={CONTROL: 1, KV: 2})
+@ray.remote(concurrency_groups={CONTROL: 1, KV: 2, KV_IN: 2}, enable_tensor_transport=True)
 class WorkerActor:
     """Construct with ``.options(num_cpus=..., num_gpus=..., scheduling_strategy=...)``.
 
@@ -126,7 +131,9 @@ class WorkerActor:
         if connector is not None and hasattr(connector, "transport"):
             from raylm.actors.kv_transport import RayKVTransport
 
-            connector.transport = RayKVTransport()  # decode ranks pull through it
+            # Decode ranks pull through it; its caches exist once initialize_kv_cache ran.
+            connector.transport = RayKVTransport(
+                connector.config.pd_transport, device=lambda: connector.kv_caches[0][0].device)
 
     def _init_pp_transport(self, engine_config: EngineConfig, ctx: Any,
                            dist_timeout_s: float) -> None:
@@ -171,6 +178,48 @@ class WorkerActor:
         ``RayKVConnectorWorker.read_blocks``; the blocks are held until it is released)."""
         connector = self.worker.model_runner.kv_steps.connector
         return connector.read_blocks(request_id, first_block, head_lo, head_hi)
+
+    # Ray Direct Transport (raylm.actors.kv_rdt): the prefill rank's side, then the decode
+    # rank's (which calls it on itself, with the ref of the prefill rank's tensors).
+    @ray.method(concurrency_group=KV)
+    def read_kv_tensors(self, request_id: str, first_block: int, head_lo: int, head_hi: int,
+                        on_device: bool = False) -> dict[str, Any]:
+        """``read_kv`` as torch tensors; the caller asks for it with
+        ``.options(tensor_transport=kv_rdt.TRANSPORT)``, so they leave out of band."""
+        connector = self.worker.model_runner.kv_steps.connector
+        return connector.read_block_tensors(request_id, first_block, head_lo, head_hi,
+                                            on_device)
+
+    @ray.method(concurrency_group=KV)
+    def kv_device(self) -> str:
+        return str(self.worker.model_runner.kv_steps.connector.kv_caches[0][0].device.type)
+
+    @ray.method(concurrency_group=KV)
+    def join_kv_pair(self, name: str, host: str, port: int, backend: str,
+                     timeout_s: float) -> None:
+        """The prefill side of a KV pair (the decode rank joins it at the same time)."""
+        import torch
+
+        from raylm.actors import kv_rdt
+
+        connector = self.worker.model_runner.kv_steps.connector
+        device = connector.kv_caches[0][0].device if backend == "nccl" else torch.device("cpu")
+        kv_rdt.join_pair(name, host, port, kv_rdt.SRC, backend, timeout_s, device,
+                         ray.util.get_node_ip_address())
+
+    @ray.method(concurrency_group=CONTROL)
+    def leave_kv_pair(self, name: str) -> None:
+        from raylm.actors import kv_rdt
+
+        kv_rdt.leave_pair(name)
+
+    @ray.method(concurrency_group=KV_IN)
+    def take_kv(self, key: str, payload: dict[str, Any]) -> None:
+        """Ray resolved ``payload`` (a ref to a prefill rank's ``read_kv_tensors``) with
+        tensors received over the pair; hand it to the pulling thread."""
+        from raylm.actors import kv_rdt
+
+        kv_rdt.land(key, payload)
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -222,6 +271,8 @@ class WorkerActor:
                            self.rank, SHUTDOWN_WAIT_S)
         if self.worker is not None and hasattr(self.worker, "shutdown"):
             self.worker.shutdown()
+        if "raylm.actors.kv_rdt" in sys.modules:  # this rank's KV pairs, either side
+            sys.modules["raylm.actors.kv_rdt"].leave_all()
         from raylm.parallel.distributed import destroy_distributed_environment
 
         destroy_distributed_environment()

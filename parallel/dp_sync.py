@@ -23,7 +23,7 @@ DEFAULT_DP_TIMEOUT_S = 120.0
 _LOOPBACK = ("127.0.0.1", "localhost")
 
 
-def _gloo_device(rendezvous_host: str, local_host: str | None):
+def gloo_device(rendezvous_host: str, local_host: str | None):
     """The interface Gloo binds: GLOO_SOCKET_IFNAME when set, else this node's address
     (hostnames often resolve badly in containers), the loopback for a local rendezvous."""
     ifname = envs.gloo_socket_ifname()
@@ -63,7 +63,7 @@ class DPSyncGroup:
                 host, port, dp_size, is_master=False, timeout=timeout)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
-            opts._devices = [_gloo_device(host, local_host)]
+            opts._devices = [gloo_device(host, local_host)]
             # A prefix keeps this group's keys apart from anything else on the store.
             pg = dist.ProcessGroupGloo(dist.PrefixStore("raylm-dp", store), dp_rank, dp_size, opts)
         except (dist.DistError, RuntimeError) as e:

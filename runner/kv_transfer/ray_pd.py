@@ -5,11 +5,12 @@ Producer: the step that completes a prompt registers the request's block table
 blocks' KV heads it is asked for while the table is registered, under a lock the step
 thread takes to unregister it (``unsends``), so a read never races the blocks' reuse.
 Consumer: each new receive is pulled by a background thread through the injected
-``KVTransport`` (the peer's ranks over Ray), one read per peer rank holding some of this
-rank's KV heads (re-sharding when the two sides' TP sizes differ). The KV is written into
-the cache on the step thread (the one that makes the rank's torch calls), and a receive
-is complete once every rank has written its share: all ranks reduce their flags over the
-TP group at the same steps (every pending receive is named in every step's metadata).
+``KVTransport`` (the peer's ranks over Ray: its object store, or Ray Direct Transport),
+one read per peer rank holding some of this rank's KV heads (re-sharding when the two
+sides' TP sizes differ). The KV is written into the cache on the step thread (the one
+that makes the rank's torch calls), and a receive is complete once every rank has
+written its share: all ranks reduce their flags over the TP group at the same steps
+(every pending receive is named in every step's metadata).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ IDLE_WAIT_S = 0.005
 BYTES = "raylm:kv_transfer_bytes_transferred"
 SECONDS = "raylm:kv_transfer_xfer_time_seconds"
 FAILED = "raylm:kv_transfer_num_failed_transfers"
+# raylm's: the bytes by the way they came (which transport the pulls really took).
+BYTES_BY_TRANSPORT = 'raylm:kv_connector_transfer_bytes{{transport="{}"}}'
 
 
 class KVTransport(Protocol):
@@ -47,6 +50,8 @@ class KVTransport(Protocol):
               head_lo: int, head_hi: int, timeout_s: float) -> dict[str, Any]: ...
 
     def release(self, engine_id: str, request_ids: list[str]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def kv_head_range(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
@@ -80,7 +85,9 @@ def pack(array: np.ndarray, dtype: torch.dtype) -> dict[str, Any]:
 def unpack(payload: dict[str, Any]) -> torch.Tensor:
     """[layers, 2, blocks, heads, block_size, head_dim] as the sender's dtype."""
     dtype = getattr(torch, payload["dtype"])
-    data = torch.from_numpy(np.array(payload["data"]))  # a writable copy of Ray's view
+    data = payload["data"]
+    if not isinstance(data, torch.Tensor):  # the object store's read-only numpy view
+        data = torch.from_numpy(np.array(data))  # a writable copy
     return data.view(dtype) if data.dtype != dtype else data
 
 
@@ -113,10 +120,11 @@ class RayKVConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
 
     # ---- producer ------------------------------------------------------------------------
-    def read_blocks(self, request_id: str, first_block: int, head_lo: int, head_hi: int
-                    ) -> dict[str, Any]:
+    def _gather(self, request_id: str, first_block: int, head_lo: int, head_hi: int,
+                on_device: bool) -> torch.Tensor:
         """The request's blocks from ``first_block`` on, global KV heads [head_lo, head_hi)
-        of this rank; raises KeyError once the request is no longer held here."""
+        of this rank, in host memory unless ``on_device``; raises KeyError once the
+        request is no longer held here."""
         lo, hi = head_lo - self.head_lo, head_hi - self.head_lo
         if lo < 0 or hi > self.head_hi - self.head_lo:
             raise ValueError(f"heads [{head_lo}, {head_hi}) are not on rank {self.tp_rank}")
@@ -126,13 +134,30 @@ class RayKVConnectorWorker(KVConnectorWorker):
             layers = []
             for key, value in self.kv_caches:
                 index = index.to(key.device)
-                layers.append(torch.stack([key.index_select(0, index)[:, lo:hi],
-                                           value.index_select(0, index)[:, lo:hi]]).cpu())
-        stacked = torch.stack(layers)
+                layer = torch.stack([key.index_select(0, index)[:, lo:hi],
+                                     value.index_select(0, index)[:, lo:hi]])
+                layers.append(layer if on_device else layer.cpu())
+        return torch.stack(layers)
+
+    def read_blocks(self, request_id: str, first_block: int, head_lo: int, head_hi: int
+                    ) -> dict[str, Any]:
+        """``_gather`` as numpy, for the object store (bfloat16 travels as int16)."""
+        stacked = self._gather(request_id, first_block, head_lo, head_hi, on_device=False)
         dtype = stacked.dtype
         if dtype == torch.bfloat16:
             stacked = stacked.view(torch.int16)
         return pack(stacked.numpy(), dtype)
+
+    def read_block_tensors(self, request_id: str, first_block: int, head_lo: int,
+                           head_hi: int, on_device: bool) -> dict[str, Any]:
+        """``_gather`` as a torch tensor, for Ray Direct Transport; a read that fails is
+        reported in the value (``error``), not raised."""
+        try:
+            stacked = self._gather(request_id, first_block, head_lo, head_hi, on_device)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which recomputes
+            return {"error": f"KV read of {request_id} on rank {self.tp_rank}: "
+                             f"{type(e).__name__}: {e}"}
+        return {"data": stacked, "dtype": str(stacked.dtype).removeprefix("torch.")}
 
     # ---- per step ------------------------------------------------------------------------
     def start_load_kv(self) -> None:
@@ -179,7 +204,10 @@ class RayKVConnectorWorker(KVConnectorWorker):
                 index = index.to(key.device)
                 key[index, lo:hi] = layer[0, :n].to(key.device)
                 value[index, lo:hi] = layer[1, :n].to(value.device)
-            self.add_stat(BYTES, data.numel() * data.element_size())
+            nbytes = data.numel() * data.element_size()
+            self.add_stat(BYTES, nbytes)
+            self.add_stat(BYTES_BY_TRANSPORT.format(payload.get("transport", "object_store")),
+                          nbytes)
         self.add_stat(SECONDS, time.perf_counter() - recv.started)
         if recv.spoiled:
             self.write_garbage(sorted(recv.spoiled))
@@ -239,3 +267,5 @@ class RayKVConnectorWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()

@@ -5,7 +5,9 @@ Connectors (``kv_connector``):
   (LRU, ``kv_connector_extra_config["num_cpu_blocks"]`` blocks) and loaded back on a
   prefix hit instead of being recomputed.
 - ``"RayKVConnector"``: prefill/decode disaggregation over Ray; a ``kv_producer`` engine
-  keeps a finished prompt's blocks until a ``kv_consumer`` engine has pulled them.
+  keeps a finished prompt's blocks until a ``kv_consumer`` engine has pulled them,
+  through Ray's object store or Ray Direct Transport
+  (``kv_connector_extra_config["transport"]``, the consumer's choice).
 ``kv_connector_extra_config["fault_injection"]`` wraps either in a fault injector (tests,
 drills): loads fail for a random share of blocks, or all, or complete late.
 Pure Python (read by the scheduler and the runner alike).
@@ -23,7 +25,16 @@ KV_CONNECTORS = ("OffloadingConnector", "RayKVConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _FAULT_KEYS = {"fail_prob", "fail_all", "delay_steps", "seed"}
 _OFFLOAD_KEYS = {"num_cpu_blocks", "load_async"}
-_PD_KEYS = {"abort_timeout_s", "fetch_timeout_s"}
+_PD_KEYS = {"abort_timeout_s", "fetch_timeout_s", "transport"}
+OBJECT_STORE, RDT = "object_store", "rdt"
+PD_TRANSPORTS = (OBJECT_STORE, RDT)
+# By measurement (bench/kv_transport.py, 2026-12-01, one 2-core machine; see
+# docs/performance.md): the object store pulled a 6m model's 512-token KV (2 MiB) in
+# 11.2 ms, RDT over a Gloo pair in 20.8 ms (0.54x); up to 32 MiB RDT was slower in 23 of
+# 24 size-runs (0.48x to 0.91x the object store's speed, one 1.30x). On one machine RDT's
+# Gloo is loopback TCP against the object store's shared memory, plus three Ray tasks per
+# pull. RDT is there for CUDA KV (NCCL keeps it on the devices; not measured: no GPU here).
+DEFAULT_PD_TRANSPORT = OBJECT_STORE
 
 
 def _bad(name: str, value: object, why: str) -> ValueError:
@@ -83,6 +94,10 @@ class KVTransferConfig:
             value = extra.get(key)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise _bad(f"kv_connector_extra_config.{key}", value, "must be positive")
+        transport = extra.get("transport")
+        if transport is not None and transport not in PD_TRANSPORTS:
+            raise _bad("kv_connector_extra_config.transport", transport,
+                       f"must be one of {list(PD_TRANSPORTS)}")
         self.fault_injection  # noqa: B018 - validates the sub-dict
 
     @classmethod
@@ -109,6 +124,11 @@ class KVTransferConfig:
     @property
     def num_cpu_blocks(self) -> int:
         return int(self.kv_connector_extra_config.get("num_cpu_blocks", 0))
+
+    @property
+    def pd_transport(self) -> str:
+        """How a consumer pulls the KV (RayKVConnector)."""
+        return str(self.kv_connector_extra_config.get("transport", DEFAULT_PD_TRANSPORT))
 
     @property
     def fault_injection(self) -> FaultInjection | None:

@@ -3,7 +3,8 @@ prompt's KV and first token, a decode engine pulls the blocks and continues. Gre
 equal transformers and the colocated engine: sync and async decode, chunked prefill on
 the prefill side, TP=2 on one side and 1 on the other, speculative decoding and
 structured output on the decode side, failed pulls (fault injector, a dead prefill
-engine) recomputed locally; both sides' KV pools drain.
+engine) recomputed locally; both sides' KV pools drain. The pulls go through Ray's object
+store, or Ray Direct Transport for a decode engine that asks for it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from raylm import LLM, SamplingParams, StructuredOutputsParams
 pytestmark = pytest.mark.ray
 
 MAX_TOKENS = 10
+TRANSPORT_BYTES = 'raylm:kv_connector_transfer_bytes{{transport="{}"}}'
 COMMON = dict(block_size=8, distributed_executor_backend="ray", max_num_seqs=8,
               max_model_len=256)
 
@@ -41,7 +43,8 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def engines(loopy_llama_path):
     """Prefill: TP=1 with a 16-token budget (chunked prefill), TP=2. Decode: sync TP=1;
-    async TP=2 with ngram speculation; async TP=1 whose pulls fail at random."""
+    async TP=2 with ngram speculation, pulling through Ray Direct Transport; async TP=1
+    whose pulls fail at random."""
     path = loopy_llama_path
     made = {
         "p1": LLM(path, kv_transfer_config=_kv("kv_producer"), max_num_batched_tokens=16,
@@ -50,7 +53,8 @@ def engines(loopy_llama_path):
                   **COMMON),
         "d_sync": LLM(path, kv_transfer_config=_kv("kv_consumer"), async_scheduling=False,
                       **COMMON),
-        "d_spec": LLM(path, kv_transfer_config=_kv("kv_consumer"), tensor_parallel_size=2,
+        "d_spec": LLM(path, kv_transfer_config=_kv("kv_consumer", transport="rdt"),
+                      tensor_parallel_size=2,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3},
                       **COMMON),
         "d_faulty": LLM(path, kv_transfer_config=_kv(
@@ -114,7 +118,34 @@ def test_pd_greedy_matches_hf(engines, loopy_llama_path, hf_oracle, prefill, dec
     m = engines[decode].get_metrics()
     assert m["raylm:external_prefix_cache_hits"] >= sum(len(p) for p in prompts)
     assert m["raylm:kv_transfer_bytes_transferred"] > 0
+    transport = engines[decode].llm_engine.engine_config.kv_transfer_config.pd_transport
+    assert m[TRANSPORT_BYTES.format(transport)] == m["raylm:kv_transfer_bytes_transferred"]
     _wait_drained(engines[prefill], engines[decode])
+
+
+@pytest.mark.parametrize("prefill", ["p1", "p2"])
+def test_pd_over_ray_direct_transport_matches_hf(engines, loopy_llama_path, hf_oracle,
+                                                 prefill):
+    """The TP=2 decode engine pulls through Ray Direct Transport (a Gloo pair per decode
+    rank and prefill rank, made on the first pull; from TP=1 both decode ranks pair with
+    the one prefill rank): transformers' tokens, and every byte came that way."""
+    prompts = _prompts(3, seed=len(prefill) + 20)
+    decode = engines["d_spec"]
+    before = decode.get_metrics()
+    outs = pd_generate(engines[prefill], decode, [{"prompt_token_ids": p} for p in prompts],
+                       _greedy())
+    oracle = hf_oracle(loopy_llama_path)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, MAX_TOKENS)
+    m = decode.get_metrics()
+    moved = m["raylm:kv_transfer_bytes_transferred"] - before.get(
+        "raylm:kv_transfer_bytes_transferred", 0)
+    assert moved > 0
+    assert m[TRANSPORT_BYTES.format("rdt")] - before.get(TRANSPORT_BYTES.format("rdt"), 0) \
+        == moved
+    assert TRANSPORT_BYTES.format("object_store") not in m
+    assert m["raylm:kv_connector_num_failed_load_requests"] == 0
+    _wait_drained(engines[prefill], decode)
 
 
 def test_pd_structured_output_matches_colocated(engines, loopy_llama_path):

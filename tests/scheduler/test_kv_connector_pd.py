@@ -132,3 +132,15 @@ def test_abort_while_waiting_for_remote_kv_frees_once_the_pull_lands():
     assert "dx" in engine.scheduler.kv_transfer.delayed_free and _usage(engine) > 0
     engine.run_until_idle()
     assert not engine.scheduler.kv_transfer.delayed_free and _usage(engine) == 0
+
+
+def test_pd_transport_is_the_consumers_choice_among_known_ones():
+    from raylm.scheduler.config.kv_transfer_config import DEFAULT_PD_TRANSPORT
+
+    assert pd_config("kv_consumer").kv_transfer_config.pd_transport == DEFAULT_PD_TRANSPORT
+    assert pd_config("kv_consumer", transport="rdt").kv_transfer_config.pd_transport == "rdt"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        pd_config("kv_consumer", transport="nccl")
+    with pytest.raises(ValueError, match="unknown key"):
+        KVTransferConfig("OffloadingConnector", kv_connector_extra_config={
+            "num_cpu_blocks": 4, "transport": "rdt"})
