@@ -21,7 +21,12 @@ from raylm.cluster.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
+from raylm.scheduler.core_outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsLists,
+)
 from raylm.scheduler.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -175,6 +180,13 @@ class OutputProcessor:
             detok.flush()
             state.finish_reason = out.finish_reason.value
             state.stop_reason = out.stop_reason
+            if out.finish_reason == FinishReason.ABORT:
+                # A client's abort removes its request before the engine answers
+                # (abort_request), so an ABORT that reaches here is the engine's own: it
+                # died under the request (a worker or a step failed) or refused it. The
+                # caller must hear an error, not a finished, truncated output.
+                state.parent.error = ("the engine aborted the request before it finished "
+                                      "(the engine died or refused it)")
         return False
 
     @staticmethod

@@ -136,6 +136,28 @@ def test_n_children_are_gathered_in_one_output(tokenizer):
     assert not proc.has_unfinished()
 
 
+def test_an_abort_from_the_engine_is_an_error_and_a_client_abort_is_not(tokenizer):
+    """The engine finishes the requests it holds with ABORT when it dies (a killed worker):
+    such an output carries an error, so the server answers with one instead of a 200
+    holding a truncated text (bench/soak.py found it). A client's own abort stays clean."""
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, max_tokens=8)
+    proc.add_request(_parent(tokenizer, "x", params, "p"), ["0_p", "1_p"])
+    proc.process_outputs(EngineCoreOutputs([EngineCoreOutput("0_p", [20]),
+                                            EngineCoreOutput("1_p", [21])]))
+    (res,), _ = proc.process_outputs(EngineCoreOutputs([
+        EngineCoreOutput("0_p", [], finish_reason=FinishReason.ABORT),
+        EngineCoreOutput("1_p", [], finish_reason=FinishReason.ABORT)]))
+    assert res.finished and res.error and "aborted" in res.error
+    assert [c.finish_reason for c in res.outputs] == ["abort", "abort"]
+    proc.add_request(_parent(tokenizer, "x", SamplingParams(max_tokens=8), "q"), ["q"])
+    proc.process_outputs(EngineCoreOutputs([EngineCoreOutput("q", [20])]))
+    final = proc.abort_request("q")  # the client's: the engine's ABORT comes too late
+    assert final.finished and final.error is None
+    assert proc.process_outputs(EngineCoreOutputs([
+        EngineCoreOutput("q", [], finish_reason=FinishReason.ABORT)])) == ([], [])
+
+
 def test_detokenize_false_keeps_ids_and_skips_text(tokenizer):
     proc = OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=3, detokenize=False, logprobs=0)
