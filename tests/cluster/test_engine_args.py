@@ -39,7 +39,7 @@ NON_DEFAULTS = {
     "kv_offloading_size": 0.5,
     "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4,
     "lora_modules": ["sql=/adapters/sql", "chat=/adapters/chat"],
-    "allowed_lora_root": "/adapters",
+    "allowed_lora_root": "/adapters", "pooling_type": "mean",
 }
 
 

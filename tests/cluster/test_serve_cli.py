@@ -3,7 +3,9 @@ HTTP entry: Ray Serve's HAProxy ingress (the default) and Serve's Python proxy, 
 of the model's replica answering HTTP itself (`ingress_in_replica`), and HAProxy in front of
 an ingress deployment (`--separate-ingress`). Served tokens must equal offline ones, a
 disconnect must abort the request and free its KV blocks, and 64 concurrent streams must
-get exact token counts."""
+get exact token counts. The server has LoRA on (`--enable-lora --lora-modules
+--allowed-lora-root`): the openai SDK reaches each adapter by name, loads and unloads one at
+run time, gets 404 for an unknown adapter and 400 for a path outside the root."""
 
 from __future__ import annotations
 
@@ -58,14 +60,16 @@ def _descendants(root: int) -> list[str]:
 @pytest.fixture(scope="module", params=[("haproxy", []), ("ray", []),
                                         ("haproxy", ["--separate-ingress"])],
                 ids=["haproxy", "ray", "haproxy-separate-ingress"])
-def server(request, llama_path):
+def server(request, llama_path, lora_adapters):
     proxy, extra = request.param
+    lora = ["--enable-lora", "--max-loras", "2", "--lora-modules", f"first={lora_adapters[0]}",
+            "--allowed-lora-root", os.path.dirname(lora_adapters[0])]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "raylm.cluster.cli", "serve", llama_path, "--port", str(port),
          "--served-model-name", MODEL, "--proxy", proxy, "--max-num-seqs", "64",
-         "--max-ongoing-requests", "128", *extra],
+         "--max-ongoing-requests", "128", *lora, *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -147,3 +151,33 @@ def test_64_concurrent_streams_get_exact_token_counts(server):
     _, base, _ = server
     assert concurrent_streams(base, MODEL) == [("length", 16)] * 64
     wait_for(lambda: _metric(base, "raylm:num_requests_running") == 0)
+
+
+def test_lora_adapters_through_the_openai_sdk(server, lora_adapters, peft_oracle, llama_path):
+    from transformers import AutoTokenizer
+
+    _, base, _ = server
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    prompt = [17, 230, 41, 99, 5]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def text(model: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=6,
+                                         temperature=0).choices[0].text
+
+    def peft(adapter) -> str:
+        return tok.decode(peft_oracle.greedy(adapter, prompt, 6))
+
+    assert text("first") == peft(lora_adapters[0]) != text(MODEL)
+    assert {m.id: m.parent for m in client.models.list().data}["first"] == MODEL
+    post = httpx.Client(base_url=base, timeout=60).post
+    r = post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": lora_adapters[1]})
+    assert r.status_code == 200, r.text
+    assert text("late") == peft(lora_adapters[1])
+    assert post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        text("late")
+    with pytest.raises(openai.NotFoundError):
+        text("no-such-adapter")
+    r = post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": llama_path})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
