@@ -37,6 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from raylm import __version__
 from raylm.cluster.serve import metrics as metrics_mod
+from raylm.cluster.serve import prepared
 from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
 from raylm.cluster.serve.deployment_config import HTTPServerConfig
 from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
@@ -47,13 +48,6 @@ from raylm.cluster.serve.lora_routes import (
     UNLOAD_LORA,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
-)
-from raylm.cluster.serve.prepared import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    DETOKENIZE,
-    EMBEDDINGS,
-    TOKENIZE,
 )
 from raylm.cluster.serve.protocol import CompletionRequest
 from raylm.cluster.serve.response_protocol import (
@@ -415,11 +409,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
 # The request body each POST route parses (documented in /openapi.json).
 REQUEST_BODIES: dict[str, list[type[BaseModel]]] = {
-    COMPLETIONS: [CompletionRequest],
-    CHAT_COMPLETIONS: [ChatCompletionRequest],
-    EMBEDDINGS: [EmbeddingRequest],
-    TOKENIZE: [TokenizeCompletionRequest, TokenizeChatRequest],
-    DETOKENIZE: [DetokenizeRequest],
+    prepared.COMPLETIONS: [CompletionRequest],
+    prepared.CHAT_COMPLETIONS: [ChatCompletionRequest],
+    prepared.EMBEDDINGS: [EmbeddingRequest],
+    prepared.TOKENIZE: [TokenizeCompletionRequest, TokenizeChatRequest],
+    prepared.DETOKENIZE: [DetokenizeRequest],
     LOAD_LORA: [LoadLoRAAdapterRequest],
     UNLOAD_LORA: [UnloadLoRAAdapterRequest],
 }
