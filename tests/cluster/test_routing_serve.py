@@ -111,7 +111,12 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(base_url):
 
 
 def test_a_hot_prefix_overflowing_one_replica_spills_to_the_others(base_url):
-    queries0 = per_replica(base_url, "raylm:prefix_cache_queries_total")
+    # One request first, alone: the router's mirror then holds the hot prefix on one
+    # replica only, and the burst piles onto it until the loads differ (were the burst
+    # first, its early requests would find no match and spread by free KV).
+    warm0 = per_replica(base_url, "raylm:prefix_cache_queries_total")
+    complete(base_url, prompt(7, 99))
+    queries0 = settled(base_url, warm0, PREFIX + 5)
     before = decisions(base_url)
     n = 12
 
