@@ -129,7 +129,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.structured_output_request = (
             None if sampling_params.structured_outputs is None
-            else StructuredOutputRequest(sampling_params.structured_outputs))
+            else StructuredOutputRequest(sampling_params.structured_outputs, self.max_tokens))
         # Disaggregated prefill/decode (vLLM's ``extra_args["kv_transfer_params"]``): what
         # a KV connector needs to send or pull this request's KV.
         # Its own copy: a connector marks what it has done in it.

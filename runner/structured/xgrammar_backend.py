@@ -35,6 +35,15 @@ from typing import Any
 
 import numpy as np
 
+from raylm.runner.structured.json_closing import (
+    START,
+    ClosingVocab,
+    State,
+    advance,
+    pack_bool,
+    steer_row,
+    utf8_due,
+)
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.structured.manager import StructuredOutputManager
 from raylm.scheduler.structured.params import StructuredOutputsParams
@@ -262,33 +271,54 @@ _BAD_AFTER_LEAD = {0xE0: range(0x80, 0xA0), 0xED: range(0xA0, 0xC0),
                    0xF0: range(0x80, 0x90), 0xF4: range(0x90, 0xC0)}
 
 
-def _pack(allowed: np.ndarray, num_words: int) -> np.ndarray:
-    """[V] bool -> [num_words] int32, bit t % 32 of word t // 32 (xgrammar's layout)."""
-    bits = np.zeros(num_words * 32, dtype=bool)
-    bits[:allowed.size] = allowed
-    return (bits.reshape(num_words, 32).astype(np.int64) << np.arange(32)).sum(1).astype(
-        np.uint32).view(np.int32)
-
-
 class XgrammarGrammar:
     """One request's matcher. ``is_json``: its bitmask rows also drop raw control
-    characters (xgrammar 0.2's rule for length-bounded strings lets them through)."""
+    characters (xgrammar 0.2's rule for length-bounded strings lets them through).
+    ``closes_json`` (JSON mode): the text is followed so that it can close within the
+    request's ``max_tokens`` (``json_closing``)."""
 
-    def __init__(self, matcher: Any, is_json: bool, decoded_vocab: list[bytes]) -> None:
+    def __init__(self, matcher: Any, is_json: bool, decoded_vocab: list[bytes],
+                 closes_json: bool = False) -> None:
         self.matcher = matcher
         self.is_json = is_json
         self._decoded_vocab = decoded_vocab
         # Last byte of the accepted text after each accepted token (a UTF-8 lead byte
         # constrains the next token); kept per token so a rollback restores it.
         self._last_bytes: list[int] = []
+        # JSON mode: the closer's state before any token, then after each accepted one.
+        self.closes_json = closes_json
+        self._closer: list[State | None] | None = [START] if closes_json else None
+        self._due: list[int] = [0]  # JSON mode: ``utf8_due`` before and after each token
+        self.max_tokens: int | None = None
+
+    def limit_tokens(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+    @property
+    def closer_state(self) -> State | None:
+        return None if self._closer is None else self._closer[-1]
+
+    @property
+    def utf8_due(self) -> int:
+        return self._due[-1]
+
+    @property
+    def tokens_left(self) -> int | None:
+        """Output tokens still allowed after those accepted (None: no limit known)."""
+        return None if self.max_tokens is None else self.max_tokens - len(self._last_bytes)
 
     def accept_token(self, token: int) -> bool:
         if not self.matcher.accept_token(token):
             return False
         last = self._last_bytes[-1] if self._last_bytes else 0
-        if token < len(self._decoded_vocab) and self._decoded_vocab[token]:
-            last = self._decoded_vocab[token][-1]
+        data = self._decoded_vocab[token] if token < len(self._decoded_vocab) else b""
+        if data:
+            last = data[-1]
         self._last_bytes.append(last)
+        if self._closer is not None:
+            state = self._closer[-1]
+            self._closer.append(state if self.matcher.is_terminated() else advance(state, data))
+            self._due.append(utf8_due(self._due[-1], data))
         return True
 
     @property
@@ -312,6 +342,9 @@ class XgrammarGrammar:
         if num_tokens:
             self.matcher.rollback(num_tokens)
             del self._last_bytes[len(self._last_bytes) - num_tokens:]
+            if self._closer is not None:
+                del self._closer[len(self._closer) - num_tokens:]
+                del self._due[len(self._due) - num_tokens:]
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -332,7 +365,9 @@ class XgrammarBackend:
         self._json_allowed = self._mask(lambda b: not any(x in _JSON_FORBIDDEN_BYTES for x in b))
         stop = np.zeros(vocab_size, dtype=bool)
         stop[list(self.tokenizer_info.stop_token_ids)] = True
-        self._stop_only = _pack(stop, (vocab_size + 31) // 32)
+        self._stop_only = pack_bool(stop, (vocab_size + 31) // 32)
+        self._stop_ids = list(self.tokenizer_info.stop_token_ids)
+        self._closing_vocab: ClosingVocab | None = None  # built for the first JSON mode
         self._after_lead = {lead: self._mask(lambda b, bad=bad: not b or b[0] not in bad)
                             for lead, bad in _BAD_AFTER_LEAD.items()}
 
@@ -341,10 +376,11 @@ class XgrammarBackend:
         allowed = np.array([ok(b) for b in self.decoded_vocab]
                            + [True] * (self.vocab_size - len(self.decoded_vocab)), dtype=bool)
         allowed[list(self.tokenizer_info.stop_token_ids)] = True
-        return _pack(allowed, (self.vocab_size + 31) // 32)
+        return pack_bool(allowed, (self.vocab_size + 31) // 32)
 
-    def compile(self, params: StructuredOutputsParams) -> tuple[Any, bool]:
-        """(compiled grammar, whether its output is JSON). Waits at most
+    def compile(self, params: StructuredOutputsParams) -> tuple[Any, bool, bool]:
+        """(compiled grammar, whether its output is JSON, whether it is JSON mode, which
+        closes within max_tokens: ``json_closing``). Waits at most
         ``compile_timeout_s``; a spec that timed out is refused at once afterwards."""
         key = _memo.key(params)
         known = _memo.get(key)
@@ -356,24 +392,29 @@ class XgrammarBackend:
         except TimeoutError:
             raise check.timed_out(params, self.compile_timeout_s) from None
 
-    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, bool]:
+    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, bool, bool]:
         c = self.compiler
         kind = params.kind
         try:
             if kind in ("json", "json_object"):
-                return c.compile_json_schema(_schema_text(params),
-                                             **json_whitespace(params)), True
+                return c.compile_json_schema(_schema_text(params), **json_whitespace(
+                    params)), True, kind == "json_object"
             if kind == "regex":
-                return c.compile_regex(params.regex), False
+                return c.compile_regex(params.regex), False, False
             if kind == "choice":
-                return c.compile_grammar(choice_grammar(params.choice or ())), False
-            return c.compile_grammar(params.grammar), False
+                return c.compile_grammar(choice_grammar(params.choice or ())), False, False
+            return c.compile_grammar(params.grammar), False, False
         except Exception as e:
             raise _compile_error(kind, e) from None
 
-    def new_grammar(self, compiled: tuple[Any, bool]) -> XgrammarGrammar:
-        grammar, is_json = compiled
-        return XgrammarGrammar(_xgr().GrammarMatcher(grammar), is_json, self.decoded_vocab)
+    def new_grammar(self, compiled: tuple[Any, bool, bool]) -> XgrammarGrammar:
+        grammar, is_json, closes_json = compiled
+        if closes_json and self._closing_vocab is None:
+            self._closing_vocab = ClosingVocab(self.decoded_vocab, self.vocab_size,
+                                               self.tokenizer_info.special_token_ids,
+                                               self._stop_ids)
+        return XgrammarGrammar(_xgr().GrammarMatcher(grammar), is_json, self.decoded_vocab,
+                               closes_json)
 
     def build_bitmask(self, grammars: list[XgrammarGrammar | None]) -> np.ndarray:
         return self.build_spec_bitmask(grammars, [[] for _ in grammars])[0]
@@ -422,6 +463,12 @@ class XgrammarBackend:
         after = self._after_lead.get(grammar.pending_lead_byte)
         if after is not None:
             rows[r] &= after
+        left = grammar.tokens_left
+        if grammar.closes_json and left is not None and self._closing_vocab is not None:
+            # One token less: the engine checks length before the stop token (as vLLM),
+            # so a stop token in the last slot still ends the request "length".
+            steer_row(rows[r], grammar.closer_state, left - 1, self._closing_vocab,
+                      extra=grammar.utf8_due)
 
 
 def _allows(row: np.ndarray, token: int) -> bool:

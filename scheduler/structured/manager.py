@@ -41,6 +41,11 @@ class StructuredOutputGrammar(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def limit_tokens(self, max_tokens: int) -> None:
+        """The request's output may take ``max_tokens`` tokens in all (a grammar that can
+        end its text early, JSON mode, closes it within them)."""
+        ...
+
 
 class StructuredOutputBackend(Protocol):
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -78,10 +83,12 @@ class GrammarOutput:
 
 
 class StructuredOutputRequest:
-    """A request's constraint and, once compiled, its grammar."""
+    """A request's constraint and, once compiled, its grammar (told the request's
+    ``max_tokens``)."""
 
-    def __init__(self, params: StructuredOutputsParams) -> None:
+    def __init__(self, params: StructuredOutputsParams, max_tokens: int | None = None) -> None:
         self.params = params
+        self.max_tokens = max_tokens
         self.grammar: StructuredOutputGrammar | None = None
         self.future: Future[StructuredOutputGrammar] | None = None
         self.error: str | None = None
@@ -94,6 +101,8 @@ class StructuredOutputRequest:
             return False
         try:
             self.grammar = self.future.result()
+            if self.max_tokens is not None:
+                self.grammar.limit_tokens(self.max_tokens)
         except Exception as e:  # noqa: BLE001 - the request ends with finish_reason error
             self.error = f"{type(e).__name__}: {e}"
         self.future = None

@@ -134,10 +134,10 @@ def test_json_schema_never_runs_out_of_tokens_on_whitespace(client, temperature)
 
 def test_json_mode_is_an_object(client):
     """response_format json_object and structured_outputs json_object: a JSON object, never
-    an array or a scalar (xgrammar's builtin JSON grammar allowed both). Free-form strings
-    end only when the model writes a quote: the random model rarely does (1 token of its
-    512 holds one), so a request may run out of tokens mid-string; what it wrote is then
-    the start of an object, and every request that stopped is a whole one."""
+    an array or a scalar (xgrammar's builtin JSON grammar allowed both), and a whole one
+    within max_tokens. Free-form strings end only when the model writes a quote, which
+    the random model rarely does (1 token of its 512 holds one): before the closer
+    (json_closing) most of these requests ran out of tokens mid-string."""
     bodies = [dict(model=MODEL, max_tokens=200, temperature=t, seed=i,
                    messages=[{"role": "user", "content": f"request {i}: json please"}],
                    **({"response_format": {"type": "json_object"}} if i % 2 else
@@ -145,12 +145,10 @@ def test_json_mode_is_an_object(client):
               for i in range(16) for t in (0.0, 1.0)]
     results = _many(client, bodies)
     assert len(results) == 32
-    stopped = 0
     for text, finish in results:
-        assert text.startswith("{"), text
-        if finish == "stop":
-            stopped += 1
-            assert isinstance(json.loads(text), dict), text
-        else:
-            assert finish == "length"
-    assert stopped > 0
+        assert finish == "stop", (text, finish)
+        assert isinstance(json.loads(text), dict), text
+    # The closer steers only the last few tokens: most objects are long (when written,
+    # the median was 402 characters; a request the closer cut short would be "{}").
+    lengths = sorted(len(text) for text, _ in results)
+    assert lengths[len(lengths) // 2] > 100, lengths

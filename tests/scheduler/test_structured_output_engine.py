@@ -23,6 +23,7 @@ class FakeGrammar:
     def __init__(self, reject_at: int | None) -> None:
         self.accepted: list[int] = []
         self.reject_at = reject_at
+        self.max_tokens: int | None = None
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         for t in tokens:
@@ -39,6 +40,9 @@ class FakeGrammar:
 
     def is_terminated(self) -> bool:
         return False
+
+    def limit_tokens(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
 
 
 class FakeBackend:
