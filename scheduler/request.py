@@ -127,9 +127,13 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of the full blocks of known tokens (prefix caching).
         self.block_hashes: list[int] = []
+        # The grammar is told max_tokens so JSON mode can close in time; not under
+        # min_tokens, whose masked stop token the closing might need before it is allowed.
         self.structured_output_request = (
             None if sampling_params.structured_outputs is None
-            else StructuredOutputRequest(sampling_params.structured_outputs, self.max_tokens))
+            else StructuredOutputRequest(
+                sampling_params.structured_outputs,
+                self.max_tokens if sampling_params.min_tokens == 0 else None))
         # Disaggregated prefill/decode (vLLM's ``extra_args["kv_transfer_params"]``): what
         # a KV connector needs to send or pull this request's KV.
         # Its own copy: a connector marks what it has done in it.

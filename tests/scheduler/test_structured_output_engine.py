@@ -143,6 +143,7 @@ def test_compile_off_loop_then_constrained_tokens(async_scheduling):
     assert manager.num_compiles == 2 and len(backend.grammars) == 3
     for r, g in zip(held[:2], backend.grammars[:2], strict=True):
         assert g.accepted == expected_stream(r)  # settled tokens only, in order
+        assert g.max_tokens == 10  # told the request's budget (JSON mode closes within it)
     # The rejected token ends that request only, with finish_reason error.
     assert [o.finish_reason for o in finals["c2"]] == [FinishReason.ERROR]
     assert tokens["c2"] == expected_stream(held[2])[:5]
@@ -150,6 +151,15 @@ def test_compile_off_loop_then_constrained_tokens(async_scheduling):
     assert executor.num_deferred > 0 if async_scheduling else executor.num_deferred == 0
     engine.scheduler.check_integrity(no_steps_in_flight=True)
     engine.shutdown()
+
+
+def test_the_grammar_budget_is_the_requests_max_tokens_unless_min_tokens():
+    assert _constrained("a").structured_output_request.max_tokens == 10
+    # Prompt room caps max_tokens: the budget is what the request may really use.
+    assert make_request("b", 5, max_tokens=400, max_model_len=64, structured_outputs=(
+        StructuredOutputsParams(regex="x"))).structured_output_request.max_tokens == 59
+    # min_tokens masks the stop token for a while: no closing that might need it early.
+    assert _constrained("c", min_tokens=2).structured_output_request.max_tokens is None
 
 
 def test_abort_while_compiling_and_no_manager():
