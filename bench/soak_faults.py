@@ -43,10 +43,12 @@ INGRESS_PREFIX = f"SERVE_REPLICA::{APP}#OpenAIIngress#"
 NODE_CPUS = 4
 FAULT_KINDS = ("worker", "engine_core", "replica", "node")
 # Fast node-death detection (Ray's defaults take tens of seconds) and the tests' numerics:
-# set for the cluster's processes, which inherit the driver's environment.
+# set for the cluster's processes, which inherit the driver's environment. The GCS keeps
+# the events of Ray's last 100000 tasks by default, ~27 KB a request here, so over a
+# run its RSS measures Ray's setting; capped, it measures the rest (docs/performance.md).
 CLUSTER_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                "RAY_health_check_initial_delay_ms": "1000", "RAY_USAGE_STATS_ENABLED": "0",
-               "RAYLM_CPU_AUTO_BFLOAT16": "0"}
+               "RAYLM_CPU_AUTO_BFLOAT16": "0", "RAY_task_events_max_num_task_in_gcs": "1000"}
 
 
 def free_port() -> int:
