@@ -55,6 +55,7 @@ from raylm.cluster.serve.response_protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from raylm.cluster.serve.responses import DONE as SSE_DONE
 from raylm.cluster.serve.serving import OpenAIServing
 
 # Routes that answer without an API key: a load balancer's health probe.
@@ -107,6 +108,11 @@ def _error(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status_code)
 
 
+def _ends_stream(line: Any) -> bool:
+    """Whether an SSE item holds the stream's last event (``data: [DONE]``)."""
+    return isinstance(line, str) and line.endswith(SSE_DONE)
+
+
 async def _close(stream: Any) -> None:
     if hasattr(stream, "aclose"):
         await stream.aclose()
@@ -116,16 +122,22 @@ async def _close(stream: Any) -> None:
 
 async def _rest(first: str, stream: Any) -> AsyncIterator[str]:
     finished = False
+    done = _ends_stream(first)
     try:
         yield first
         try:
             async for line in stream:
-                yield line
+                if not done:
+                    yield line
+                    done = _ends_stream(line)
         except Exception as e:  # noqa: BLE001 - the replica (or its node) died mid-stream
             # The status line is long sent: end the stream with an error event the client
-            # can parse, not a connection cut in the middle of a chunk.
-            err = from_exception(e)
-            yield f"data: {json.dumps(err.to_dict())}\n\n"
+            # can parse, not a connection cut in the middle of a chunk. After [DONE] the
+            # client has the whole answer: a replica that dies before its generator's end
+            # reaches us (the chaos soak saw it) changes nothing for it.
+            if not done:
+                err = from_exception(e)
+                yield f"data: {json.dumps(err.to_dict())}\n\n"
         finished = True
     finally:
         if not finished:  # the client went away: stop the generation behind it
