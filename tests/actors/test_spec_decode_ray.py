@@ -108,7 +108,10 @@ def test_dp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle):
         prompts = [p * 3 for p in passages]  # lookup finds the passage again
         max_tokens = [28, 21, 34, 17]
         metrics = _greedy_equals_hf(llm, hf_oracle(loopy_llama_path), prompts, max_tokens)
-        assert metrics["dp_routed_requests"] == [2, 2], metrics
+        # Both ranks draft and verify: each got requests. (How many each depends on when
+        # a rank's free KV reaches the balancer: [2, 2] and [3, 1] both happen.)
+        routed = metrics["dp_routed_requests"]
+        assert sum(routed) == 4 and min(routed) >= 1, metrics
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
