@@ -286,13 +286,16 @@ class XgrammarGrammar:
         # constrains the next token); kept per token so a rollback restores it.
         self._last_bytes: list[int] = []
         # JSON mode: the closer's state before any token, then after each accepted one.
-        self.closes_json = closes_json
         self._closer: list[State | None] | None = [START] if closes_json else None
         self._due: list[int] = [0]  # JSON mode: ``utf8_due`` before and after each token
         self.max_tokens: int | None = None
 
     def limit_tokens(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
+
+    @property
+    def closes_json(self) -> bool:
+        return self._closer is not None
 
     @property
     def closer_state(self) -> State | None:
@@ -366,7 +369,6 @@ class XgrammarBackend:
         stop = np.zeros(vocab_size, dtype=bool)
         stop[list(self.tokenizer_info.stop_token_ids)] = True
         self._stop_only = pack_bool(stop, (vocab_size + 31) // 32)
-        self._stop_ids = list(self.tokenizer_info.stop_token_ids)
         self._closing_vocab: ClosingVocab | None = None  # built for the first JSON mode
         self._after_lead = {lead: self._mask(lambda b, bad=bad: not b or b[0] not in bad)
                             for lead, bad in _BAD_AFTER_LEAD.items()}
@@ -412,7 +414,7 @@ class XgrammarBackend:
         if closes_json and self._closing_vocab is None:
             self._closing_vocab = ClosingVocab(self.decoded_vocab, self.vocab_size,
                                                self.tokenizer_info.special_token_ids,
-                                               self._stop_ids)
+                                               self.tokenizer_info.stop_token_ids)
         return XgrammarGrammar(_xgr().GrammarMatcher(grammar), is_json, self.decoded_vocab,
                                closes_json)
 
