@@ -13,6 +13,11 @@ that starts loads its libraries and model first), their summed RSS at the end ag
 middle. Where faults restarted every process of a kind in that half, the growth is that
 of the longest-lived one still alive at the end, over the second half of its life (if it
 lived 2 x WARMUP_S), and the line says so.
+
+Each sample also splits the RSS as /proc/<pid>/status does: anonymous pages (the heap:
+Python objects, torch tensors, what the allocator keeps) and shared-memory pages (Ray's
+object store, mapped into the processes that read from it), so that a growth can be told
+apart: the trajectory of the longest-lived process prints both.
 """
 
 from __future__ import annotations
@@ -53,6 +58,22 @@ class Sample:
     pid: int
     kind: str
     rss: int
+    anon: int = 0  # RssAnon: the heap
+    shmem: int = 0  # RssShmem: shared memory (the object store's pages this process touched)
+
+
+def rss_split(pid: int) -> tuple[int, int]:
+    """(RssAnon, RssShmem) in bytes from /proc/<pid>/status; (0, 0) where unreadable."""
+    out = {"RssAnon:": 0, "RssShmem:": 0}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in out:
+                    out[parts[0]] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out["RssAnon:"], out["RssShmem:"]
 
 
 class RSSSampler:
@@ -81,7 +102,7 @@ class RSSSampler:
                 rss = p.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            self.samples.append(Sample(t, p.pid, kind_of(cmd), rss))
+            self.samples.append(Sample(t, p.pid, kind_of(cmd), rss, *rss_split(p.pid)))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -119,7 +140,7 @@ def memory_by_kind(all_samples: list[Sample], t_end: float) -> list[KindMemory]:
     for s in all_samples:
         if s.kind != "other" or s.pid not in kinds:
             kinds[s.pid] = s.kind
-    samples = [Sample(s.t, s.pid, kinds[s.pid], s.rss) for s in all_samples
+    samples = [Sample(s.t, s.pid, kinds[s.pid], s.rss, s.anon, s.shmem) for s in all_samples
                if s.t <= t_end + 1e-6]
     if not samples:
         return out
@@ -159,9 +180,14 @@ def memory_by_kind(all_samples: list[Sample], t_end: float) -> list[KindMemory]:
 
 
 def _trajectory(life: list[Sample]) -> str:
-    """'pid P over T s: a -> b -> c -> d -> e -> f MB' at 0, 20, ..., 100% of its life."""
+    """'pid P over T s: a -> b -> c -> d -> e -> f MB (anon ...; shmem ...)' at 0, 20, ...,
+    100% of its life."""
     t0, t1 = life[0].t, life[-1].t
     points = [min(life, key=lambda s, f=f: abs(s.t - (t0 + f * (t1 - t0)))) for f in
               (0, 0.2, 0.4, 0.6, 0.8, 1.0)]
-    mbs = " -> ".join(f"{p.rss / 2**20:.0f}" for p in points)
-    return f"pid {life[0].pid} over {t1 - t0:.0f} s: {mbs} MB"
+
+    def mbs(field: str) -> str:
+        return " -> ".join(f"{getattr(p, field) / 2**20:.0f}" for p in points)
+
+    return (f"pid {life[0].pid} over {t1 - t0:.0f} s: {mbs('rss')} MB "
+            f"(anon {mbs('anon')}; shmem {mbs('shmem')})")
