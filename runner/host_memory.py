@@ -4,7 +4,8 @@ A CPU step's tensors change size from step to step, and glibc returns large free
 to the kernel, so the next step faults their pages in again. Raising glibc's mmap and trim
 thresholds keeps them (what vLLM's CPU backend gets from tcmalloc), process-wide, for a
 peak-sized heap; ``RAYLM_CPU_KEEP_FREED_MEMORY=0`` leaves glibc alone. The KV cache is
-allocated apart from the heap (``huge_page_zeros``).
+allocated apart from the heap (``huge_page_zeros``). oneDNN's primitive caches, which
+would grow with every new step size, are capped (``cap_onednn_primitive_caches``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ctypes
 import logging
 import math
 import mmap
+import os
 
 import torch
 
@@ -23,6 +25,9 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit; larger blocks stay mmapped
 _TRIM_THRESHOLD = 1 << 30  # free heap top kept up to 1 GiB
+# Primitives kept per oneDNN cache (oneDNN's own and ideep's; 1024 each by default).
+ONEDNN_CACHE_CAPACITY = 128
+_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 def keep_freed_host_memory() -> bool:
@@ -37,6 +42,17 @@ def keep_freed_host_memory() -> bool:
     if not ok:
         logger.info("mallopt refused the host memory thresholds; glibc defaults stay.")
     return ok
+
+
+def cap_onednn_primitive_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """The packed CPU linears (parallel/layers.py) run oneDNN primitives that oneDNN and
+    ideep cache per shape, 1024 of each by default; every new step size is a new shape and
+    each entry holds ~1 MB of heap, so a worker whose step sizes keep varying grew by
+    hundreds of MB over a 30-minute soak (bench/worker_memory.py: capped, the heap stays
+    flat at the same speed). Set before this process's first primitive (both are read
+    then); a value already in the environment wins."""
+    for var in _ONEDNN_CACHE_VARS:
+        os.environ.setdefault(var, str(capacity))
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,7 @@ from raylm.parallel.context import ParallelContext
 from raylm.parallel.distributed import cuda_missing_reason, pick_device
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.cpu_budget import usable_cpus
-from raylm.runner.host_memory import keep_freed_host_memory
+from raylm.runner.host_memory import cap_onednn_primitive_caches, keep_freed_host_memory
 from raylm.runner.memory_budget import (
     GIB,
     kv_cache_budget_bytes,
@@ -138,8 +138,10 @@ class Worker:
                                f"runs on {ctx.device}: {cuda_missing_reason()}.")
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
-        elif envs.cpu_keep_freed_memory():
-            keep_freed_host_memory()
+        else:
+            cap_onednn_primitive_caches()
+            if envs.cpu_keep_freed_memory():
+                keep_freed_host_memory()
         self.num_threads = num_threads or default_intra_op_threads()
         set_intra_op_threads(self.num_threads)
         self.ctx = ctx
