@@ -86,6 +86,14 @@ class AsyncOutputCopier:
             return _CudaCopy(tensors, self._stream)
         return _ThreadCopy(tensors, self._pool)
 
+    def to_host(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+        """A copy the host needs at once (speculative decoding's verification, drafts
+        proposed at the start of their step): on CUDA through the copy stream, pinned
+        memory and an event, the one wait a step may have; on the CPU a plain copy."""
+        if self._stream is not None:
+            return _CudaCopy(tensors, self._stream).wait()
+        return [t.numpy().copy() for t in tensors]
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -85,7 +85,7 @@ class ModelRunner:
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
                         if self.use_async_scheduling and ctx.pp_size > 1
                         and not ctx.is_last_pp_rank else None)
-        self.speculator = (Speculator(engine_config, self.input_batch, self.device,
+        self.speculator = (Speculator(engine_config, self.input_batch, self.device, self.copier,
                                       is_last_pp_rank=ctx.is_last_pp_rank,
                                       learns_from_ring=self.pp_ring is not None)
                            if engine_config.speculative_config is not None else None)

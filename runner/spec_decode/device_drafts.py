@@ -1,6 +1,9 @@
 """Drafts computed one step ahead (draft_ahead.py) wait here on the device. Their step
 writes them into its input ids there and copies them to the host only at its own
-verification, after the forward that used them: the drafts never hold up a forward."""
+verification, after the forward that used them, inside the verification's one copy of
+the sampled ids (``stand_ins`` then ``settle``): the drafts never hold up a forward and
+add no wait of their own. A grammar, which checks the drafts before the bitmask is
+built, takes them earlier (``to_host``)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raylm.runner.async_output import AsyncOutputCopier
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.runner.spec_decode.draft_proposer import DraftRequest
@@ -36,11 +40,14 @@ class _Placed:
 
 
 class DeviceDrafts:
-    def __init__(self, input_batch: InputBatch, device: torch.device) -> None:
+    def __init__(self, input_batch: InputBatch, device: torch.device,
+                 copier: AsyncOutputCopier) -> None:
         self.input_batch = input_batch
         self.device = device
+        self.copier = copier
         self._ready: dict[str, ReadyDrafts] = {}  # for each request's next step
         self._placed: dict[str, _Placed] = {}  # this step's, still on the device only
+        self._sources: list[torch.Tensor] = []  # their device tensors (stand_ins)
 
     def store(self, wanted: list[DraftRequest], drafts: torch.Tensor) -> None:
         """``drafts`` row i: ``wanted[i]``'s drafts for its next step."""
@@ -95,20 +102,34 @@ class DeviceDrafts:
                 drafts[self._to_device(np.concatenate(rows)),
                        self._to_device(np.concatenate(cols))])
 
-    def to_host(self, step_drafts: dict[str, np.ndarray]) -> None:
-        """This step's placed drafts into the host history and ``step_drafts``
-        (verification and the grammar read them there): one copy per verification that
-        computed them."""
-        on_host: dict[int, np.ndarray] = {}
+    def stand_ins(self, step_drafts: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        """Each placed request's drafts into ``step_drafts`` as zeros of their count (the
+        verification needs only the counts before it samples); returns the device
+        tensors holding the values, for the verification's copy to take along
+        (``settle`` writes them in)."""
+        sources: dict[int, torch.Tensor] = {}
+        for rid, p in self._placed.items():
+            sources.setdefault(id(p.ready.drafts), p.ready.drafts)
+            step_drafts[rid] = np.zeros(p.count, np.int64)
+        self._sources = list(sources.values())
+        return self._sources
+
+    def settle(self, step_drafts: dict[str, np.ndarray], copied: list[np.ndarray]) -> None:
+        """``copied``: the tensors ``stand_ins`` returned, on the host: this step's placed
+        drafts into the host history and ``step_drafts``."""
+        on_host = {id(t): a for t, a in zip(self._sources, copied, strict=True)}
         ib = self.input_batch
         for rid, p in self._placed.items():
-            key = id(p.ready.drafts)
-            if key not in on_host:
-                on_host[key] = p.ready.drafts.cpu().numpy()
-            drafts = on_host[key][p.ready.index, :p.count]
+            drafts = on_host[id(p.ready.drafts)][p.ready.index, :p.count]
             ib.token_ids[p.row, p.start:p.start + p.count] = drafts
             step_drafts[rid] = drafts
-        self._placed = {}
+        self._placed, self._sources = {}, []
+
+    def to_host(self, step_drafts: dict[str, np.ndarray]) -> None:
+        """This step's placed drafts into the host history and ``step_drafts`` now (a
+        grammar reads them there before the verification)."""
+        sources = self.stand_ins(step_drafts)
+        self.settle(step_drafts, self.copier.to_host(sources) if sources else [])
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return upload(array.astype(np.int64), self.device)

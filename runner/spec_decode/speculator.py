@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.context import ParallelContext
+from raylm.runner.async_output import AsyncOutputCopier
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.pp_ring import RingDelivery
 from raylm.runner.prepare_inputs import StepBatch
@@ -35,8 +36,8 @@ from raylm.scheduler.structured.manager import GrammarOutput
 
 class Speculator:
     def __init__(self, engine_config: EngineConfig, input_batch: InputBatch,
-                 device: torch.device, is_last_pp_rank: bool = True,
-                 learns_from_ring: bool = False) -> None:
+                 device: torch.device, copier: AsyncOutputCopier,
+                 is_last_pp_rank: bool = True, learns_from_ring: bool = False) -> None:
         config = engine_config.speculative_config
         assert config is not None
         self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -52,9 +53,11 @@ class Speculator:
         self.num_computed: dict[str, int] = {}
         self._drafts: dict[str, np.ndarray] = {}  # this step's drafts in the host history
         self.runs = VerifiedRuns(input_batch, self.gate, self.draft_model)
-        self.device_drafts = DeviceDrafts(input_batch, device)
+        self.copier = copier
+        self.device_drafts = DeviceDrafts(input_batch, device, copier)
         self.verifier = (Verifier(input_batch, engine_config.model_config.vocab_size, device,
-                                  self.runs, self.num_computed) if is_last_pp_rank else None)
+                                  self.runs, self.num_computed, self.device_drafts, copier)
+                         if is_last_pp_rank else None)
         self.earlier_stage = (None if is_last_pp_rank else
                               EarlierStageRuns(input_batch, self.runs, self.num_computed,
                                                learns_from_ring))
@@ -154,7 +157,7 @@ class Speculator:
             return {r: self.ngram.propose(ib.token_ids[r.row, :r.num_tokens], r.max_drafts).copy()
                     for r in wanted}
         assert self.draft_model is not None
-        drafts = self.draft_model.propose(wanted).cpu().numpy()
+        (drafts,) = self.copier.to_host([self.draft_model.propose(wanted)])
         return {r: drafts[i, :r.max_drafts] for i, r in enumerate(wanted)}
 
     def place_device_drafts(self, batch: StepBatch) -> None:
@@ -176,7 +179,6 @@ class Speculator:
         """Sample every verified position and accept the drafts. ``grammar_output``: the
         bitmask of the step's constrained requests, a row per position they verify."""
         assert self.verifier is not None, "only the last PP stage verifies"
-        self.device_drafts.to_host(self._drafts)
         v = self.verifier.verify(batch, hidden, self._drafts, model, sampler, grammar_output)
         if self.draft_ahead is not None and v.sampled is not None:
             self._draft_after_verification(batch, v.sampling, v.sampled, v.seg_starts,

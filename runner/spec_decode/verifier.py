@@ -1,7 +1,8 @@
 """Verification on the last PP stage: sample every verified position, accept the drafts
 (rejection_sampler.py), and turn the accepted runs into the step's output. The output is
-copied to the host before it returns: the drafts live in the host history, so there are
-no -1 placeholders to settle later. With a grammar, only the drafts it kept are verified;
+copied to the host before it returns, in one copy with the step's drafts still on the
+device (the one wait of the step, on the copy stream): the drafts live in the host
+history, so there are no -1 placeholders to settle later. With a grammar, only the drafts it kept are verified;
 the dropped ones ran in the forward and count as rejected."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from raylm.runner.async_output import AsyncOutputCopier
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.runner.sample.rejection_sampler import num_accepted_drafts
 from raylm.runner.sample.sampler import Sampler
 from raylm.runner.sample.sampling_metadata import build_sampling_metadata
+from raylm.runner.spec_decode.device_drafts import DeviceDrafts
 from raylm.runner.spec_decode.verified_runs import VerifiedRuns
 from raylm.runner.structured.grammar_bitmask import apply_grammar_bitmask
 from raylm.scheduler.core_outputs import LogprobsLists, ModelRunnerOutput
@@ -39,11 +42,14 @@ class Verification:
 
 class Verifier:
     def __init__(self, input_batch: InputBatch, vocab_size: int, device: torch.device,
-                 runs: VerifiedRuns, num_computed: dict[str, int]) -> None:
+                 runs: VerifiedRuns, num_computed: dict[str, int],
+                 device_drafts: DeviceDrafts, copier: AsyncOutputCopier) -> None:
         self.input_batch = input_batch
         self.vocab_size = vocab_size
         self.device = device
         self.runs = runs
+        self.device_drafts = device_drafts
+        self.copier = copier
         # The rank's computed count per request, the Speculator's: set here at verification.
         self.num_computed = num_computed
 
@@ -51,14 +57,16 @@ class Verifier:
                model: nn.Module, sampler: Sampler, grammar_output: GrammarOutput | None
                ) -> Verification:
         """``drafts``: this step's drafts on the host, cut in place to what the grammar
-        kept; ``grammar_output``: a bitmask row per position a constrained request
-        verifies."""
+        kept (drafts still on the device are filled in by the copy); ``grammar_output``:
+        a bitmask row per position a constrained request verifies."""
+        on_device = self.device_drafts.stand_ins(drafts)
         placed = self._counts(batch, drafts)
         if grammar_output is not None:
             self._keep_grammar_drafts(drafts, grammar_output)
         num_drafts = self._counts(batch, drafts)
         sampling = np.flatnonzero(batch.sample_mask)
         if sampling.size == 0:  # only non-final prefill chunks: nothing to sample
+            self.device_drafts.settle(drafts, self.copier.to_host(on_device) if on_device else [])
             output = self._bookkeeping(batch, sampling, _EMPTY, _EMPTY, _EMPTY, num_drafts,
                                        placed, _EMPTY, None)
             return Verification(output, sampling, None, _EMPTY, _EMPTY)
@@ -80,6 +88,10 @@ class Verifier:
         if grammar_output is not None:
             apply_grammar_bitmask(logits, [batch.req_ids[i] for i in sampling.tolist()],
                                   grammar_output, seg_starts.tolist())
+        if on_device and self.input_batch.needs_history[batch.rows[sampling]].any():
+            # Penalties read the drafts in the history before sampling: one copy first.
+            self.device_drafts.settle(drafts, self.copier.to_host(on_device))
+            on_device = []
         md = build_sampling_metadata(self.input_batch, expanded, self.vocab_size, self.device,
                                      lambda: None)  # the history holds no placeholders
         out = sampler(logits, md)
@@ -87,13 +99,14 @@ class Verifier:
         tensors = [out.sampled_token_ids]
         if lp is not None:
             tensors += [lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks]
-        host = [t.cpu().numpy() for t in tensors]
+        host = self.copier.to_host(tensors + on_device)
+        self.device_drafts.settle(drafts, host[len(tensors):])
         sampled = host[0][:, 0]
         verified = [drafts.get(batch.req_ids[i], _EMPTY) for i in sampling.tolist()]
         accepted = num_accepted_drafts(sampled, np.concatenate(verified) if verified else _EMPTY,
                                        nd)
         output = self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
-                                   placed, sampled, host[1:] if lp is not None else None)
+                                   placed, sampled, host[1:len(tensors)] if lp is not None else None)
         return Verification(output, sampling, out.sampled_token_ids[:, 0], seg_starts,
                             base_len)
 

@@ -102,23 +102,26 @@ def _tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def test_sampling_penalties_logprobs_and_n_identical_to_no_speculation(loopy_llama_path):
+def test_sampling_penalties_logprobs_and_n_identical_to_no_speculation(loopy_llama_path,
+                                                                        loopy_draft_path):
     """Seeded sampling, penalties, logprobs and n > 1 give the very tokens of no
     speculation (drafts are verified against the target's own seeded draw), async on and
-    off, alone or in a batch."""
+    off, alone or in a batch; with ngram drafts, and with a draft model's made one step
+    ahead (on the device until the verification: penalties read them in the history)."""
     results = {}
-    for spec in (None, _ngram(3)):
+    draft = {"method": "draft_model", "model": loopy_draft_path, "num_speculative_tokens": 3}
+    for spec in (None, _ngram(3), draft):
         for async_scheduling in (False, True):
             llm = LLM(loopy_llama_path, async_scheduling=async_scheduling, speculative_config=spec)
             prompts, params = _mixed_batch(llm.llm_engine.model_config.vocab_size)
             outs = llm.generate(prompts, params)
-            results[spec is not None, async_scheduling] = outs
+            results[spec and spec["method"], async_scheduling] = outs
             if spec is not None:
                 alone = llm.generate(prompts[:1], params[:1])[0]
                 assert alone.outputs[0].token_ids == outs[0].outputs[0].token_ids
                 assert _no_leak(llm)["raylm:spec_decode_num_accepted_tokens"] > 0
             llm.shutdown()
-    ref = results[False, False]
+    ref = results[None, False]
     for key, outs in results.items():
         assert _tokens(outs) == _tokens(ref), key
         for o, r in zip(outs, ref, strict=True):

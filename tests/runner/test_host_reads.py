@@ -1,0 +1,94 @@
+"""Steady async steps read the device only through the designated copy (async_output.py).
+
+On a GPU every other read of a device tensor's values (``.cpu()``, ``.numpy()``,
+``.tolist()``, ``.item()``) synchronises the host with the device and loses the overlap
+(bench/gpu_check.py checks it there with torch.cuda.set_sync_debug_mode). On the CPU the
+"device" tensors are host tensors, so the same rule is checked by recording who calls those
+methods on any tensor but the host staging buffers (the input preparer's ``*_cpu``, pinned
+on a GPU) while the engine runs steady steps: only the copier may."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import raylm.runner
+from raylm import LLM, SamplingParams
+
+# The repository root (raylm's subpackages are its folders): callers are named from it.
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(raylm.runner.__file__)))
+COPIER = os.path.join("runner", "async_output.py")
+METHODS = ("cpu", "numpy", "tolist", "item")
+
+
+@contextmanager
+def host_reads(host_buffers: list[torch.Tensor]) -> Iterator[Counter]:
+    """Counts, by raylm file and function, the calls of ``METHODS`` on any torch tensor
+    but ``host_buffers`` (and their views) inside the block (every thread)."""
+    reads: Counter = Counter()
+    host = {t.untyped_storage().data_ptr() for t in host_buffers}
+    originals = {m: getattr(torch.Tensor, m) for m in METHODS}
+
+    def wrap(name):
+        original = originals[name]
+
+        def recorded(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if (caller.co_filename.startswith(PACKAGE)
+                    and self.untyped_storage().data_ptr() not in host):
+                reads[(os.path.relpath(caller.co_filename, PACKAGE), caller.co_name, name)] += 1
+            return original(self, *args, **kwargs)
+        return recorded
+
+    for m in METHODS:
+        setattr(torch.Tensor, m, wrap(m))
+    try:
+        yield reads
+    finally:
+        for m, original in originals.items():
+            setattr(torch.Tensor, m, original)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    passage = [(7 * i) % (vocab - 3) + 3 for i in range(11)]
+    return [passage * 3, passage[:6] * 4, [5, 9, 13, 21, 34, 55, 89]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "none"])
+def test_steady_async_steps_read_the_device_only_through_the_copier(llama_path, hf_oracle,
+                                                                     method):
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 3},
+            "draft_model": {"method": "draft_model", "model": llama_path,
+                            "num_speculative_tokens": 3},
+            "none": None}[method]
+    llm = LLM(llama_path, async_scheduling=True, block_size=4, num_kv_blocks=96,
+              speculative_config=spec)
+    try:
+        prompts = _prompts(llm.llm_engine.model_config.vocab_size)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        llm.generate(batch, params, use_tqdm=False)  # warm-up
+        preparer = llm.llm_engine.core.engine_core.executor.worker.model_runner.input_preparer
+        buffers = [v for k, v in vars(preparer).items() if k.endswith("_cpu")]
+        assert len(buffers) == 3, list(vars(preparer))
+        with host_reads(buffers) as reads:
+            outs = llm.generate(batch, params, use_tqdm=False)
+        metrics = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    oracle = hf_oracle(llama_path)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, 24)
+    if spec is not None:  # drafts were verified in the recorded steps
+        assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
+    # The copier's own reads are the only ones (and there were some: the check is live).
+    assert any(f == COPIER for f, _, _ in reads), reads
+    others = {k: n for k, n in reads.items() if k[0] != COPIER}
+    assert not others, f"host reads of device tensors outside the copier: {others}"
