@@ -74,16 +74,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         return cos, sin
-
-    @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
-              key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, Hq, D] and key [T, Hkv, D], rotated."""
-        cos, sin = cos_sin
-        return _apply(query, cos, sin), _apply(key, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -76,6 +76,9 @@ class EngineArgs:
                                              bounds=_AT_LEAST_1)
     enforce_eager: bool = _arg(False, "no CUDA graphs: decode steps launch their kernels "
                                       "one by one (graphs are captured at start on CUDA)")
+    compile_fused_ops: bool | None = _arg(
+        None, "the residual add + RMSNorm and rotary embedding compiled into one kernel each "
+              "with torch.compile (default: on CUDA unless enforce_eager; off on CPU)")
     gpu_memory_utilization: float = _arg(0.9, "share of device memory the engine may use",
                                          bounds={"exclusiveMinimum": 0, "maximum": 1})
     seed: int = _arg(0, "engine seed: the seeds of unseeded requests derive from it",
@@ -241,7 +244,7 @@ class EngineArgs:
         return ModelConfig(
             model=gguf_path or self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len or 0, seed=self.seed,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, compile_fused_ops=self.compile_fused_ops,
             served_model_name=self.served_model_name, hf_config=hf_config or {},
         )
 

@@ -23,6 +23,7 @@ from raylm.runner.attention.cpu_kernel import load_cpu_attention_kernel
 from raylm.runner.loading.default_model import ensure_local_model
 from raylm.runner.loading.gguf_checkpoint import find_gguf_file, iterate_gguf_weights
 from raylm.runner.models.decoder_config import DecoderConfig
+from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import DTYPES, ModelConfig
@@ -208,7 +209,9 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext,
     dtype = resolve_dtype(model_config.dtype, ctx.device, model_config.hf_config)
     model_cls = get_model_class(model_config.hf_config.get("architectures") or [])
     max_position = max(cfg.max_position_embeddings, model_config.max_model_len)
-    model = model_cls(cfg, ctx, dtype, max_position)
+    ops = resolve_fused_ops(model_config.compile_fused_ops, ctx.device,
+                            model_config.enforce_eager)
+    model = model_cls(cfg, ctx, dtype, max_position, ops)
     stats = stats if stats is not None else WeightReadStats()
     gguf_path = find_gguf_file(model_config.model)
     if gguf_path is not None:

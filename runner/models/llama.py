@@ -30,6 +30,7 @@ from raylm.parallel.layers import (
 )
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
+from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
 from raylm.runner.rotary import RotaryEmbedding
 
 
@@ -51,26 +52,21 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: Weight,
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm (normalise in float32, cast back, then scale), with the residual add
-    fused in front as in vLLM: ``forward(x, residual)`` returns (norm(x + residual), x + residual)."""
+    """HF's RMSNorm (fused_ops.py), with the residual add fused in front as in vLLM:
+    ``forward(x, residual)`` returns (norm(x + residual), x + residual)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 ops: FusedOps = EAGER_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.eps = eps
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaMLP(nn.Module):
@@ -88,8 +84,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 ops: FusedOps = EAGER_OPS) -> None:
         super().__init__()
+        self.ops = ops
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, cfg.qkv_bias, ctx=ctx,
@@ -102,8 +100,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=d ** -0.5)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
@@ -116,17 +114,19 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        q, k = self.ops.rotary(*cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 ops: FusedOps = EAGER_OPS) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device)
-        self.self_attn = LlamaAttention(cfg, ctx, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device,
+                                       ops)
+        self.self_attn = LlamaAttention(cfg, ctx, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
-                                                ctx.device)
+                                                ctx.device, ops)
         self.mlp = LlamaMLP(cfg, ctx, dtype)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 max_position: int) -> None:
+                 max_position: int, ops: FusedOps = EAGER_OPS) -> None:
         super().__init__()
         self.ctx = ctx
         self.start_layer, self.end_layer = get_pp_layer_range(
@@ -155,12 +155,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_position, dtype,
                                           ctx.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, dtype)
+            LlamaDecoderLayer(cfg, ctx, dtype, ops)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
         self.norm: nn.Module = PPMissingLayer()
         if ctx.is_last_pp_rank:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device, ops)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -195,11 +195,12 @@ _STACKED_PARAMS = (
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 max_position: int | None = None) -> None:
+                 max_position: int | None = None, ops: FusedOps = EAGER_OPS) -> None:
         super().__init__()
         self.config = cfg
         self.ctx = ctx
-        self.model = LlamaModel(cfg, ctx, dtype, max_position or cfg.max_position_embeddings)
+        self.model = LlamaModel(cfg, ctx, dtype, max_position or cfg.max_position_embeddings,
+                                ops)
         self.lm_head: nn.Module = PPMissingLayer()
         if ctx.is_last_pp_rank:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx=ctx,

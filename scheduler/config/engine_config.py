@@ -64,6 +64,9 @@ class ModelConfig:
     served_model_name: str | None = None
     # No CUDA graphs: every step runs eagerly (vLLM's name).
     enforce_eager: bool = False
+    # The residual add + RMSNorm and rotary embedding through torch.compile (one fused
+    # kernel each); None: on CUDA unless enforce_eager, off on CPU (runner/models/fused_ops.py).
+    compile_fused_ops: bool | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # Called on every node that loads the weights (each rank, in its own process) and
     # returns that node's checkpoint folder: a node-local cache or download. None: ``model``

@@ -1,0 +1,74 @@
+"""The elementwise parts of a decoder layer: the residual add + RMSNorm, and rotary
+embedding, each written once with transformers' numerics (normalise in float32, cast back,
+then scale; rotate_half).
+
+Eager, each is several kernels (casts, a reduction, products, a concatenation); on a GPU,
+where a decode step's time is mostly launches, ``torch.compile`` (inductor) fuses each into
+one kernel. Compiled where ``compile_fused_ops`` says (default: on CUDA unless
+``enforce_eager``; off on CPU, where the eager ops are already memory-bound loops and a
+compile costs seconds per start). Each function is compiled once for every token count
+(``dynamic=True``) at the first forward (the memory profile, before any CUDA graph is
+captured); inductor keeps what it compiled on disk (its FX graph cache), so a restart
+loads it instead of compiling again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add fused in front, as vLLM."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary(cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, Hq, D] and key [T, Hkv, D] rotated by cos and sin [T, 1, D]."""
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The three functions a model's layers call: eager or compiled."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    compiled: bool = False
+
+
+EAGER_OPS = FusedOps(rms_norm, add_rms_norm, rotary)
+
+
+def compiled_ops() -> FusedOps:
+    """The same functions through torch.compile (compiled at their first call)."""
+    def compile_(fn):
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+    return FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(rotary), compiled=True)
+
+
+def resolve_fused_ops(compile_fused_ops: bool | None, device: torch.device,
+                      enforce_eager: bool) -> FusedOps:
+    """``compile_fused_ops`` None: compiled on CUDA unless ``enforce_eager``."""
+    if compile_fused_ops is None:
+        compile_fused_ops = device.type == "cuda" and not enforce_eager
+    return compiled_ops() if compile_fused_ops else EAGER_OPS
