@@ -127,9 +127,11 @@ def check_attention_kernels(rows: int = 64, block_size: int = 16) -> None:
 
 
 def check_graphs_and_sync(root: str) -> None:
-    """Greedy tokens with CUDA graphs on and off both equal transformers (fp32); then a
-    steady decode under torch.cuda.set_sync_debug_mode("error"): no step may synchronise
-    the device but the designated copy of sampled ids (an event wait on its own stream)."""
+    """Greedy tokens with CUDA graphs and the compiled fused ops on (the default) and off
+    (``enforce_eager``) both equal transformers (fp32); then steady steps, plain and with
+    speculative decoding, under torch.cuda.set_sync_debug_mode("error"): no step may
+    synchronise the device but the designated copy of sampled ids (an event wait on its
+    own stream)."""
     from raylm import LLM, SamplingParams
 
     path = write_random_checkpoint(os.path.join(root, "graphs"), CheckpointSpec(seed=5))
@@ -142,32 +144,65 @@ def check_graphs_and_sync(root: str) -> None:
                                     detokenize=False)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
-            graphs = llm.llm_engine.core.engine_core.executor.worker.model_runner.decode_graphs
+            runner = llm.llm_engine.core.engine_core.executor.worker.model_runner
+            graphs = runner.decode_graphs
             replays = graphs.replays if graphs is not None else 0
+            compiled = runner.model.model.norm.ops.compiled
         finally:
             llm.shutdown()
         got = [list(o.outputs[0].token_ids) for o in outs]
         same = sum(a == b for a, b in zip(got, want, strict=True))
-        report(same == len(prompts) and (replays > 0) != eager,
-               f"CUDA graphs {'off' if eager else 'on'}: {same}/{len(prompts)} requests equal "
-               f"transformers, {replays} steps replayed as graphs")
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=32)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
-                                detokenize=False)
-        batch = [{"prompt_token_ids": p} for p in prompts_for(512, 32, 8, 8, seed=1)]
-        llm.generate(batch, params, use_tqdm=False)  # warm-up, graphs captured at start
-        torch.cuda.set_sync_debug_mode("error")
+        report(same == len(prompts) and (replays > 0) != eager and compiled != eager,
+               f"CUDA graphs and compiled fused ops {'off' if eager else 'on'}: {same}/"
+               f"{len(prompts)} requests equal transformers, {replays} steps replayed as "
+               f"graphs, fused ops compiled: {compiled}")
+    # Steady steps of plain decoding (graphs), and of speculative decoding: ngram, and a
+    # draft model drafting one step ahead (its drafts stay on the device until the
+    # verification's one copy).
+    specs = {"plain": None,
+             "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 3},
+             "draft model": {"method": "draft_model", "model": path,
+                             "num_speculative_tokens": 3}}
+    for name, spec in specs.items():
+        llm = LLM(path, dtype="bfloat16", max_num_seqs=32, speculative_config=spec)
         try:
-            outs = llm.generate(batch, params, use_tqdm=False)
-            report(all(len(o.outputs[0].token_ids) == 64 for o in outs),
-                   "steady steps ran under torch.cuda.set_sync_debug_mode('error')")
-        except Exception as e:
-            report(False, f"a steady step synchronised the device: {e!r}"[:400])
+            params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
+                                    detokenize=False)
+            # Repeating prompts: ngram lookups find drafts.
+            batch = [{"prompt_token_ids": p * 4} for p in prompts_for(512, 32, 8, 8, seed=1)]
+            llm.generate(batch, params, use_tqdm=False)  # warm-up: graphs, compiles
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outs = llm.generate(batch, params, use_tqdm=False)
+                report(all(len(o.outputs[0].token_ids) == 64 for o in outs),
+                       f"{name}: steady steps ran under "
+                       "torch.cuda.set_sync_debug_mode('error')")
+            except Exception as e:
+                report(False, f"{name}: a steady step synchronised the device: {e!r}"[:400])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    finally:
-        llm.shutdown()
+            llm.shutdown()
+
+
+def _launches_per_step(llm, batch: list, params, steps: int) -> tuple[float, float]:
+    """(kernel launches, CUDA graph launches) per decode step: a profile of ``batch``
+    generated for ``steps`` tokens less one generated for 1 token (the prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def launches(p) -> tuple[int, int]:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(batch, p, use_tqdm=False)
+        names = [e.name for e in prof.events()]
+        return (sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+                    for n in names), sum(n == "cudaGraphLaunch" for n in names))
+
+    from raylm import SamplingParams
+
+    one = launches(SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+    many = launches(params)
+    return ((many[0] - one[0]) / (steps - 1), (many[1] - one[1]) / (steps - 1))
 
 
 def check_decode_floor(root: str) -> None:
@@ -194,6 +229,11 @@ def check_decode_floor(root: str) -> None:
         llm.generate(prompts, SamplingParams(max_tokens=n_out + 1, ignore_eos=True,
                                              detokenize=False), use_tqdm=False)
         step = (time.perf_counter() - start - prefill) / n_out
+        kernels, graphs = _launches_per_step(
+            llm, prompts[:64], SamplingParams(max_tokens=9, ignore_eos=True,
+                                              detokenize=False), 9)
+        print(f"decode step 1B, batch 64: {kernels:.0f} kernel launches and {graphs:.1f} "
+              "CUDA graph launches per step (profiled)", flush=True)
     finally:
         llm.shutdown()
     head_dim = spec.hidden_size // spec.num_attention_heads
