@@ -9,15 +9,19 @@ one kernel. Compiled where ``compile_fused_ops`` says (default: on CUDA unless
 compile costs seconds per start). Each function is compiled once for every token count
 (``dynamic=True``) at the first forward (the memory profile, before any CUDA graph is
 captured); inductor keeps what it compiled on disk (its FX graph cache), so a restart
-loads it instead of compiling again.
+loads it instead of compiling again. A compile that fails (no compiler, an inductor bug)
+leaves that function eager, with a warning: the step still runs, at eager speed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,11 +63,29 @@ class FusedOps:
 EAGER_OPS = FusedOps(rms_norm, add_rms_norm, rotary)
 
 
+class _CompiledOrEager:
+    """``fn`` through torch.compile, or ``fn`` itself from the first call whose compiled
+    form raised."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.compiled: Callable | None = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compile failure: run eager
+                logger.warning("torch.compile of %s failed, it runs eagerly: %r",
+                               self.fn.__name__, e)
+                self.compiled = None
+        return self.fn(*args)
+
+
 def compiled_ops() -> FusedOps:
     """The same functions through torch.compile (compiled at their first call)."""
-    def compile_(fn):
-        return torch.compile(fn, dynamic=True, fullgraph=True)
-    return FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(rotary), compiled=True)
+    return FusedOps(_CompiledOrEager(rms_norm), _CompiledOrEager(add_rms_norm),
+                    _CompiledOrEager(rotary), compiled=True)
 
 
 def resolve_fused_ops(compile_fused_ops: bool | None, device: torch.device,

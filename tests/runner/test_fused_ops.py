@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raylm import LLM, SamplingParams
+from raylm.runner.models import fused_ops
 from raylm.runner.models.fused_ops import EAGER_OPS, compiled_ops, resolve_fused_ops
 
 
@@ -19,6 +20,18 @@ def test_compiled_on_cuda_unless_enforce_eager_and_off_on_cpu_unless_asked():
     assert resolve_fused_ops(None, cpu, enforce_eager=False) is EAGER_OPS
     assert resolve_fused_ops(True, cpu, enforce_eager=False).compiled
     assert resolve_fused_ops(False, cuda, enforce_eager=False) is EAGER_OPS
+
+
+def test_a_function_that_does_not_compile_runs_eagerly():
+    def branchy(x: torch.Tensor) -> torch.Tensor:
+        # Data-dependent control flow: fullgraph=True refuses it.
+        return x * 2 if x.sum().item() > 0 else x * 3
+
+    op = fused_ops._CompiledOrEager(branchy)
+    x = torch.ones(4)
+    assert torch.equal(op(x), x * 2)
+    assert op.compiled is None  # it fell back, and stays eager
+    assert torch.equal(op(-x), -x * 3)
 
 
 @pytest.mark.timeout(600)
