@@ -2,8 +2,8 @@
 (rejection_sampler.py), and turn the accepted runs into the step's output. The output is
 copied to the host before it returns, in one copy with the step's drafts still on the
 device (the one wait of the step, on the copy stream): the drafts live in the host
-history, so there are no -1 placeholders to settle later. With a grammar, only the drafts it kept are verified;
-the dropped ones ran in the forward and count as rejected."""
+history, so there are no -1 placeholders to settle later. With a grammar, only the drafts
+it kept are verified; the dropped ones ran in the forward and count as rejected."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ class Verifier:
         num_drafts = self._counts(batch, drafts)
         sampling = np.flatnonzero(batch.sample_mask)
         if sampling.size == 0:  # only non-final prefill chunks: nothing to sample
-            self.device_drafts.settle(drafts, self.copier.to_host(on_device) if on_device else [])
+            copied = self.copier.to_host(on_device) if on_device else []
+            self.device_drafts.settle(drafts, copied)
             output = self._bookkeeping(batch, sampling, _EMPTY, _EMPTY, _EMPTY, num_drafts,
                                        placed, _EMPTY, None)
             return Verification(output, sampling, None, _EMPTY, _EMPTY)
@@ -105,8 +106,9 @@ class Verifier:
         verified = [drafts.get(batch.req_ids[i], _EMPTY) for i in sampling.tolist()]
         accepted = num_accepted_drafts(sampled, np.concatenate(verified) if verified else _EMPTY,
                                        nd)
+        logprob_arrays = host[1:len(tensors)] if lp is not None else None
         output = self._bookkeeping(batch, sampling, seg_starts, base_len, accepted, num_drafts,
-                                   placed, sampled, host[1:len(tensors)] if lp is not None else None)
+                                   placed, sampled, logprob_arrays)
         return Verification(output, sampling, out.sampled_token_ids[:, 0], seg_starts,
                             base_len)
 
