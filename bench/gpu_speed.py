@@ -191,14 +191,14 @@ def _launches_per_step(llm, batch: list, params, steps: int) -> tuple[float, flo
     generated for ``steps`` tokens less one generated for 1 token (the prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from raylm import SamplingParams
+
     def launches(p) -> tuple[int, int]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(batch, p, use_tqdm=False)
         names = [e.name for e in prof.events()]
         return (sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
                     for n in names), sum(n == "cudaGraphLaunch" for n in names))
-
-    from raylm import SamplingParams
 
     one = launches(SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
     many = launches(params)

@@ -57,7 +57,12 @@ class FusedOps:
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    compiled: bool = False
+
+    @property
+    def compiled(self) -> bool:
+        """Whether all three run compiled (False once one has fallen back to eager)."""
+        return all(isinstance(f, _CompiledOrEager) and f.compiled is not None
+                   for f in (self.rms_norm, self.add_rms_norm, self.rotary))
 
 
 EAGER_OPS = FusedOps(rms_norm, add_rms_norm, rotary)
@@ -85,7 +90,7 @@ class _CompiledOrEager:
 def compiled_ops() -> FusedOps:
     """The same functions through torch.compile (compiled at their first call)."""
     return FusedOps(_CompiledOrEager(rms_norm), _CompiledOrEager(add_rms_norm),
-                    _CompiledOrEager(rotary), compiled=True)
+                    _CompiledOrEager(rotary))
 
 
 def resolve_fused_ops(compile_fused_ops: bool | None, device: torch.device,

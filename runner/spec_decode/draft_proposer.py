@@ -46,7 +46,9 @@ class DraftModelProposer:
         assert spec is not None and spec.model is not None
         target = engine_config.model_config
         self.model_config = ModelConfig(model=spec.model, dtype=target.dtype,
-                                        max_model_len=target.max_model_len, seed=target.seed)
+                                        max_model_len=target.max_model_len, seed=target.seed,
+                                        enforce_eager=target.enforce_eager,
+                                        compile_fused_ops=target.compile_fused_ops)
         self.block_size = engine_config.cache_config.block_size
         self.input_batch = input_batch
         self.device = device

@@ -28,9 +28,12 @@ def test_a_function_that_does_not_compile_runs_eagerly():
         return x * 2 if x.sum().item() > 0 else x * 3
 
     op = fused_ops._CompiledOrEager(branchy)
+    ops = fused_ops.FusedOps(op, compiled_ops().add_rms_norm, compiled_ops().rotary)
+    assert ops.compiled
     x = torch.ones(4)
     assert torch.equal(op(x), x * 2)
     assert op.compiled is None  # it fell back, and stays eager
+    assert not ops.compiled  # and the ops say so
     assert torch.equal(op(-x), -x * 3)
 
 
