@@ -73,8 +73,9 @@ class DPLoadBalancer:
                 decision, ranked = self._rule.rank(
                     [Candidate(r, self._unfinished[r], matched[r], free[r])
                      for r in range(self.dp_size)], len(block_hashes))
-                rank = ranked[0]
-                assert isinstance(rank, int), ranked
+                chosen = ranked[0]
+                assert isinstance(chosen, int), ranked
+                rank = chosen
                 self._index.insert(rank, block_hashes)
                 self._decisions[decision] += 1
             self._owner[request_id] = rank

@@ -17,7 +17,7 @@ import ray
 
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPSyncGroup
 from raylm.parallel.rendezvous import StoreRendezvous
-from raylm.scheduler.config.engine_config import EngineConfig, ParallelConfig
+from raylm.scheduler.config.engine_config import EngineConfig, ExecutorBackend, ParallelConfig
 from raylm.scheduler.config.validation import check_rank
 from raylm.scheduler.core.dp_loop import DPEngineCoreLoop
 from raylm.scheduler.core.engine_core import EngineCore
@@ -26,6 +26,8 @@ from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutputs
 
 if TYPE_CHECKING:
+    from raylm.actors.ray_executor import RayExecutor
+    from raylm.runner.uniproc_executor import UniProcExecutor
     from raylm.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ def rank_config(config: EngineConfig) -> EngineConfig:
     pc = config.parallel_config
     if pc.data_parallel_size == 1:
         return config
-    backend = "uni" if model_in_rank_actor(pc) else "ray"
+    backend: ExecutorBackend = "uni" if model_in_rank_actor(pc) else "ray"
     return replace(config, parallel_config=replace(
         pc, data_parallel_size=1, distributed_executor_backend=backend))
 
@@ -84,7 +86,8 @@ def make_engine_core(config: EngineConfig, executor: Any) -> EngineCore:
         raise
 
 
-@ray.remote(max_concurrency=ENGINE_CORE_ACTOR_CONCURRENCY)
+# Ray's typed overload of remote() lacks max_concurrency (an actor option it takes).
+@ray.remote(max_concurrency=ENGINE_CORE_ACTOR_CONCURRENCY)  # type: ignore[call-overload]
 class EngineCoreActor:
     def __init__(self, config: EngineConfig, dp_rank: int = 0, coordinator: Any = None,
                  placement_group: Any = None, num_threads: int | None = None,
@@ -113,6 +116,8 @@ class EngineCoreActor:
     def start(self) -> dict[str, Any]:
         """Build the executor and the EngineCore (model load, KV cache). With d = 1 the
         loop starts here; a DP rank's starts once it has joined the DP group."""
+        from raylm.actors.ray_executor import RayExecutor
+
         executor = self._make_executor()
         self.engine_core = make_engine_core(self.rank_config, executor)
         if self.dp_size == 1:
@@ -123,9 +128,10 @@ class EngineCoreActor:
                 "async_scheduling": self.engine_core.config.async_scheduling,
                 "max_concurrent_batches": self.engine_core.batch_queue_size,
                 "executor": type(executor).__name__,
-                "worker_infos": list(getattr(executor, "worker_infos", []))}
+                "worker_infos": (list(executor.worker_infos)
+                                 if isinstance(executor, RayExecutor) else [])}
 
-    def _make_executor(self) -> Any:
+    def _make_executor(self) -> UniProcExecutor | RayExecutor:
         if model_in_rank_actor(self.config.parallel_config):
             from raylm.actors.gpu_assignment import current_device_assignment
             from raylm.runner.uniproc_executor import UniProcExecutor
@@ -173,6 +179,12 @@ class EngineCoreActor:
                                "(start(), and join_dp_group() with d > 1).")
         return self.loop
 
+    def _require_dp_loop(self) -> DPEngineCoreLoop:
+        loop = self._require_loop()
+        if not isinstance(loop, DPEngineCoreLoop):
+            raise RuntimeError(f"rank {self.dp_rank} runs no DP loop (data_parallel_size=1).")
+        return loop
+
     def add_request(self, request: Request) -> None:
         """Raises ValueError (to the caller) when the request can never be served, and
         EngineDeadError once the loop has died."""
@@ -182,7 +194,7 @@ class EngineCoreActor:
         self._require_loop().abort_requests(request_ids)
 
     def start_wave(self, wave: int) -> None:
-        self._require_loop().start_wave(wave)
+        self._require_dp_loop().start_wave(wave)
 
     def release_kv(self, request_ids: list[str]) -> None:
         """Prefill/decode: a decode engine holds its copy of these finished requests' KV."""
@@ -210,7 +222,7 @@ class EngineCoreActor:
         return metrics
 
     def get_dp_stats(self) -> dict[str, Any]:
-        return self._require_loop().get_dp_stats().as_dict()
+        return self._require_dp_loop().get_dp_stats().as_dict()
 
     def check_health(self) -> None:
         self._require_loop().check_health()
@@ -218,7 +230,10 @@ class EngineCoreActor:
     def worker_handles(self) -> list[Any]:
         """The worker actors, rank order (fault-injection tests, debugging); none when the
         model runs in this actor."""
-        return list(getattr(self._require_loop().engine_core.executor, "workers", []))
+        from raylm.actors.ray_executor import RayExecutor
+
+        executor = self._require_loop().engine_core.executor
+        return list(executor.workers) if isinstance(executor, RayExecutor) else []
 
     def shutdown(self) -> None:
         if self.loop is not None:

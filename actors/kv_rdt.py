@@ -108,7 +108,8 @@ def join_pair(name: str, host: str, port: int, rank: int, backend: str, timeout_
         nccl_opts._timeout = timeout
         pg: Any = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)
     else:
-        gloo_opts = dist.ProcessGroupGloo._Options()
+        # Private pybind class, absent from torch's stubs (the public Options takes no devices).
+        gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         gloo_opts._timeout = timeout
         gloo_opts._devices = [gloo_device(host, local_host)]
         pg = dist.ProcessGroupGloo(prefixed, rank, 2, gloo_opts)

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.util.placement_group import get_current_placement_group, remove_placement_group
@@ -46,6 +46,8 @@ from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
 
 if TYPE_CHECKING:
+    from ray.actor import ActorClass
+
     from raylm.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -166,6 +168,13 @@ class RayEngineCoreClient(RemoteEngineCalls):
         """What rank 0's ``start`` reported (the only rank's, with d = 1)."""
         return self.rank_infos[0]
 
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The KV pool in blocks, every rank's; None before the ranks have started."""
+        if not self.rank_infos:
+            return None
+        return sum(int(info["num_kv_blocks"]) for info in self.rank_infos)
+
     # ---- startup ---------------------------------------------------------------------
     def _init_placement(self, resource: str | None, cpus_per_rank: float,
                         cpus_per_worker: float, timeout_s: float) -> None:
@@ -204,7 +213,9 @@ class RayEngineCoreClient(RemoteEngineCalls):
         named = ({"name": engine_actor_name(str(kv.engine_id)), "namespace": KV_NAMESPACE}
                  if kv is not None and not kv.is_offloading else {})
         for rank, slot in enumerate(self.slots):
-            self.ranks.append(EngineCoreActor.options(
+            # mypy leaves class decorators out: the class is what @ray.remote made of it.
+            actor_cls = cast("ActorClass[EngineCoreActor]", EngineCoreActor)
+            self.ranks.append(actor_cls.options(
                 num_cpus=slot.cpus, num_gpus=slot.gpus, **named,
                 runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -240,7 +251,7 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self._check_not_dead()
         hashes = None
         if self._route_block_size is not None:
-            lora = getattr(request, "lora_request", None)  # an adapter's blocks are its own
+            lora = request.lora_request  # an adapter's blocks are its own
             hashes = prompt_block_hashes(request.prompt_token_ids, self._route_block_size,
                                          None if lora is None else lora.lora_name)
         rank = self.balancer.select(request.request_id, hashes)

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -28,12 +28,17 @@ from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.structured.manager import GrammarOutput
 
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
+
+    from raylm.runner.worker import Worker
+
 logger = logging.getLogger(__name__)
 
 DISPATCH_MODES = ("channel", "ray")
 
 
-def _first_lines(text: str, limit: int = 600) -> str:
+def _first_lines(text: object, limit: int = 600) -> str:
     text = " ".join(line.strip() for line in str(text).splitlines() if line.strip())
     return text if len(text) <= limit else text[:limit] + " ..."
 
@@ -59,7 +64,8 @@ class RayExecutor:
                  cpus_per_worker: float = 1.0, dispatch: str = "channel",
                  placement_timeout_s: float | None = None,
                  init_timeout_s: float = 600.0, dist_timeout_s: float = 300.0,
-                 health_timeout_s: float = 30.0, worker_cls: type | None = None) -> None:
+                 health_timeout_s: float = 30.0,
+                 worker_cls: type[Worker] | None = None) -> None:
         """``placement_group``: use bundles ``[bundle_offset, bundle_offset + pp)`` (one per
         pipeline stage, holding its TP group: ``stage_bundles``) of a group the caller owns (the EngineCore actor sits in an earlier bundle);
         otherwise the executor creates and owns one. ``worker_cls`` replaces
@@ -121,7 +127,9 @@ class RayExecutor:
                 self.placement_group.bundle_specs[bundle_index], tp)
             # Torch intra-op threads follow the rank's CPU share of its bundle.
             threads = placement.threads_for_cpus(cpus)
-            self.workers.append(WorkerActor.options(
+            # mypy leaves class decorators out: the class is what @ray.remote made of it.
+            actor_cls = cast("ActorClass[WorkerActor]", WorkerActor)
+            self.workers.append(actor_cls.options(
                 num_cpus=cpus, num_gpus=gpus, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=bundle_index),

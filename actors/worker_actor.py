@@ -19,12 +19,20 @@ import secrets
 import sys
 import threading
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from raylm.actors.step_channel import StepServer
 from raylm.scheduler.config.engine_config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from raylm.parallel.context import ParallelContext
+    from raylm.runner.kv_transfer.base import KVConnectorWorker
+    from raylm.runner.kv_transfer.ray_pd import RayKVConnectorWorker
+    from raylm.runner.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +52,14 @@ KV_IN = "kv_in"
 SHUTDOWN_WAIT_S = 5.0  # for the torch thread to finish its step before tearing down
 
 
-@ray.remote(concurrency_groups={CONTROL: 1, KV: 2, KV_IN: 2}, enable_tensor_transport=True)
+def kv_cache_device(connector: KVConnectorWorker) -> torch.device:
+    """Where the connector's KV caches live (they exist once initialize_kv_cache ran)."""
+    return connector.kv_caches[0][0].device
+
+
+# Ray's typed overload of remote() lacks these actor options (they exist at runtime).
+@ray.remote(  # type: ignore[call-overload]
+    concurrency_groups={CONTROL: 1, KV: 2, KV_IN: 2}, enable_tensor_transport=True)
 class WorkerActor:
     """Construct with ``.options(num_cpus=..., num_gpus=..., scheduling_strategy=...)``.
 
@@ -60,7 +75,8 @@ class WorkerActor:
         os.environ.update(env or {})
         self.rank = rank
         self.num_threads = num_threads
-        self.worker: Any = None
+        # A Worker, or a stand-in for one (worker_cls: tests, benchmarks).
+        self.worker: Worker | None = None
         self.is_output_rank = False
         self._next_seq = 0
         self._step_server: StepServer | None = None
@@ -90,7 +106,7 @@ class WorkerActor:
         return str(self._rendezvous.init_method)
 
     def init_worker(self, engine_config: EngineConfig, distributed_init_method: str | None,
-                    local_rank: int = 0, worker_cls: type | None = None,
+                    local_rank: int = 0, worker_cls: type[Worker] | None = None,
                     dist_timeout_s: float = 300.0) -> None:
         """Join torch.distributed (world size > 1), build the Worker, bind its device."""
         from raylm.actors.gpu_assignment import current_device_assignment
@@ -118,25 +134,41 @@ class WorkerActor:
         from raylm.runner.worker import Worker
 
         self._run = Worker.run  # the one step dispatch, for a stand-in worker_cls too
-        self.worker = (worker_cls or Worker)(engine_config, rank=self.rank,
-                                             local_rank=local_rank,
-                                             distributed_init_method=distributed_init_method)
+        self.worker = worker = (worker_cls or Worker)(
+            engine_config, rank=self.rank, local_rank=local_rank,
+            distributed_init_method=distributed_init_method)
         # The Worker sets torch's thread count itself; hand it this rank's CPU share.
-        self.worker.init_device(ctx, num_threads=self.num_threads,
-                                expect_cuda=device.expect_cuda)
+        worker.init_device(ctx, num_threads=self.num_threads, expect_cuda=device.expect_cuda)
         if pp > 1:
-            self._init_pp_transport(engine_config, ctx, dist_timeout_s)
-        kv_steps = getattr(getattr(self.worker, "model_runner", None), "kv_steps", None)
-        connector = kv_steps.connector if kv_steps is not None else None
-        if connector is not None and hasattr(connector, "transport"):
+            assert ctx is not None  # world_size > 1
+            self._init_pp_transport(worker, engine_config, ctx, dist_timeout_s)
+        kv = engine_config.kv_transfer_config
+        if kv is not None and not kv.is_offloading:  # prefill/decode: the rank's connector
             from raylm.actors.kv_transport import RayKVTransport
 
+            connector = self._kv_connector()
             # Decode ranks pull through it; its caches exist once initialize_kv_cache ran.
             connector.transport = RayKVTransport(
-                connector.config.pd_transport, device=lambda: connector.kv_caches[0][0].device)
+                connector.config.pd_transport, device=lambda: kv_cache_device(connector))
 
-    def _init_pp_transport(self, engine_config: EngineConfig, ctx: Any,
-                           dist_timeout_s: float) -> None:
+    def _ready_worker(self) -> Worker:
+        if self.worker is None:
+            raise RuntimeError(f"worker rank {self.rank}: init_worker has not run")
+        return self.worker
+
+    def _kv_connector(self) -> RayKVConnectorWorker:
+        """This rank's prefill/decode KV connector."""
+        from raylm.runner.kv_transfer.ray_pd import RayKVConnectorWorker
+
+        runner = self._ready_worker().model_runner
+        steps = runner.kv_steps if runner is not None else None
+        connector = steps.connector if steps is not None else None
+        if not isinstance(connector, RayKVConnectorWorker):
+            raise RuntimeError(f"worker rank {self.rank} has no prefill/decode KV connector")
+        return connector
+
+    def _init_pp_transport(self, worker: Worker, engine_config: EngineConfig,
+                           ctx: ParallelContext, dist_timeout_s: float) -> None:
         """Hidden states stage to stage, sampled ids back from the last stage. Collective
         (it creates the PP broadcast group): every rank runs it, in init_worker."""
         from raylm.parallel.pp_comm import build_pp_transport
@@ -146,20 +178,21 @@ class WorkerActor:
         mc = engine_config.model_config
         hidden_size = int(mc.hf_config["hidden_size"])
         dtype = resolve_dtype(mc.dtype, ctx.device, mc.hf_config)  # the runner's dtype
-        self.worker.pp_transport = build_pp_transport(ctx, hidden_size, dtype,
-                                                      IntermediateTensors, dist_timeout_s)
+        worker.pp_transport = build_pp_transport(ctx, hidden_size, dtype,
+                                                 IntermediateTensors, dist_timeout_s)
 
     def load_model(self) -> dict[str, Any] | None:
         """Loads the rank's weights; returns what it runs on (``Worker.device_info``)."""
-        self.worker.load_model()
-        describe = getattr(self.worker, "device_info", None)
+        worker = self._ready_worker()
+        worker.load_model()
+        describe = getattr(worker, "device_info", None)  # a stand-in worker may lack it
         return describe() if describe is not None else None
 
     def determine_num_kv_blocks(self) -> int:
-        return int(self.worker.determine_num_kv_blocks())
+        return int(self._ready_worker().determine_num_kv_blocks())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+        self._ready_worker().initialize_kv_cache(num_blocks)
 
     @ray.method(concurrency_group=CONTROL)
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -176,8 +209,7 @@ class WorkerActor:
     def read_kv(self, request_id: str, first_block: int, head_lo: int, head_hi: int) -> Any:
         """A prefill rank's blocks of a finished prompt, for a decode rank (see
         ``RayKVConnectorWorker.read_blocks``; the blocks are held until it is released)."""
-        connector = self.worker.model_runner.kv_steps.connector
-        return connector.read_blocks(request_id, first_block, head_lo, head_hi)
+        return self._kv_connector().read_blocks(request_id, first_block, head_lo, head_hi)
 
     # Ray Direct Transport (raylm.actors.kv_rdt): the prefill rank's side, then the decode
     # rank's (which calls it on itself, with the ref of the prefill rank's tensors).
@@ -186,13 +218,12 @@ class WorkerActor:
                         on_device: bool = False) -> dict[str, Any]:
         """``read_kv`` as torch tensors; the caller asks for it with
         ``.options(tensor_transport=kv_rdt.TRANSPORT)``, so they leave out of band."""
-        connector = self.worker.model_runner.kv_steps.connector
-        return connector.read_block_tensors(request_id, first_block, head_lo, head_hi,
-                                            on_device)
+        return self._kv_connector().read_block_tensors(request_id, first_block, head_lo,
+                                                       head_hi, on_device)
 
     @ray.method(concurrency_group=KV)
     def kv_device(self) -> str:
-        return str(self.worker.model_runner.kv_steps.connector.kv_caches[0][0].device.type)
+        return str(kv_cache_device(self._kv_connector()).type)
 
     @ray.method(concurrency_group=KV)
     def join_kv_pair(self, name: str, host: str, port: int, backend: str,
@@ -202,8 +233,8 @@ class WorkerActor:
 
         from raylm.actors import kv_rdt
 
-        connector = self.worker.model_runner.kv_steps.connector
-        device = connector.kv_caches[0][0].device if backend == "nccl" else torch.device("cpu")
+        device = (kv_cache_device(self._kv_connector()) if backend == "nccl"
+                  else torch.device("cpu"))
         kv_rdt.join_pair(name, host, port, kv_rdt.SRC, backend, timeout_s, device,
                          ray.util.get_node_ip_address())
 
@@ -225,7 +256,7 @@ class WorkerActor:
 
     def _run_step(self, message: Any) -> Any:
         """``Worker.run``; only the output rank's result goes back."""
-        out = self._run(self.worker, message)
+        out = self._run(self._ready_worker(), message)
         return out if self.is_output_rank else None
 
     def execute_model(self, seq: int, scheduler_output: Any) -> Any:

@@ -37,7 +37,7 @@ def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
     return [list(range(t, tp_size * pp_size, tp_size)) for t in range(tp_size)]
 
 
-def _validate(world_size: int, rank: int, tp: int, pp: int, init_method: str,
+def _validate(world_size: int, rank: int, tp: int, pp: int, init_method: str | None,
               timeout_s: float) -> None:
     check_at_least("tensor_parallel_size", tp)
     check_at_least("pipeline_parallel_size", pp)
@@ -120,7 +120,7 @@ def init_distributed_environment(
     *,
     world_size: int,
     rank: int,
-    distributed_init_method: str,
+    distributed_init_method: str | None,  # None is refused, as any other non-URL
     tensor_parallel_size: int,
     pipeline_parallel_size: int = 1,
     local_rank: int = 0,
@@ -139,6 +139,7 @@ def init_distributed_environment(
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     _validate(world_size, rank, tp, pp, distributed_init_method, timeout_s)
+    assert distributed_init_method is not None  # _validate refused None
     if dist.is_initialized():
         raise RuntimeError(
             f"torch.distributed is already initialized in this process "

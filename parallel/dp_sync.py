@@ -61,7 +61,8 @@ class DPSyncGroup:
         try:
             store = rendezvous.store if rendezvous is not None else dist.TCPStore(
                 host, port, dp_size, is_master=False, timeout=timeout)
-            opts = dist.ProcessGroupGloo._Options()
+            # Private pybind class, absent from torch's stubs (the public Options takes no devices).
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timeout
             opts._devices = [gloo_device(host, local_host)]
             # A prefix keeps this group's keys apart from anything else on the store.
@@ -74,12 +75,14 @@ class DPSyncGroup:
         logger.info("Joined the DP Gloo group as %s.", where)
         return cls(pg, dp_rank, dp_size, where, store)
 
-    def _all_reduce(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+    def _all_reduce(self, values: list[int], op: dist.ReduceOp.RedOpType) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = op
+        # torch's stubs type ReduceOp.MAX as RedOpType; pybind converts it to a ReduceOp.
+        opts.reduceOp = op  # type: ignore[assignment]
         try:
-            self._pg.allreduce([tensor], opts).wait()
+            # The stubs give Backend subclasses no allreduce; ProcessGroupGloo has it.
+            self._pg.allreduce([tensor], opts).wait()  # type: ignore[attr-defined]
         except (dist.DistError, RuntimeError) as e:
             raise RuntimeError(f"DP all-reduce failed on {self.where} (a peer is dead, "
                                f"stuck or gone): {e}") from e

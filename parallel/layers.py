@@ -57,6 +57,19 @@ class LinearLoRA(Protocol):
         ...
 
 
+class WeightLoader(Protocol):
+    """A parameter's ``weight_loader``: copies this rank's shard of ``loaded_weight`` into
+    ``param`` (or into any tensor shaped like it: LoRA shards slices with it)."""
+
+    def __call__(self, param: torch.Tensor, loaded_weight: Weight,
+                 shard_id: object = None) -> None: ...
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    # torch's Parameter declares no such attribute: the loaders are tagged on at runtime.
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
@@ -115,7 +128,7 @@ class PackedLinearWeight:
     stays (loaders, TP checks and a tied embedding read it); the packed copy is made once
     the weights are loaded (``process_weights_after_loading``)."""
 
-    weight: torch.Tensor
+    weight: nn.Parameter
     packed_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
@@ -157,13 +170,13 @@ class ColumnParallelLinear(PackedLinearWeight, nn.Module):
         self.gather_output = gather_output
         self.lora: LinearLoRA | None = None
         self.weight = _new_param((self.output_size_per_partition, input_size), ctx, params_dtype)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         self.bias = None
         if bias:
             self.bias = _new_param((self.output_size_per_partition,), ctx, params_dtype)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
+    def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         size = param.shape[0]
         shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
@@ -202,7 +215,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                   if self.bias is not None else [None] * len(weights))
         return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
+    def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear shard_id must be an index into "
@@ -245,7 +258,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
+    def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
@@ -274,13 +287,13 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
         self.reduce_results = reduce_results
         self.lora: LinearLoRA | None = None
         self.weight = _new_param((output_size, self.input_size_per_partition), ctx, params_dtype)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         self.bias = None
         if bias:
             self.bias = _new_param((output_size,), ctx, params_dtype)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
+    def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: replicated
             shard = read_whole(loaded_weight)
@@ -317,9 +330,9 @@ class VocabParallelEmbedding(nn.Module):
                                    num_embeddings)
         self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), ctx,
                                  params_dtype)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
+    def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
                       shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:
             raise ValueError(f"embedding has {loaded_weight.shape[0]} rows in the checkpoint, "

@@ -97,6 +97,7 @@ class PPCommunicator:
         works = [dist.irecv(t, src=self.prev_rank, group=self.pp_group)
                  for t in (hidden, residual)]
         for w in works:
+            assert w is not None  # None only for a rank outside pp_group
             w.wait()
         return self.make_intermediate(hidden, residual)
 

@@ -63,7 +63,8 @@ class _CudaCopy(AsyncCopy):
 class _ThreadCopy(AsyncCopy):
     def __init__(self, tensors: list[torch.Tensor], pool: ThreadPoolExecutor) -> None:
         # The future's closure keeps the tensors alive until the copy has run.
-        self._future: Future = pool.submit(lambda: [t.numpy().copy() for t in tensors])
+        self._future: Future[list[np.ndarray]] = pool.submit(
+            lambda: [t.numpy().copy() for t in tensors])
 
     def done(self) -> bool:
         return self._future.done()
@@ -84,6 +85,7 @@ class AsyncOutputCopier:
     def start(self, tensors: list[torch.Tensor]) -> AsyncCopy:
         if self._stream is not None:
             return _CudaCopy(tensors, self._stream)
+        assert self._pool is not None  # no stream: __init__ made the pool
         return _ThreadCopy(tensors, self._pool)
 
     def to_host(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
@@ -108,7 +110,7 @@ def build_model_runner_output(req_ids: list[str], req_id_to_index: dict[str, int
     logprobs [B, n+1], ranks [B]); each request keeps its own ``num_logprobs + 1`` columns."""
     tokens = sampled.tolist()
     sampled_token_ids = [[t] if m else [] for t, m in zip(tokens, sample_mask.tolist(), strict=True)]
-    logprobs = None
+    logprobs: list[LogprobsLists | None] | None = None
     if logprob_arrays is not None:
         ids, values, ranks = logprob_arrays
         logprobs = []

@@ -48,10 +48,10 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_SELF_CGROU
                 quota, _, period = text.partition(" ")
                 return None if quota == "max" else int(quota) / int(period)
         for folder in ("cpu", "cpu,cpuacct"):  # cgroup v1: quota -1 means none
-            quota = _read(os.path.join(root, folder, "cpu.cfs_quota_us"))
-            period = _read(os.path.join(root, folder, "cpu.cfs_period_us"))
-            if quota is not None and period is not None:
-                return None if int(quota) <= 0 else int(quota) / int(period)
+            quota_us = _read(os.path.join(root, folder, "cpu.cfs_quota_us"))
+            period_us = _read(os.path.join(root, folder, "cpu.cfs_period_us"))
+            if quota_us is not None and period_us is not None:
+                return None if int(quota_us) <= 0 else int(quota_us) / int(period_us)
     except (ValueError, ZeroDivisionError):
         return None  # a file in a shape this code does not know: no limit assumed
     return None

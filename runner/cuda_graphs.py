@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from raylm.runner.attention.paged_attention import AttentionMetadata
 
@@ -23,6 +22,10 @@ if TYPE_CHECKING:
     from raylm.runner.prepare_inputs import InputPreparer
 
 logger = logging.getLogger(__name__)
+
+# A single-stage model's decode forward: (input ids, positions, metadata, no intermediate
+# tensors) -> hidden states. The model itself, or LoRAManager.graph_forward's wrapper.
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, None], torch.Tensor]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -46,7 +49,7 @@ class DecodeGraphs:
         self._views = views
         self.buckets = sorted(buckets)
         self._buffers = buffers  # the input tensors the capture read (checked at replay)
-        self._captured_buffers: tuple[torch.Tensor, ...] = ()
+        self._captured_buffers: tuple[int, ...] = ()  # their data_ptr()s
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
@@ -86,7 +89,7 @@ class DecodeGraphs:
         return out
 
 
-def setup_decode_padding(preparer: InputPreparer, model: nn.Module, device: torch.device,
+def setup_decode_padding(preparer: InputPreparer, model: DecodeForward, device: torch.device,
                          max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
                          capture: bool) -> DecodeGraphs | None:
     """Pad the preparer's decode steps to buckets (the Triton kernel's metadata in fixed

@@ -10,13 +10,16 @@ needs its value (docs/architecture.md §3 rule 6).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from raylm.runner.sample.rng import to_int64_seed
 from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -41,6 +44,28 @@ class CachedRequestState:
 
 
 class InputBatch:
+    # One row per request, made and grown by _grow (set by name there).
+    token_ids: np.ndarray  # [rows, max_model_len] int32: prompt + outputs
+    block_table: np.ndarray  # [rows, max_num_blocks_per_req] int32
+    num_tokens: np.ndarray  # [rows] int64
+    num_prompt_tokens: np.ndarray
+    num_computed_tokens: np.ndarray
+    num_blocks: np.ndarray
+    top_k: np.ndarray
+    seeds: np.ndarray
+    min_tokens: np.ndarray
+    lora_ids: np.ndarray
+    last_sampled_pos: np.ndarray
+    num_logprobs: np.ndarray
+    temperature: np.ndarray  # [rows] float32
+    top_p: np.ndarray
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    is_greedy: np.ndarray  # [rows] bool
+    needs_history: np.ndarray
+
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
         self.max_model_len = max_model_len
         self.max_num_blocks_per_req = -(-max_model_len // block_size)
@@ -52,11 +77,11 @@ class InputBatch:
         self._grow(max(1, max_num_reqs))
         # Async scheduling (vLLM's names): the previous step's sampled ids, still on the
         # device ([B_prev, 1] tensor), and the row of each request that sampled in them.
-        self.prev_sampled_token_ids: Any = None
+        self.prev_sampled_token_ids: torch.Tensor | None = None
         self.prev_req_id_to_index: dict[str, int] = {}
 
     def _grow(self, capacity: int) -> None:
-        def grow(name: str, shape: tuple[int, ...], dtype, fill) -> None:
+        def grow(name: str, shape: tuple[int, ...], dtype: type[np.generic], fill: float) -> None:
             new = np.full((capacity, *shape), fill, dtype=dtype)
             if self._capacity:
                 new[: self._capacity] = getattr(self, name)

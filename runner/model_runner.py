@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import (
@@ -29,7 +28,7 @@ from raylm.runner.loading.model_loader import get_model, resolve_dtype
 from raylm.runner.lora.manager import LoRAManager
 from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.models.decoder_config import DecoderConfig
-from raylm.runner.models.llama import IntermediateTensors
+from raylm.runner.models.llama import IntermediateTensors, LlamaForCausalLM
 from raylm.runner.placeholders import OnHost, PendingPlaceholders, Placeholders
 from raylm.runner.pooler import Pooler
 from raylm.runner.pp_ring import RingDelivery, SampledTokenRing, SampledTokenTransport
@@ -89,8 +88,8 @@ class ModelRunner:
                                       is_last_pp_rank=ctx.is_last_pp_rank,
                                       learns_from_ring=self.pp_ring is not None)
                            if engine_config.speculative_config is not None else None)
-        self.model: nn.Module | None = None
-        self.sampler: Sampler | None = None
+        self.model: LlamaForCausalLM | None = None
+        self.sampler: Sampler | None = None  # the last PP stage's
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
         # Structured outputs: a step whose sampling waits for sample_tokens (last stage).
@@ -112,7 +111,7 @@ class ModelRunner:
                                      self.input_preparer.attention_backend)
 
     # ---------------------------------------------------------------- setup
-    def load_model(self, model: nn.Module | None = None) -> None:
+    def load_model(self, model: LlamaForCausalLM | None = None) -> None:
         """Load from ``model_config.model`` (or take an already built model: tests)."""
         self.model = model if model is not None else get_model(self.model_config, self.ctx)
         if self.lora is not None:
@@ -122,11 +121,18 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.load_model(self.ctx)
 
+    @property
+    def loaded_model(self) -> LlamaForCausalLM:
+        """The model, once load_model has run."""
+        if self.model is None:
+            raise RuntimeError("the model is not loaded; call load_model() first.")
+        return self.model
+
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         draft = self.speculator.kv_cache_bytes_per_block() if self.speculator else 0
         return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
-                           for a in self.model.attention_layers)
+                           for a in self.loaded_model.attention_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -134,7 +140,7 @@ class ModelRunner:
         self.kv_caches = []
         # Padded rows write and read one more block, which the scheduler never hands out.
         allocated = num_blocks + 1 if self.pad_decode_steps else num_blocks
-        for attn in self.model.attention_layers:
+        for attn in self.loaded_model.attention_layers:
             cache = allocate_kv_cache(allocated, self.block_size, attn.num_kv_heads,
                                       attn.head_dim, self.dtype, self.device)
             attn.kv_cache = cache
@@ -143,9 +149,10 @@ class ModelRunner:
             self.speculator.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         if self.kv_steps is not None:
-            self.kv_steps.bind(self.kv_caches, self.model.attention_layers)
+            self.kv_steps.bind(self.kv_caches, self.loaded_model.attention_layers)
         if self.pad_decode_steps:
-            model = self.model if self.lora is None else self.lora.graph_forward(self.model)
+            model = (self.loaded_model if self.lora is None
+                     else self.lora.graph_forward(self.loaded_model))
             self.decode_graphs = setup_decode_padding(
                 self.input_preparer, model, self.device,
                 self.engine_config.scheduler_config.max_num_seqs,
@@ -200,12 +207,15 @@ class ModelRunner:
                   if batch.padded_rows and self.decode_graphs is not None and not loads
                   else None)
         if hidden is None:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
-                                intermediate_tensors)
+            hidden = self.loaded_model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                       intermediate_tensors)
         if not self.ctx.is_last_pp_rank:
+            assert isinstance(hidden, IntermediateTensors)  # what a non-last stage returns
             return self._execute_earlier_stage(batch, hidden, ring, pp_transport)
+        assert isinstance(hidden, torch.Tensor)  # the last stage's hidden states
         if self.speculator is not None:
-            return self._execute_last_stage_speculative(so, batch, hidden, pp_transport)
+            return self._execute_last_stage_speculative(self.speculator, so, batch, hidden,
+                                                        pp_transport)
         return self._execute_last_stage(so, batch, hidden, pp_transport)
 
     def _begin_step(self, so: SchedulerOutput, ring: SampledTokenRing | None
@@ -238,7 +248,7 @@ class ModelRunner:
                 batch.req_ids[i]: i for i in np.flatnonzero(batch.sample_mask).tolist()}
         else:
             placeholders = self._bookkeeping_non_last(batch)
-        if ring is not None:
+        if ring is not None and pp_transport is not None:  # a ring only with a transport
             ring.put(pp_transport.recv_sampled_token_ids(batch.num_reqs, self._broadcast_width),
                      self.sampled_req_id_to_index, placeholders)
         return hidden
@@ -248,7 +258,7 @@ class ModelRunner:
                             ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """Logits of the sampled positions, then sampling; with a grammar, the logits wait
         for ``sample_tokens`` (its bitmask is not known yet) and the step returns None."""
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        logits = self.loaded_model.compute_logits(hidden.index_select(0, batch.logits_indices))
         prompt_results = self._prompt_results(batch, hidden)
         if so.structured_output_request_ids:
             self.deferred_sampling = DeferredSampling(so.step_id, batch, logits, pp_transport,
@@ -256,8 +266,8 @@ class ModelRunner:
             return None
         return self._sample(batch, logits, pp_transport, prompt_results)
 
-    def _execute_last_stage_speculative(self, so: SchedulerOutput, batch: StepBatch,
-                                        hidden: torch.Tensor,
+    def _execute_last_stage_speculative(self, speculator: Speculator, so: SchedulerOutput,
+                                        batch: StepBatch, hidden: torch.Tensor,
                                         pp_transport: SampledTokenTransport | None
                                         ) -> ModelRunnerOutput | DraftTokenIds:
         """Verify the drafts. With a grammar it checks the drafts first: they go to the
@@ -268,8 +278,8 @@ class ModelRunner:
         if so.structured_output_request_ids:
             self.deferred_sampling = DeferredSampling(so.step_id, batch, hidden, pp_transport,
                                                       prompt_results)
-            return self.speculator.take_draft_token_ids(so.structured_output_request_ids)
-        return self._verify(batch, hidden, pp_transport, prompt_results)
+            return speculator.take_draft_token_ids(so.structured_output_request_ids)
+        return self._verify(speculator, batch, hidden, pp_transport, prompt_results)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput
@@ -279,7 +289,7 @@ class ModelRunner:
         if state is None:
             raise RuntimeError("sample_tokens without a step waiting for its sampling")
         if self.speculator is not None:
-            return self._verify(state.batch, state.logits, state.pp_transport,
+            return self._verify(self.speculator, state.batch, state.logits, state.pp_transport,
                                 state.prompt_results, grammar_output)
         apply_grammar_bitmask(state.logits, state.batch.req_ids, grammar_output)
         return self._sample(state.batch, state.logits, state.pp_transport,
@@ -291,6 +301,7 @@ class ModelRunner:
                 ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         md = build_sampling_metadata(self.input_batch, batch, self.vocab_size, self.device,
                                      self._settle_placeholders)
+        assert self.sampler is not None  # load_model made it: this is the last stage
         out = self.sampler(logits, md)
         if pp_transport is not None and self.use_async_scheduling and self.ctx.pp_size > 1:
             # Every step that ran the model is broadcast (the other stages posted its
@@ -298,12 +309,14 @@ class ModelRunner:
             pp_transport.broadcast_sampled_token_ids(out.sampled_token_ids)
         return self._bookkeeping(batch, out, prompt_results)
 
-    def _verify(self, batch: StepBatch, hidden: torch.Tensor,
+    def _verify(self, speculator: Speculator, batch: StepBatch, hidden: torch.Tensor,
                 pp_transport: SampledTokenTransport | None,
                 prompt_results: PromptResults,
                 grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Verify the drafts and, under async PP, send the accepted runs to the others."""
-        result = self.speculator.verify(batch, hidden, self.model, self.sampler, grammar_output)
+        assert self.sampler is not None  # load_model made it: this is the last stage
+        result = speculator.verify(batch, hidden, self.loaded_model, self.sampler,
+                                   grammar_output)
         prompt_results.attach(result)
         self._broadcast_verified(result, pp_transport)
         return result
@@ -335,7 +348,7 @@ class ModelRunner:
         num_computed = batch.seq_lens - batch.num_scheduled
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
             results.logprobs = compute_prompt_logprobs(
-                self.model.compute_logits, hidden, batch.req_ids, states, num_computed,
+                self.loaded_model.compute_logits, hidden, batch.req_ids, states, num_computed,
                 batch.num_scheduled)
         if any(s.sampling_params.pooling is not None for s in states):
             results.pooled = self.pooler.pool(hidden, batch.req_ids, states, num_computed,
@@ -381,7 +394,7 @@ class ModelRunner:
             sp = new.sampling_params
             stop_ids = tuple(sorted(set(sp.stop_token_ids) | (
                 set() if sp.ignore_eos else set(self.eos_token_ids))))
-            state = CachedRequestState(
+            new_state = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=sp, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, seed=new.sampling_seed,
@@ -389,8 +402,8 @@ class ModelRunner:
                 lora_request=new.lora_request)
             if self.lora is not None:
                 self.lora.add_request(new.lora_request)
-            self.requests[new.req_id] = state
-            ib.add_request(state)
+            self.requests[new.req_id] = new_state
+            ib.add_request(new_state)
             if self.pp_ring is not None:
                 self.pp_ring.add_request(new.req_id)
         cached = so.scheduled_cached_reqs
@@ -398,17 +411,19 @@ class ModelRunner:
             state = self.requests.get(req_id)
             if state is None:
                 raise ValueError(f"cached request {req_id!r} is unknown to the worker.")
+            row = state.row
+            assert row is not None  # a request the worker holds has a row in the batch
             state.num_computed_tokens = cached.num_computed_tokens[i]
-            ib.num_computed_tokens[state.row] = state.num_computed_tokens
+            ib.num_computed_tokens[row] = state.num_computed_tokens
             if cached.new_block_ids[i]:
                 state.block_ids.extend(cached.new_block_ids[i])
-                ib.append_block_ids(state.row, cached.new_block_ids[i])
+                ib.append_block_ids(row, cached.new_block_ids[i])
             if cached.new_token_ids and cached.new_token_ids[i]:
                 # The scheduler's ids for this step's inputs that are outputs (sync PP),
                 # from k tokens earlier with speculative decoding (the accepted drafts).
                 start = max(state.num_computed_tokens - self.engine_config.num_spec_tokens,
                             state.num_prompt_tokens)
-                ib.receive_tokens(state.row, start, cached.new_token_ids[i])
+                ib.receive_tokens(row, start, cached.new_token_ids[i])
 
     def _bookkeeping(self, batch: StepBatch, out: SamplerOutput,
                      prompt_results: PromptResults,

@@ -22,7 +22,7 @@ class Pooler:
     def __init__(self) -> None:
         # Mean pooling in progress: request id -> (fp32 sum of its pooled rows, the next
         # prompt position to pool).
-        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._sums: dict[str, tuple[torch.Tensor | None, int]] = {}  # None: no rows yet
 
     def pool(self, hidden: torch.Tensor, req_ids: list[str], states: list[CachedRequestState],
              num_computed: np.ndarray, num_scheduled: np.ndarray) -> dict[str, list[float]]:

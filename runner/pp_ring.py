@@ -137,10 +137,11 @@ class SampledTokenRing:
         self._taken = False
         slot = None
         if pending is not None:
-            req_ids = list(req_id_to_index or {})
+            index = req_id_to_index or {}
+            req_ids = list(index)
             rows = np.fromiter((self._row_of[r] for r in req_ids), np.int64, len(req_ids))
             slot = RingSlot(self.num_steps, pending, req_ids,
-                            np.fromiter((req_id_to_index[r] for r in req_ids), np.int64,
+                            np.fromiter((index[r] for r in req_ids), np.int64,
                                         len(req_ids)),
                             rows, self.generation[rows].copy(), payload)
         self._slots.append(slot)

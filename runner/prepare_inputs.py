@@ -277,6 +277,7 @@ class InputPreparer:
     def _fill_from_previous_step(self, fill_rows: np.ndarray, fill_src: np.ndarray,
                                  fill_flat: np.ndarray) -> None:
         prev = self.input_batch.prev_sampled_token_ids
+        assert prev is not None  # _device_fill_rows finds no rows without it
         n = fill_rows.size
         steady = np.arange(n)
         if (np.array_equal(fill_rows, steady) and np.array_equal(fill_src, steady)

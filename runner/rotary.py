@@ -54,6 +54,10 @@ def compute_inv_freq(hf_config: dict[str, Any], head_dim: int) -> tuple[torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    # Buffers (register_buffer), declared for the type checker.
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(self, hf_config: dict[str, Any], head_dim: int, max_position: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.worker import Worker
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.structured.manager import GrammarOutput
 
 _STOP = object()
+_T = TypeVar("_T")
 
 
 class _Failed:
@@ -31,7 +33,7 @@ class _Failed:
 
 
 class _Call:
-    def __init__(self, fn, args: tuple) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
 
@@ -72,12 +74,12 @@ class UniProcExecutor:
         worker.load_model()
         return worker
 
-    def _on_step_thread(self, fn, *args):
+    def _on_step_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn`` on the step thread, in order with the steps. Every torch call of this
         worker happens on that one thread: on CPU, intra-op parallel regions issued from a
         second thread after another thread's (OpenMP keeps a team per calling thread) run
         slower (docs/performance.md)."""
-        future: Future = Future()
+        future: Future[_T] = Future()
         self._steps.put((_Call(fn, args), future))
         return future.result()
 
@@ -141,6 +143,7 @@ class UniProcExecutor:
             if self._dead is not None:
                 self._outputs.put((_Failed(self._dead), future))
                 continue
+            out: ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | _Failed | None
             try:
                 out = Worker.run(self.worker, message)
             except BaseException as e:  # noqa: BLE001 - any failure kills the engine

@@ -150,9 +150,22 @@ class Worker:
                     info["kind"], info["name"], info["index"], info["memory_bytes"] / GIB)
         self.model_runner = ModelRunner(self.engine_config, ctx)
 
+    @property
+    def _context(self) -> ParallelContext:
+        if self.ctx is None:
+            raise RuntimeError(f"worker rank {self.rank} has no device: call init_device().")
+        return self.ctx
+
+    @property
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError(f"worker rank {self.rank} has no model runner: init_device() "
+                               "builds it, shutdown() drops it.")
+        return self.model_runner
+
     def device_info(self) -> dict[str, Any]:
         """What this rank runs on: kind (cuda, cpu), name, index, total memory."""
-        device = self.ctx.device
+        device = self._context.device
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             return {"kind": "cuda", "name": props.name, "index": device.index,
@@ -161,20 +174,20 @@ class Worker:
                 "memory_bytes": _total_host_memory()}
 
     def load_model(self) -> None:
-        self.model_runner.load_model()
+        self._runner.load_model()
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.engine_config.cache_config
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = self.model_runner.kv_cache_bytes_per_block()
+        per_block = self._runner.kv_cache_bytes_per_block()
         if cache.kv_cache_memory_bytes is not None:
             budget, what = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        elif self.ctx.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.ctx.device)
+        elif (device := self._context.device).type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
             budget = kv_cache_budget_bytes(free, total, cache.gpu_memory_utilization,
                                            self.step_reserve_bytes())
-            what = (f"{free / GIB:.1f} of {total / GIB:.1f} GiB free on {self.ctx.device}, "
+            what = (f"{free / GIB:.1f} of {total / GIB:.1f} GiB free on {device}, "
                     f"gpu_memory_utilization={cache.gpu_memory_utilization:g}, "
                     f"{self.step_reserve_bytes() / GIB:.2f} GiB reserved for a step")
         else:
@@ -184,52 +197,55 @@ class Worker:
                                  self.engine_config.model_config.max_model_len, what)
 
     def step_reserve_bytes(self) -> int:
-        runner = self.model_runner
+        runner = self._runner
         elem = torch.empty((), dtype=runner.dtype).element_size()
-        return step_reserve_bytes(self.engine_config, self.ctx, elem,
+        return step_reserve_bytes(self.engine_config, self._context, elem,
                                   runner.input_preparer.attention_backend,
                                   runner.use_cuda_graphs)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self._runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
         """Run one step; only the driver rank (TP rank 0 of the last stage) returns output
         (DraftTokenIds when its sampling waits for a bitmask that checks them)."""
-        if self.ctx.device.type == "cpu":
+        ctx, runner = self._context, self._runner
+        if ctx.device.type == "cpu":
             set_intra_op_threads(step_threads(
                 scheduler_output.total_num_scheduled_tokens, self.num_threads,
                 self.engine_config.parallel_config.cpu_burst_threads))
-        kv = self.model_runner.kv_steps  # a KV connector: its orders before the step
+        kv = runner.kv_steps  # a KV connector: its orders before the step
         if kv is not None:
             kv.begin(scheduler_output)
         intermediate = recv = None
-        if not self.ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
-            if self.model_runner.speculator is None:
+        if not ctx.is_first_pp_rank and scheduler_output.total_num_scheduled_tokens:
+            if runner.speculator is None:
                 intermediate = self._transport().recv_intermediate(scheduler_output)
             else:  # the step's size is known once the runner has placed its drafts
                 recv = self._transport().recv_intermediate
-        out = self.model_runner.execute_model(scheduler_output, intermediate,
-                                              pp_transport=self.pp_transport,
-                                              recv_intermediate=recv)
+        out = runner.execute_model(scheduler_output, intermediate,
+                                   pp_transport=self.pp_transport,
+                                   recv_intermediate=recv)
         if kv is not None:
             kv.end(scheduler_output, out)  # its report rides on the output (or the next)
         if isinstance(out, IntermediateTensors):
             self._transport().send_intermediate(out)
             return None
-        return out if self.ctx.is_driver else None
+        return out if ctx.is_driver else None
 
     def sample_tokens(self, grammar_output: GrammarOutput
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """Sample the step deferred for its grammar bitmask. Only the last stage samples
         (every TP rank of it, with the same mask); the driver returns the output."""
-        if not self.ctx.is_last_pp_rank:
+        ctx = self._context
+        if not ctx.is_last_pp_rank:
             return None
-        out = self.model_runner.sample_tokens(grammar_output)
-        if self.model_runner.kv_steps is not None:
-            self.model_runner.kv_steps.attach(out)  # reported with the step's forward
-        return out if self.ctx.is_driver else None
+        runner = self._runner
+        out = runner.sample_tokens(grammar_output)
+        if runner.kv_steps is not None:
+            runner.kv_steps.attach(out)  # reported with the step's forward
+        return out if ctx.is_driver else None
 
     def run(self, message: SchedulerOutput | GrammarOutput
             ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
@@ -242,16 +258,17 @@ class Worker:
 
     def _transport(self) -> PPTransport:
         if self.pp_transport is None:
-            raise RuntimeError(f"pipeline stage {self.ctx.pp_rank}/{self.ctx.pp_size} has no "
+            ctx = self._context
+            raise RuntimeError(f"pipeline stage {ctx.pp_rank}/{ctx.pp_size} has no "
                                "pp_transport to exchange hidden states.")
         return self.pp_transport
 
     def pp_stats(self) -> dict[str, int]:
         """How sampled ids reached this rank's inputs (tests, benchmarks, debugging)."""
-        runner = self.model_runner
+        runner = self._runner
         ring = runner.pp_ring
         stats = runner.async_input_stats
-        return {"pp_rank": self.ctx.pp_rank, "slice_copy": stats.slice_copy,
+        return {"pp_rank": self._context.pp_rank, "slice_copy": stats.slice_copy,
                 "scatter": stats.scatter,
                 "ring_steps": ring.num_steps if ring else 0,
                 "ring_delivered": ring.num_delivered if ring else 0,

@@ -307,6 +307,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             num_external, load_async = 0, False
+            hit_blocks: list[KVCacheBlock]
             if kv_transfer.holds_blocks(request):  # its KV was loaded from outside
                 hit_blocks, num_hit = [], request.num_computed_tokens
             else:

@@ -13,7 +13,7 @@ import contextvars
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from raylm.cluster.engine.engine_args import EngineArgs
@@ -86,7 +86,7 @@ class AsyncLLM:
 
     # -- EngineClient ------------------------------------------------------------------
     async def generate(self, prompt: ValidatedPrompt,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs; ``prompt`` comes from ``self.input_processor``.
         Closing the iterator before the last output (client gone, cancelled, failed) is
         what aborts the request: this is its one abort."""
@@ -166,6 +166,11 @@ class AsyncLLM:
             **kv_connector_stats(m),
             **lora_stats(m),
         }
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The KV pool in blocks (every DP rank's); None while not known."""
+        return self.engine.num_kv_blocks
 
     def shutdown(self) -> None:
         self._running = False

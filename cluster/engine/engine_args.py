@@ -14,6 +14,7 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -37,7 +38,8 @@ from raylm.scheduler.intake import RequestLimits
 from raylm.scheduler.sampling_params import MAX_LOGPROBS
 
 
-def _arg(default: Any, help: str, *aliases: str, bounds: dict[str, float] | None = None) -> Any:
+def _arg(default: Any, help: str, *aliases: str,
+         bounds: Mapping[str, float] | None = None) -> Any:
     """A field with its help text, short flags (``-tp``) and, for a number, its bounds
     (JSON Schema's ``minimum``, ``exclusiveMinimum``, ``maximum``) as metadata."""
     return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases,
@@ -278,7 +280,7 @@ class EngineArgs:
             placement_timeout_s=self.placement_timeout_s,
         )
 
-    def _executor_backend(self) -> str | None:
+    def _executor_backend(self) -> ExecutorBackend | None:
         """The backend asked for; unset with prefill/decode transfer, Ray (its peers reach
         the worker actors)."""
         kv = self.kv_transfer_config or {}

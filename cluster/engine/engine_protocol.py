@@ -36,3 +36,13 @@ class EngineClient(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class KVPoolSized(Protocol):
+    """An engine that knows its KV pool (AsyncLLM; a custom engine factory's may not)."""
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The KV pool in blocks (every DP rank's); None while not known."""
+        ...

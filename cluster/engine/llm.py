@@ -6,7 +6,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from raylm.cluster.engine.chat_utils import apply_chat_template
 from raylm.cluster.engine.engine_args import EngineArgs
@@ -139,7 +139,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or ``chat_template``),
         with ``tools`` (OpenAI's function definitions) when given, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)  # a conversation, not a list
+        conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         prompts: list[PromptType] = []
         for conv in conversations:
             text, token_ids = apply_chat_template(

@@ -147,6 +147,11 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, Any]:
         return self.core.get_metrics()
 
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The KV pool in blocks (every DP rank's); None while not known."""
+        return self.core.num_kv_blocks
+
     def check_health(self) -> None:
         self.core.check_health()
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
+from raylm.cluster.engine.engine_protocol import EngineClient, KVPoolSized
 from raylm.cluster.serve.autoscaling_policy import autoscaling_stats
 from raylm.cluster.serve.config import LLMConfig, OpenAIAppConfig, load_app_config
 from raylm.cluster.serve.deployment_config import HTTPServerConfig
@@ -21,14 +22,17 @@ from raylm.cluster.serve.router_stats import find_router_view, with_router_view
 from raylm.cluster.serve.routes import build_openai_api, serve_stream
 from raylm.cluster.serve.serving import OpenAIServing
 
+if TYPE_CHECKING:
+    from ray.serve.deployment import Deployment
+
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[LLMConfig], Any]
+EngineFactory = Callable[[LLMConfig], EngineClient]
 # The ingress only relays bytes; it must never be the reason a request waits.
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 
 
-def default_engine_factory(llm_config: LLMConfig) -> Any:
+def default_engine_factory(llm_config: LLMConfig) -> EngineClient:
     from raylm.cluster.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_llm_config(llm_config)
@@ -42,11 +46,12 @@ def max_pending_requests(llm_config: LLMConfig) -> int | None:
     return (kwargs.max_num_seqs + kwargs.max_queued_requests) * kwargs.data_parallel_size
 
 
-async def coalesce(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[Any]:
+async def coalesce(items: AsyncGenerator[Any, None], interval_s: float
+                   ) -> AsyncGenerator[Any, None]:
     """Pass the first item on at once, then join the SSE lines that arrive within
     ``interval_s`` of each other's first into one item: every item crossing a Serve handle
     and the HTTP proxy costs CPU, and many small ones cap the tokens per second."""
-    it = aiter(items)
+    it = items  # an async generator is its own iterator (aiter(items) is items)
     try:
         first = await anext(it)
     except StopAsyncIteration:
@@ -139,18 +144,17 @@ class LLMServer:
         shutdown_engine(getattr(self, "engine", None))
 
 
-def kv_pool_blocks(engine: Any) -> int | None:
+def kv_pool_blocks(engine: EngineClient) -> int | None:
     """The KV pool of the replica's engine, in blocks (every DP rank's), or None when the
     engine does not say (a custom engine factory's)."""
-    core = getattr(getattr(engine, "engine", None), "core", None)
-    infos = getattr(core, "rank_infos", None)  # RayEngineCoreClient
-    if infos:
-        return sum(int(info["num_kv_blocks"]) for info in infos)
-    blocks = getattr(getattr(core, "engine_core", None), "num_kv_blocks", None)  # in process
-    return int(blocks) if isinstance(blocks, int) else None
+    return engine.num_kv_blocks if isinstance(engine, KVPoolSized) else None
 
 
-def shutdown_engine(engine: Any) -> None:
+class _ShutsDown(Protocol):
+    def shutdown(self) -> None: ...
+
+
+def shutdown_engine(engine: _ShutsDown | None) -> None:
     """A replica's engine at the replica's end (its ``__del__``)."""
     if engine is not None:
         try:
@@ -272,9 +276,11 @@ def request_router_config(llm_config: LLMConfig) -> Any:
                   "imbalance_threshold": rr.imbalance_threshold,
                   "min_match_ratio": rr.min_match_ratio, "ttl_s": rr.entry_ttl_s}
     cls = {"prefix": "PrefixAwareRouter", "pow2": "Pow2Router"}[rr.policy]
-    return RequestRouterConfig(request_router_class=f"raylm.cluster.serve.router:{cls}",
-                               request_router_kwargs=kwargs,
-                               request_routing_stats_period_s=rr.stats_period_s)
+    # Ray annotates its __init__'s **kwargs as dict values: pass them as one typed dict.
+    options: dict[str, Any] = {
+        "request_router_class": f"raylm.cluster.serve.router:{cls}",
+        "request_router_kwargs": kwargs, "request_routing_stats_period_s": rr.stats_period_s}
+    return RequestRouterConfig(**options)
 
 
 def llm_server_options(llm_config: LLMConfig, *, routed: bool = True) -> dict[str, Any]:
@@ -324,6 +330,15 @@ def with_default_devices(app_config: OpenAIAppConfig) -> OpenAIAppConfig:
     return app_config.model_copy(update={"llm_configs": configs})
 
 
+def deployment_of(cls: type) -> Deployment:
+    """``serve.deployment(cls)``, typed: Ray annotates serve.deployment as returning the
+    decorator, which is what it returns when called bare; applied to ``cls`` it builds the
+    same Deployment."""
+    from ray import serve
+
+    return serve.deployment()(cls)
+
+
 def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     """``build_openai_app`` with an injectable engine factory (tests, custom engines)."""
     from ray import serve
@@ -334,15 +349,15 @@ def build_app(config: Any, engine_factory: EngineFactory | None = None) -> Any:
     if app_config.ingress_in_replica:
         (llm_config,) = app_config.llm_configs
         # HTTP reaches these replicas straight from the proxy: no handle of ours routes.
-        server = serve.deployment(serve.ingress()(LLMIngressServer)).options(
+        server = deployment_of(serve.ingress()(LLMIngressServer)).options(
             **llm_server_options(llm_config, routed=False))
         return server.bind(llm_config.model_dump(exclude_unset=True), engine_factory,
                            app_config.http_server.model_dump())
     handles = {}
     for llm_config in app_config.llm_configs:
-        server = serve.deployment(LLMServer).options(**llm_server_options(llm_config))
+        server = deployment_of(LLMServer).options(**llm_server_options(llm_config))
         handles[llm_config.model_id] = server.bind(llm_config.model_dump(exclude_unset=True), engine_factory)
-    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
+    ingress = deployment_of(serve.ingress()(OpenAIIngress)).options(
         **ingress_options(app_config))
     api_keys = {c.model_id: c.api_key for c in app_config.llm_configs}
     return ingress.bind(handles, api_keys, app_config.http_server.model_dump())

@@ -161,8 +161,9 @@ class ChatCompletionRequest(_SamplingRequest):
         mode = self.tool_mode
         functions = {t.function.name: t.function for t in self.tools or []}
         if mode == "named":
-            return StructuredOutputsParams(
-                json=functions[self.named_function].parameters or _ANY_OBJECT)
+            name = self.named_function
+            assert name is not None  # the "named" mode names one
+            return StructuredOutputsParams(json=functions[name].parameters or _ANY_OBJECT)
         if mode != "required":
             return None
         calls = [{"type": "object",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import (
@@ -22,7 +22,14 @@ from pydantic import (
     model_validator,
 )
 
-from raylm.cluster.engine.engine_args import EngineArgs, engine_arg_fields, engine_arg_types
+from raylm.cluster.engine.engine_args import (
+    EngineArgs,
+    PoolingTypeName,
+    ReasoningParserName,
+    ToolCallParserName,
+    engine_arg_fields,
+    engine_arg_types,
+)
 from raylm.cluster.engine.vllm_args import drop_accepted, vllm_refusals
 from raylm.cluster.serve.deployment_config import (
     STRICT,
@@ -33,7 +40,7 @@ from raylm.cluster.serve.deployment_config import (
     PlacementGroupConfig,
 )
 from raylm.cluster.serve.ray_llm_migration import migrate_ray_llm_config
-from raylm.scheduler.config.engine_config import dp_rank_bundles, stage_bundles
+from raylm.scheduler.config.engine_config import ExecutorBackend, dp_rank_bundles, stage_bundles
 
 __all__ = [
     "AutoscalingConfig",
@@ -166,15 +173,32 @@ def _engine_kwargs_model() -> type[_EngineKwargsBase]:
            for f in engine_arg_fields(exclude=ENGINE_ARGS_ELSEWHERE)})
 
 
-EngineKwargs = _engine_kwargs_model()
+if TYPE_CHECKING:
+    class EngineKwargs(_EngineKwargsBase):
+        """mypy's view of the generated model (it cannot see create_model's fields): the
+        fields raylm reads, typed as in EngineArgs. Add one here before reading it."""
 
+        tokenizer: str | None
+        max_num_seqs: int
+        block_size: int
+        enable_prefix_caching: bool
+        tensor_parallel_size: int
+        pipeline_parallel_size: int
+        data_parallel_size: int
+        distributed_executor_backend: ExecutorBackend | None
+        max_queued_requests: int | None
+        tool_call_parser: ToolCallParserName | None
+        reasoning_parser: ReasoningParserName | None
+        pooling_type: PoolingTypeName
+        enable_lora: bool
+        max_loras: int
+        max_cpu_loras: int | None
+        lora_modules: list[str] | None
+        allowed_lora_root: str | None
 
-
-
-
-
-
-
+        def __init__(self, **data: Any) -> None: ...  # every field has a default
+else:
+    EngineKwargs = _engine_kwargs_model()
 
 
 class LLMConfig(BaseModel):
@@ -183,7 +207,7 @@ class LLMConfig(BaseModel):
     model_config = STRICT
 
     model_loading_config: ModelLoadingConfig
-    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)  # type: ignore[valid-type]
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
     deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
     placement_group_config: PlacementGroupConfig | None = None
     # e.g. "H100": pins the GPU workers to nodes of that type (Ray's `accelerator_type:<T>`).

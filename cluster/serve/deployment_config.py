@@ -32,28 +32,33 @@ class AutoscalingConfig(BaseModel):
 
     model_config = STRICT
 
-    min_replicas: NonNegativeInt = Field(1, description="Fewest replicas (0: scale to zero).")
-    max_replicas: PositiveInt = Field(1, description="Most replicas.")
+    min_replicas: NonNegativeInt = Field(default=1,
+                                         description="Fewest replicas (0: scale to zero).")
+    max_replicas: PositiveInt = Field(default=1, description="Most replicas.")
     # An LLM replica batches many requests, so the target is far above Serve's default 2.
     target_ongoing_requests: PositiveFloat = Field(
-        16, description="Ongoing requests per replica the autoscaler aims for.")
+        default=16, description="Ongoing requests per replica the autoscaler aims for.")
     initial_replicas: NonNegativeInt | None = Field(
-        None, description="Replicas at deploy time (default: min_replicas).")
+        default=None, description="Replicas at deploy time (default: min_replicas).")
     upscale_delay_s: NonNegativeFloat | None = Field(
-        None, description="How long demand must stay high before a replica is added.")
+        default=None,
+        description="How long demand must stay high before a replica is added.")
     downscale_delay_s: NonNegativeFloat | None = Field(
-        None, description="How long demand must stay low before a replica is removed.")
+        default=None,
+        description="How long demand must stay low before a replica is removed.")
     look_back_period_s: PositiveFloat | None = Field(
-        None, description="The window Serve averages ongoing requests over (Serve: 30 s).")
+        default=None,
+        description="The window Serve averages ongoing requests over (Serve: 30 s).")
     scale_on: Literal["ongoing_requests", "engine_signals"] = Field(
-        "ongoing_requests", description=(
+        default="ongoing_requests", description=(
             "ongoing_requests: Serve's default policy (target_ongoing_requests). "
             "engine_signals: also the engines' waiting requests and KV usage."))
     target_num_requests_waiting: PositiveFloat = Field(
-        4.0, description="engine_signals: requests waiting in each replica's engine above "
-                         "which replicas are added, in proportion.")
+        default=4.0, description="engine_signals: requests waiting in each replica's engine "
+                                 "above which replicas are added, in proportion.")
     target_kv_cache_usage: float = Field(
-        0.9, gt=0, le=1, description="engine_signals: KV usage (0-1) a replica aims for.")
+        default=0.9, gt=0, le=1,
+        description="engine_signals: KV usage (0-1) a replica aims for.")
 
     @model_validator(mode="after")
     def _check_range(self) -> AutoscalingConfig:
@@ -85,17 +90,17 @@ class RequestRouterConfig(BaseModel):
 
     policy: Literal["pow2", "prefix"] = "pow2"
     imbalance_threshold: NonNegativeFloat = Field(
-        8.0, description="prefix: when the replicas' ongoing requests differ by more, the "
-                         "least loaded one wins, whatever it holds.")
+        default=8.0, description="prefix: when the replicas' ongoing requests differ by more, "
+                                 "the least loaded one wins, whatever it holds.")
     min_match_ratio: float = Field(
-        0.1, ge=0, le=1, description="prefix: the least share of a prompt's KV blocks a "
-                                     "replica must hold to be chosen for it.")
+        default=0.1, ge=0, le=1, description="prefix: the least share of a prompt's KV blocks "
+                                             "a replica must hold to be chosen for it.")
     entry_ttl_s: PositiveFloat = Field(
-        600.0, description="prefix: a prompt block the router saw go to a replica counts "
-                           "as cached there for this long after its last use.")
+        default=600.0, description="prefix: a prompt block the router saw go to a replica "
+                                   "counts as cached there for this long after its last use.")
     stats_period_s: PositiveFloat = Field(
-        1.0, description="How often each replica reports its KV usage and counters to the "
-                         "routers (Serve's request_routing_stats_period_s).")
+        default=1.0, description="How often each replica reports its KV usage and counters to "
+                                 "the routers (Serve's request_routing_stats_period_s).")
 
     @model_validator(mode="before")
     @classmethod

@@ -19,6 +19,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from raylm.cluster.engine.outputs import RequestOutput
 
+# The families raylm fills (Metric itself has no add_metric).
+MetricFamily = GaugeMetricFamily | CounterMetricFamily
+
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -132,9 +135,11 @@ def engine_families(model_name: str, per_replica: Mapping[str | None, dict[str, 
     labelled = any(rid is not None for rid in per_replica)
     labels = ["model_name", "replica"] if labelled else ["model_name"]
     out: list[Metric] = []
-    for table, kind in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+    kinds: tuple[tuple[dict[str, tuple[str, str]], type[MetricFamily]], ...] = (
+        (_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily))
+    for table, kind in kinds:
         for key, (name, doc) in table.items():
-            family: Metric = kind(name, doc, labels=labels)
+            family = kind(name, doc, labels=labels)
             for rid, stats in sorted(per_replica.items(), key=lambda kv: str(kv[0])):
                 values = [model_name, str(rid)] if labelled else [model_name]
                 family.add_metric(values, float(stats.get(key, 0)))
@@ -156,6 +161,7 @@ class _EngineStatsCollector:
             logger.warning("get_stats() failed during a metrics scrape: %s", e)
             return
         yield from engine_families(self._model_name, {None: stats})
+        family: MetricFamily
         if stats.get("devices"):
             family = GaugeMetricFamily(
                 "raylm:device_info", "Engine ranks by the device they run on (cuda, cpu).",

@@ -32,7 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import ValidatedPrompt
-from raylm.cluster.serve.app import LLMIngressServer, llm_server_options, shutdown_engine
+from raylm.cluster.serve.app import (
+    LLMIngressServer,
+    deployment_of,
+    llm_server_options,
+    shutdown_engine,
+)
 from raylm.cluster.serve.config import LLMConfig
 from raylm.cluster.serve.deployment_config import DeploymentConfig
 from raylm.cluster.serve.pd_client import PDEngineClient
@@ -194,15 +199,15 @@ def build_pd_app(args: PDServingArgs | dict[str, Any]) -> Any:
     prefill_cfg, decode_cfg = (args.side(role).with_default_devices(gpus)
                                for role in ("prefill", "decode"))
     model_id = decode_cfg.model_id
-    prefill = serve.deployment(PDPrefillServer).options(
+    prefill = deployment_of(PDPrefillServer).options(
         **{**llm_server_options(prefill_cfg), "name": _name("Prefill", model_id)}).bind(
         prefill_cfg.model_dump(exclude_unset=True))
-    decode = serve.deployment(PDDecodeServer).options(
+    decode = deployment_of(PDDecodeServer).options(
         **{**llm_server_options(decode_cfg), "name": _name("Decode", model_id)}).bind(
         decode_cfg.model_dump(exclude_unset=True))
     proxy_opts = args.proxy_deployment_config.to_serve_options()
     proxy_opts.update(name=_name("Proxy", model_id), ray_actor_options={"num_cpus": 1})
-    proxy = serve.deployment(serve.ingress()(PDProxyServer)).options(**proxy_opts)
+    proxy = deployment_of(serve.ingress()(PDProxyServer)).options(**proxy_opts)
     return proxy.bind(decode_cfg.model_dump(exclude_unset=True), prefill, decode)
 
 

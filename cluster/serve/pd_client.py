@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from raylm.cluster.engine.outputs import RequestOutput
@@ -44,7 +44,7 @@ class PDEngineClient:
         self._stats_task: asyncio.Task | None = None
 
     async def generate(self, prompt: ValidatedPrompt,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
         self._start_stats()
         kv_transfer_params = None
         if uses_remote_prefill(prompt.params):

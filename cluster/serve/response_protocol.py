@@ -4,12 +4,12 @@ shapes from raylm's outputs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import Field
 
-from raylm.cluster.engine.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from raylm.cluster.engine.outputs import Logprob, SampleLogprobs
 from raylm.cluster.serve.chat_protocol import ChatCompletionTool, ChatMessage, ToolCall
 from raylm.cluster.serve.protocol import OpenAIBaseModel, TokenId
 
@@ -166,10 +166,11 @@ def _token_text(token_id: int, lp: Logprob | None, decode: Callable[[int], str])
 
 def _top(entries: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
     ranked = [(t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= top_n]
-    return sorted(ranked, key=lambda item: item[1].rank)
+    return sorted(ranked, key=lambda item: item[1].rank or 0)  # every rank here is set
 
 
-def completion_logprobs(token_ids: list[int], logprobs: PromptLogprobs, top_n: int,
+def completion_logprobs(token_ids: list[int], logprobs: Sequence[dict[int, Logprob] | None],
+                        top_n: int,
                         offset: int, decode: Callable[[int], str],
                         out: CompletionLogProbs | None = None) -> CompletionLogProbs:
     """Legacy completions format; ``offset`` is where the first token's text starts. A

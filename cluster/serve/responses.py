@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
-from raylm.cluster.serve.chat_protocol import ToolCall
+from raylm.cluster.serve.chat_protocol import ChatCompletionRequest, ToolCall
+from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
 from raylm.cluster.serve.errors import from_exception
 from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, PreparedRequest
+from raylm.cluster.serve.protocol import CompletionRequest
 from raylm.cluster.serve.response_protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -34,7 +36,7 @@ from raylm.cluster.serve.response_protocol import (
 from raylm.cluster.serve.tool_parsers import ChatOutputParser, merge_deltas
 
 DONE = "data: [DONE]\n\n"
-Streams = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
+Streams = list[tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]]
 
 
 def sse(payload: Any) -> str:
@@ -47,11 +49,18 @@ class _Format:
 
     def __init__(self, prepared: PreparedRequest, tokenizer: Any):
         self.p = prepared
-        self.req = prepared.request
+        req = prepared.request
+        assert not isinstance(req, EmbeddingRequest)  # embeddings are answered elsewhere
+        self.req = req
         self.chat = prepared.kind == CHAT_COMPLETIONS
+        # The completions request (None for chat): echo and the legacy logprobs.
+        self.completion = req if isinstance(req, CompletionRequest) else None
         self.tokenizer = tokenizer
-        self.top_n = (self.req.top_logprobs or 0) if self.chat else self.req.logprobs
-        self.wants_logprobs = self.req.logprobs if self.chat else self.req.logprobs is not None
+        self.top_n: int
+        if isinstance(req, ChatCompletionRequest):
+            self.top_n, self.wants_logprobs = req.top_logprobs or 0, req.logprobs
+        else:  # top_n is read only when logprobs are wanted
+            self.top_n, self.wants_logprobs = req.logprobs or 0, req.logprobs is not None
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -61,7 +70,7 @@ class _Format:
         return factory() if factory is not None else ChatOutputParser()
 
     def echo_text(self, prompt_index: int) -> str:
-        if self.chat or not self.req.echo:
+        if self.completion is None or not self.completion.echo:
             return ""
         inputs = self.p.engine_requests[prompt_index].inputs
         if inputs.prompt is not None:
@@ -71,7 +80,7 @@ class _Format:
     @property
     def scoring(self) -> bool:
         """echo + max_tokens=0: the response holds the prompt only."""
-        return not self.chat and self.req.echo_without_generation
+        return self.completion is not None and self.completion.echo_without_generation
 
     def logprobs(self, c: CompletionOutput, start: int, offset: int,
                  prompt: RequestOutput | None = None):
@@ -95,19 +104,22 @@ class _Format:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=finals_tokens,
                          total_tokens=prompt + finals_tokens)
 
-    def response(self, choices: list, usage: UsageInfo | None, chunk: bool):
-        common = dict(id=self.p.response_id, created=self.p.created, model=self.p.model,
-                      choices=choices, usage=usage)
+    def response(self, choices: list[Any], usage: UsageInfo | None, chunk: bool
+                 ) -> ChatCompletionResponse | CompletionResponse:
+        p = self.p
         if self.chat:
             return ChatCompletionResponse(
-                object="chat.completion.chunk" if chunk else "chat.completion", **common)
-        return CompletionResponse(**common)
+                id=p.response_id, object="chat.completion.chunk" if chunk else "chat.completion",
+                created=p.created, model=p.model, choices=choices, usage=usage)
+        return CompletionResponse(id=p.response_id, created=p.created, model=p.model,
+                                  choices=choices, usage=usage)
 
 
 def full_response(prepared: PreparedRequest, finals: list[RequestOutput],
                   tokenizer: Any) -> dict[str, Any]:
     fmt = _Format(prepared, tokenizer)
-    n, choices, generated = fmt.req.n, [], 0
+    n, generated = fmt.req.n, 0
+    choices: list[ChatCompletionResponseChoice | CompletionResponseChoice] = []
     for i, final in enumerate(finals):
         echo = fmt.echo_text(i)
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -157,7 +169,8 @@ class _ChoiceState:
     parser: ChatOutputParser | None = None  # chat only
 
 
-async def sse_lines(prepared: PreparedRequest, streams: Streams, tokenizer: Any) -> AsyncIterator[str]:
+async def sse_lines(prepared: PreparedRequest, streams: Streams, tokenizer: Any
+                    ) -> AsyncGenerator[str, None]:
     fmt = _Format(prepared, tokenizer)
     states: dict[int, _ChoiceState] = {}
     # Chat's role chunks (one per choice) travel in the same item as the first token, so
@@ -218,7 +231,7 @@ def _delta_choice(fmt: _Format, states: dict[int, _ChoiceState], prompt_index: i
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
 
-async def _merged(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: Streams) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Outputs of several engine requests as they come, tagged with the prompt index."""
     for i, (first, _) in enumerate(streams):
         yield i, first

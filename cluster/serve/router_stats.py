@@ -16,7 +16,12 @@ from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from raylm.cluster.serve.metrics import ENGINE_SERIES, engine_families, engine_stats_of
+from raylm.cluster.serve.metrics import (
+    ENGINE_SERIES,
+    MetricFamily,
+    engine_families,
+    engine_stats_of,
+)
 
 _DECISION_HELP = ("Model requests the router sent to a replica, by what decided: "
                   "prefix_match, least_loaded (loads too uneven), adapter_match (a replica "
@@ -70,9 +75,9 @@ class RouterView:
             prompt, matched = self._prompt_tokens, self._matched_tokens
         labels = ["model_name"]
         out: list[Metric] = []
-        family: Metric = GaugeMetricFamily("raylm:router_num_replicas",
-                                           "Replicas the router can send requests to.",
-                                           labels=labels)
+        family: MetricFamily = GaugeMetricFamily("raylm:router_num_replicas",
+                                                 "Replicas the router can send requests to.",
+                                                 labels=labels)
         family.add_metric([model_name], float(len(replicas)))
         out.append(family)
         family = CounterMetricFamily("raylm:router_requests", _DECISION_HELP,
@@ -88,7 +93,8 @@ class RouterView:
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric([model_name], float(value))
             out.append(family)
-        reporting = {rid: s for rid, s in replicas.items() if s}
+        reporting: dict[str | None, dict[str, Any]] = {
+            rid: s for rid, s in replicas.items() if s}
         if reporting and fresh is not None:
             reporting[fresh[0]] = fresh[1]
         if reporting:

@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import json
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -69,7 +69,8 @@ class ModelBackend(Protocol):
     async def metrics(self) -> list[Any]: ...
 
 
-async def serve_stream(serving: OpenAIServing, route: str, body: Any) -> AsyncIterator[Any]:
+async def serve_stream(serving: OpenAIServing, route: str, body: Any
+                       ) -> AsyncGenerator[Any, None]:
     """One API call as the item stream described in the module docstring."""
     try:
         result = await serving.handle(route, body)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from raylm.cluster.engine.chat_utils import apply_chat_template
 from raylm.cluster.engine.engine_protocol import EngineClient
@@ -139,7 +139,8 @@ class OpenAIServing:
         return sum(self._pending.values())
 
     # ---- entry points ----------------------------------------------------------------------
-    async def handle(self, route: str, body: Any) -> dict[str, Any] | AsyncIterator[str]:
+    async def handle(self, route: str, body: Any
+                     ) -> dict[str, Any] | AsyncGenerator[str, None]:
         """Run one API call; raises OpenAIError for anything the client did wrong."""
         if route == TOKENIZE:
             return self.tokenize(body)
@@ -149,8 +150,9 @@ class OpenAIServing:
             if self.loras is None:
                 raise bad_request("this server runs without LoRA (enable_lora).", "lora_name")
             self.loras.check_runtime_loading()
-            return self.loras.handle(_parse(
-                LoadLoRAAdapterRequest if route == LOAD_LORA else UnloadLoRAAdapterRequest, body))
+            model: type[LoadLoRAAdapterRequest | UnloadLoRAAdapterRequest] = (
+                LoadLoRAAdapterRequest if route == LOAD_LORA else UnloadLoRAAdapterRequest)
+            return self.loras.handle(_parse(model, body))
         request = self.parse(route, body)
         try:
             constraint = request.structured_outputs_params()
@@ -167,7 +169,7 @@ class OpenAIServing:
               ) -> CompletionRequest | ChatCompletionRequest | EmbeddingRequest:
         """The request model of ``route``: 400 for a malformed body or a field raylm
         refuses (``UNSUPPORTED_FIELDS``), 404 for another model or route."""
-        model: type
+        model: type[CompletionRequest | ChatCompletionRequest | EmbeddingRequest]
         if route == COMPLETIONS:
             model = CompletionRequest
         elif route == CHAT_COMPLETIONS:
@@ -256,7 +258,8 @@ class OpenAIServing:
                               "tokens")
         return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens)).model_dump()
 
-    async def run(self, prepared: PreparedRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def run(self, prepared: PreparedRequest
+                  ) -> dict[str, Any] | AsyncGenerator[str, None]:
         request = prepared.request
         self._admit(prepared.engine_requests,
                     "input" if isinstance(request, EmbeddingRequest) else "n")
@@ -335,7 +338,7 @@ class OpenAIServing:
         for r in engine_requests:
             self._pending.pop(r.request_id, None)
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, req: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         timer = self.metrics.request_timer()
         finished = False
         try:
@@ -355,7 +358,7 @@ class OpenAIServing:
             if not finished:
                 timer.on_abort()
 
-    async def _open(self, engine_requests: list[EngineRequest]):
+    async def _open(self, engine_requests: list[EngineRequest]) -> openai_responses.Streams:
         """Start every engine request and await its first output (errors surface here)."""
         iterators = [self._generate(r) for r in engine_requests]
         try:
@@ -367,7 +370,8 @@ class OpenAIServing:
             raise from_exception(e) from e
         return list(zip(firsts, iterators, strict=True))
 
-    async def _stream(self, prepared: PreparedRequest, streams) -> AsyncIterator[str]:
+    async def _stream(self, prepared: PreparedRequest, streams: openai_responses.Streams
+                      ) -> AsyncGenerator[str, None]:
         try:
             lines = openai_responses.sse_lines(prepared, streams, self.engine.tokenizer)
             async with aclosing(lines):
@@ -378,13 +382,13 @@ class OpenAIServing:
             await _aclose_all([it for _, it in streams])
 
 
-async def _aclose_all(iterators: list[AsyncIterator[RequestOutput]]) -> None:
+async def _aclose_all(iterators: list[AsyncGenerator[RequestOutput, None]]) -> None:
     """Close every iterator (each aborts its request if unfinished), even when a close is
     cancelled mid-way; then re-raise the first exception (a CancelledError included)."""
     error: BaseException | None = None
     for it in iterators:
         try:
-            await it.aclose()  # type: ignore[attr-defined]
+            await it.aclose()
         except BaseException as e:
             error = error or e
     if error is not None:
@@ -416,7 +420,8 @@ def _pooled(finals: list[RequestOutput]) -> list[list[float]]:
     return vectors
 
 
-async def _last(first: RequestOutput, it: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _last(first: RequestOutput, it: AsyncGenerator[RequestOutput, None]
+                ) -> RequestOutput:
     last = first
     async with aclosing(it):
         async for out in it:
@@ -430,7 +435,10 @@ def _field_of(error: ValueError, request: Any) -> str | None:
     return field if field in type(request).model_fields else None
 
 
-def _parse(model: type, body: Any):
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _parse(model: type[_M], body: Any) -> _M:
     if isinstance(body, model):
         return body
     if not isinstance(body, dict):

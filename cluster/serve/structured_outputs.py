@@ -67,6 +67,7 @@ def to_structured_outputs_params(response_format: ResponseFormat | None,
                              "one request.")
         so = structured_outputs
         params = StructuredOutputsParams(
-            json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+            json=so.json_, regex=so.regex,
+            choice=tuple(so.choice) if so.choice is not None else None, grammar=so.grammar,
             json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
     return params

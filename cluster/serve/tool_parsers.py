@@ -42,7 +42,7 @@ def _call(obj: Any, *arg_keys: str) -> Part | None:
     arguments under one of ``arg_keys`` (missing: no arguments)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in arg_keys if k in obj), {})
+    args: object = next((obj[k] for k in arg_keys if k in obj), {})
     if not isinstance(args, dict):
         return None
     return ("call", obj["name"], json.dumps(args, ensure_ascii=False))
@@ -301,7 +301,9 @@ class ChatOutputParser:
 
 def merge_deltas(deltas: list[dict[str, Any] | None]) -> dict[str, Any]:
     """A whole message from its deltas: texts joined, each call's arguments joined."""
-    content, reasoning, calls = [], [], {}
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}  # by the call's index
     for d in deltas:
         if not d:
             continue

@@ -11,7 +11,7 @@ host, uploaded without a wait and shared by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from raylm.scheduler.config import envs
 
 if TYPE_CHECKING:
     from raylm.runner.attention.triton_paged import TileMetadata
+    from raylm.runner.kv_transfer.base import KVConnectorWorker
 
 # Query rows up to this long take the ragged kernel (each token its own pairs); longer
 # rows are prefill-like and one sdpa per row is cheaper than repeating their context.
@@ -235,7 +236,7 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # A KV connector's worker side and this layer's index in the cache list (bound with
         # the cache when one is configured): waited on before the cache is touched.
-        self.kv_connector: Any = None
+        self.kv_connector: KVConnectorWorker | None = None
         self.layer_index = 0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -262,11 +263,11 @@ class Attention(nn.Module):
         if connector is not None:
             connector.save_kv_layer(self.layer_index)
         ragged = meta.ragged
-        if ragged is not None and ragged.token_index is None:  # every token is ragged
+        idx = None if ragged is None else ragged.token_index
+        if ragged is not None and idx is None:  # every token is ragged
             return ragged_paged_attention(query, key_cache, value_cache, ragged, self.scale)
         out = query.new_empty((query.shape[0], self.num_heads * self.head_dim))
-        if ragged is not None:
-            idx = ragged.token_index
+        if ragged is not None and idx is not None:  # idx is set whenever ragged is, here
             out.index_copy_(0, idx, ragged_paged_attention(
                 query.index_select(0, idx), key_cache, value_cache, ragged, self.scale))
         for span in meta.prefills:

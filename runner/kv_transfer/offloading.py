@@ -17,6 +17,7 @@ import torch
 
 from raylm.runner.kv_transfer.base import KVCaches, KVConnectorWorker
 from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.core_outputs import KVConnectorOutput
 from raylm.scheduler.kv_transfer.offloading import OffloadingMetadata
 
 GPU_TO_CPU = 'raylm:kv_offload_total_bytes{transfer_type="GPU_to_CPU"}'
@@ -31,20 +32,24 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.num_cpu_blocks = self.config.num_cpu_blocks
         self.host: KVCaches = []
         self._stream: torch.cuda.Stream | None = None
-        self._events: list[torch.cuda.Event | None] = []
+        self._events: list[torch.cuda.Event] = []
         self._pending_layers: set[int] = set()
-        self._index: tuple[torch.Tensor, ...] | None = None
+        # This step's (save blocks, save slots, load slots, load blocks), set by start_load_kv.
+        self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._finished_recving: set[str] = set()
         self._staged: list[torch.Tensor] = []
 
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
         super().register_kv_caches(kv_caches)
         pin = kv_caches[0][0].device.type == "cuda"
-        # The device cache may hold a scratch block past the pool: host blocks mirror the
-        # pool's shape per block, not its length.
-        self.host = [tuple(torch.zeros((self.num_cpu_blocks, *cache.shape[1:]),  # type: ignore[misc]
-                                       dtype=cache.dtype, pin_memory=pin)
-                           for cache in layer) for layer in kv_caches]
+
+        def host_copy(cache: torch.Tensor) -> torch.Tensor:
+            # The device cache may hold a scratch block past the pool: host blocks mirror the
+            # pool's shape per block, not its length.
+            return torch.zeros((self.num_cpu_blocks, *cache.shape[1:]), dtype=cache.dtype,
+                               pin_memory=pin)
+
+        self.host = [(host_copy(key), host_copy(value)) for key, value in kv_caches]
         if pin:
             self._stream = torch.cuda.Stream(kv_caches[0][0].device)
 
@@ -93,7 +98,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             self._account(meta)
 
     def _copy_layer(self, layer: int) -> None:
-        save_blocks, save_slots, load_slots, load_blocks = self._index  # type: ignore[misc]
+        assert self._index is not None  # start_load_kv set it before any copy
+        save_blocks, save_slots, load_slots, load_blocks = self._index
         for cache, host in zip(self.kv_caches[layer], self.host[layer], strict=True):
             if save_slots.numel():  # blocking: done before this step writes the blocks
                 host.index_copy_(0, save_slots, cache.index_select(0, save_blocks).cpu())
@@ -116,7 +122,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             self.add_stat(TIME_CPU_TO_GPU, seconds * len(meta.loads) / n)
         self._finished_recving |= set(meta.async_loads)
 
-    def finish_step(self, idle: bool = False):
+    def finish_step(self, idle: bool = False) -> KVConnectorOutput | None:
         for layer in sorted(self._pending_layers):  # layers this rank did not run
             self.wait_for_layer_load(layer)
         if self._stream is not None and self._events:

@@ -248,9 +248,10 @@ class RayKVConnectorWorker(KVConnectorWorker):
         """Across the TP group: a receive is done when every rank wrote it, and it failed
         from the first block any rank failed at."""
         n = len(names)
-        local = [1 if self._recvs[r].failed_from is not None else 0 for r in names]
-        first = [self._recvs[r].failed_from if self._recvs[r].failed_from is not None
-                 else len(self._recvs[r].spec.block_ids) for r in names]
+        recvs = [self._recvs[r] for r in names]
+        local = [1 if recv.failed_from is not None else 0 for recv in recvs]
+        first = [recv.failed_from if recv.failed_from is not None
+                 else len(recv.spec.block_ids) for recv in recvs]
         if self.tp_size == 1 or self.tp_group is None:
             return [bool(x) for x in local], first
         import torch.distributed as dist

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import AsyncModelRunnerOutput
@@ -24,6 +24,9 @@ from raylm.scheduler.core_outputs import (
     merge_kv_connector_outputs,
 )
 
+if TYPE_CHECKING:
+    from raylm.runner.attention.paged_attention import Attention
+
 
 @dataclass
 class KVConnectorSteps:
@@ -36,7 +39,7 @@ class KVConnectorSteps:
         connector = make_connector_worker(config, ctx)
         return None if connector is None else cls(connector, ctx.is_last_pp_rank)
 
-    def bind(self, kv_caches: KVCaches, attention_layers: Sequence[Any]) -> None:
+    def bind(self, kv_caches: KVCaches, attention_layers: Sequence[Attention]) -> None:
         self.connector.register_kv_caches(kv_caches)
         for i, attn in enumerate(attention_layers):
             attn.kv_connector, attn.layer_index = self.connector, i

@@ -125,6 +125,7 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = spec.rope_scaling
+    config: transformers.PretrainedConfig
     if spec.architecture == "LlamaForCausalLM":
         config = transformers.LlamaConfig(**kwargs)
     elif spec.architecture == "Qwen2ForCausalLM":

@@ -79,6 +79,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise ValueError(f"GGUF file {path!r} has neither {arch}.vocab_size nor tokens.")
     config: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,

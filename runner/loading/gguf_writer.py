@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
 from raylm.runner.loading.gguf_checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
 
+if TYPE_CHECKING:
+    import numpy as np
 
-def _permute(w, n_head: int):  # type: ignore[no-untyped-def]
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order (the inverse of gguf_checkpoint._unpermute)."""
     rows = w.shape[0]
     return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
@@ -68,7 +72,7 @@ def write_gguf_from_hf(hf_dir: str, out_path: str, qtype: str = "Q8_0") -> str:
     return out_path
 
 
-def _add_tokenizer(w, tokenizer, hf_dir: str) -> None:  # type: ignore[no-untyped-def]
+def _add_tokenizer(w: Any, tokenizer: Any, hf_dir: str) -> None:  # gguf.GGUFWriter, HF's
     import gguf
 
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:

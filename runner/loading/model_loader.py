@@ -12,10 +12,9 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import process_weights_after_loading
@@ -27,6 +26,9 @@ from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import DTYPES, ModelConfig
+
+if TYPE_CHECKING:
+    from raylm.runner.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -201,13 +203,15 @@ def _count_whole(weights: Iterable[tuple[str, torch.Tensor]], stats: WeightReadS
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext,
-              stats: WeightReadStats | None = None) -> nn.Module:
+              stats: WeightReadStats | None = None) -> LlamaForCausalLM:
     """The model for ``ctx``'s stage and TP shard, weights loaded, in eval mode. What the
     load read is logged, and added to ``stats`` when given."""
     ensure_local_model(model_config.model)  # a rank on a node that has not fetched it yet
     cfg = DecoderConfig.from_hf(model_config.hf_config)
     dtype = resolve_dtype(model_config.dtype, ctx.device, model_config.hf_config)
-    model_cls = get_model_class(model_config.hf_config.get("architectures") or [])
+    # Every architecture is LlamaForCausalLM (registry.py).
+    model_cls = cast("type[LlamaForCausalLM]",
+                     get_model_class(model_config.hf_config.get("architectures") or []))
     max_position = max(cfg.max_position_embeddings, model_config.max_model_len)
     ops = resolve_fused_ops(model_config.compile_fused_ops, ctx.device,
                             model_config.enforce_eager)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from raylm.parallel.layers import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -63,7 +64,7 @@ class LoRALinear:
     fused projection in rows s*R ..), B transposed [slots, R, out] (slice s in its own
     output columns). A slot of an adapter of rank r < R holds zeros past r."""
 
-    def __init__(self, base: torch.nn.Module, num_slots: int, rank: int,
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, num_slots: int, rank: int,
                  context: LoRAContext) -> None:
         self.base = base
         self.context = context

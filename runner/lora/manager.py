@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +25,11 @@ from raylm.runner.lora.weights import LoadedAdapter, load_adapter
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.lora import LoRARequest
+
+if TYPE_CHECKING:
+    from raylm.runner.attention.paged_attention import AttentionMetadata
+    from raylm.runner.cuda_graphs import DecodeForward
+    from raylm.runner.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ class LoRAManager:
                    max(sched.max_num_batched_tokens, sched.max_num_seqs))
 
     # ---------------------------------------------------------------- setup
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: LlamaForCausalLM) -> None:
         """Give this stage's adapted linears their slots and hooks."""
         inner = model.model
         for index in range(inner.start_layer, inner.end_layer):
@@ -86,11 +90,12 @@ class LoRAManager:
                     self.config.max_loras, self.rank, len(self.hooks), nbytes / 2**20,
                     self.context.backend)
 
-    def graph_forward(self, model: nn.Module) -> Callable[..., Any]:
+    def graph_forward(self, model: nn.Module) -> DecodeForward:
         """``model`` for CUDA-graph capture: the LoRA kernels always launch over the fixed
         buffers (set only on the host here: nothing inside a capture may copy), so a
         replay reads whatever slots the step wrote there."""
-        def forward(input_ids, positions, meta, intermediate_tensors):
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    intermediate_tensors: None) -> torch.Tensor:
             self.context.mapping = LoRAMapping(int(input_ids.shape[0]), True,
                                                buffers=self.buffers)
             return model(input_ids, positions, meta, intermediate_tensors)

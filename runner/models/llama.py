@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,18 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: Weight,
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
                          f"parameter expects {tuple(param.shape)}.")
     param.data.copy_(read_whole(loaded_weight))
+
+
+class _LoaderParam(Protocol):
+    """A parameter its parallel layer gave a ``weight_loader`` (parallel/layers.py sets it
+    on the nn.Parameter, which torch does not declare)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Weight,
+                      shard_id: object = None) -> None: ...
+
+
+def _attached_loader(param: nn.Parameter) -> _LoaderParam:
+    return cast(_LoaderParam, param)  # the attribute is set at run time
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +111,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
@@ -112,7 +126,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary(*cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
@@ -148,7 +162,7 @@ class LlamaModel(nn.Module):
         self.ctx = ctx
         self.start_layer, self.end_layer = get_pp_layer_range(
             cfg.num_hidden_layers, ctx.pp_rank, ctx.pp_size)
-        self.embed_tokens: nn.Module = PPMissingLayer()
+        self.embed_tokens: VocabParallelEmbedding | PPMissingLayer = PPMissingLayer()
         if ctx.is_first_pp_rank:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
                                                        params_dtype=dtype)
@@ -158,7 +172,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, ctx, dtype, ops)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm: nn.Module = PPMissingLayer()
+        self.norm: RMSNorm | PPMissingLayer = PPMissingLayer()
         if ctx.is_last_pp_rank:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device, ops)
 
@@ -176,6 +190,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(cos_sin, hidden_states, residual, attn_metadata)
         if not self.ctx.is_last_pp_rank:
+            assert residual is not None  # every stage has a layer (get_pp_layer_range)
             return IntermediateTensors(hidden_states, residual)
         if residual is None:  # a last stage without layers (not a useful split, but valid)
             return self.norm(hidden_states)
@@ -201,18 +216,21 @@ class LlamaForCausalLM(nn.Module):
         self.ctx = ctx
         self.model = LlamaModel(cfg, ctx, dtype, max_position or cfg.max_position_embeddings,
                                 ops)
-        self.lm_head: nn.Module = PPMissingLayer()
+        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
         if ctx.is_last_pp_rank:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
                                           params_dtype=dtype)
             if cfg.tie_word_embeddings and ctx.is_first_pp_rank:
-                self.lm_head.weight = self.model.embed_tokens.weight
+                embed = self.model.embed_tokens
+                assert isinstance(embed, VocabParallelEmbedding)  # the first stage has it
+                self.lm_head.weight = embed.weight
 
     @property
     def attention_layers(self) -> list[Attention]:
         """This stage's attention modules, in layer order (the KV cache binds to them)."""
         layers = self.model.layers[self.model.start_layer:self.model.end_layer]
-        return [layer.self_attn.attn for layer in layers]
+        # The stage's own layers are all decoder layers (ModuleList items are untyped).
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in layers]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -221,7 +239,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocab float32 logits on every TP rank of the last stage."""
-        return self.lm_head.compute_logits(hidden_states).float()
+        head = self.lm_head
+        if not isinstance(head, ParallelLMHead):
+            raise RuntimeError("only the last pipeline stage has the LM head to compute logits.")
+        return head.compute_logits(hidden_states).float()
 
     def needs_weight(self, name: str) -> bool:
         """Whether this rank loads the checkpoint tensor ``name`` (its stage's layers, the
@@ -257,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the LM head reads the embedding
             if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
                 # Tied, and this stage has the LM head but no embedding (pipeline split).
-                params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor)
+                head = params["lm_head.weight"]
+                _attached_loader(head).weight_loader(head, tensor)
                 loaded.add("lm_head.weight")
             if name.split(".")[0:2] == ["model", "embed_tokens"] and not self.ctx.is_first_pp_rank:
                 continue
@@ -267,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, param_part)
                     param = params[target]
-                    param.weight_loader(param, tensor, shard_id)
+                    _attached_loader(param).weight_loader(param, tensor, shard_id)
                     break
             else:
                 target = name

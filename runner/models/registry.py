@@ -19,5 +19,6 @@ def resolve_architecture(architectures: list[str]) -> str:
 
 
 def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    # nn.Module, not the Llama class: llama.py imports decoder_config, which imports this.
     module, name = _MODELS[resolve_architecture(architectures)]
     return getattr(importlib.import_module(module), name)

@@ -65,16 +65,18 @@ def compute_prompt_logprobs(
             topi.append(top.indices)
     value_h = torch.cat(values).cpu().numpy()
     rank_h = torch.cat(ranks).cpu().numpy()
-    topv_h = torch.cat(topv).cpu().numpy() if max_k else None
-    topi_h = torch.cat(topi).cpu().numpy() if max_k else None
+    # Without top-k nothing reads them (empty stand-ins).
+    topv_h = torch.cat(topv).cpu().numpy() if max_k else np.empty((0, 0), np.float32)
+    topi_h = torch.cat(topi).cpu().numpy() if max_k else np.empty((0, 0), np.int64)
     out: dict[str, PromptLogprobsChunk] = {}
     row = 0
     for (req_id, first, n, k), ts in zip(spans, targets, strict=True):
-        token_ids, logprobs = [], []
+        token_ids: list[list[int]] = []
+        row_logprobs: list[list[float]] = []
         for j in range(row, row + n):
             token_ids.append([ts[j - row]] + (topi_h[j, :k].tolist() if k else []))
-            logprobs.append([float(value_h[j])] + (topv_h[j, :k].tolist() if k else []))
+            row_logprobs.append([float(value_h[j])] + (topv_h[j, :k].tolist() if k else []))
         out[req_id] = PromptLogprobsChunk(first, LogprobsLists(
-            token_ids, logprobs, rank_h[row:row + n].tolist()))
+            token_ids, row_logprobs, rank_h[row:row + n].tolist()))
         row += n
     return out

@@ -78,20 +78,23 @@ class Sampler:
         if md.banned_rows is not None:
             logits[md.banned_rows, md.banned_tokens] = float("-inf")
         if md.bias_rows is not None:
+            assert md.bias_tokens is not None and md.bias_values is not None  # set together
             logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values.to(logits.dtype),
                               accumulate=True)
         if not md.no_penalties:
             logits = apply_penalties(logits, md, self.vocab_size)
         sampled = self._sample(logits, md).unsqueeze(1)
         logprobs = None
-        if raw_logprobs is not None:
+        if raw_logprobs is not None and md.max_num_logprobs is not None:  # set together
             logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        # Set whenever a row samples at random.
+        assert md.temperature is not None and md.seeds is not None and md.positions is not None
         logits = logits / md.temperature[:, None]
         if md.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
@@ -103,6 +106,7 @@ class Sampler:
         random = (logits + noise).argmax(dim=-1)
         if greedy is None:
             return random
+        assert md.is_greedy is not None  # set when rows are both greedy and random
         return torch.where(md.is_greedy, greedy, random)
 
 
@@ -117,6 +121,10 @@ def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata, vocab_size: int) -> torch.Tensor:
     """Repetition penalty as HF (over prompt + output: positive logits divided, others
     multiplied); presence and frequency penalties as vLLM/OpenAI (over output tokens)."""
+    # _add_penalties sets them all together.
+    assert (md.output_token_ids is not None and md.prompt_token_ids is not None
+            and md.repetition_penalties is not None and md.presence_penalties is not None
+            and md.frequency_penalties is not None)
     output_counts = token_counts(md.output_token_ids, vocab_size)
     seen = output_counts > 0
     prompt_seen = token_counts(md.prompt_token_ids, vocab_size) > 0
@@ -136,6 +144,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     vocab = logits.shape[-1]
     if top_p is None:
         # Only top-k: a partial topk is cheaper than a full sort.
+        assert top_k is not None, "apply_top_k_top_p needs top_k or top_p"
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         max_k = min(max_top_k, vocab) if max_top_k is not None else int(k.max())
         values = logits.topk(max_k, dim=-1).values

@@ -62,7 +62,8 @@ def build_sampling_metadata(ib: InputBatch, batch: StepBatch, vocab_size: int,
     return md
 
 
-def _add_logit_bias(md: SamplingMetadata, ib: InputBatch, rows: np.ndarray, to) -> None:
+def _add_logit_bias(md: SamplingMetadata, ib: InputBatch, rows: np.ndarray,
+                    to: Callable[[np.ndarray], torch.Tensor]) -> None:
     """Every row of a request with a logit_bias (each verified position, with speculative
     decoding) gets its biases."""
     states = ib.states
@@ -76,7 +77,8 @@ def _add_logit_bias(md: SamplingMetadata, ib: InputBatch, rows: np.ndarray, to) 
 
 
 def _add_penalties(md: SamplingMetadata, ib: InputBatch, batch: StepBatch,
-                   num_prompt: np.ndarray, vocab_size: int, to,
+                   num_prompt: np.ndarray, vocab_size: int,
+                   to: Callable[[np.ndarray], torch.Tensor],
                    settle_placeholders: Callable[[], None]) -> None:
     rows = batch.rows
     needs = ib.needs_history[rows]

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.attention.paged_attention import (
@@ -22,6 +21,7 @@ from raylm.runner.attention.paged_attention import (
 )
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.loading.model_loader import get_model, resolve_dtype
+from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.prepare_inputs import upload
 from raylm.scheduler.config.engine_config import EngineConfig, ModelConfig
 
@@ -54,7 +54,7 @@ class DraftModelProposer:
         self.device = device
         self.dtype = resolve_dtype(self.model_config.dtype, device)
         self.attention_backend = resolve_attention_backend(device)
-        self.model: nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.num_computed: dict[str, int] = {}
 
     # ---------------------------------------------------------------- setup
@@ -67,13 +67,20 @@ class DraftModelProposer:
         self.model = get_model(self.model_config, replace(ctx, pp_rank=0, pp_size=1,
                                                           pp_group=None))
 
+    @property
+    def loaded_model(self) -> LlamaForCausalLM:
+        """The draft model, once load_model has run."""
+        if self.model is None:
+            raise RuntimeError("the draft model is not loaded; call load_model() first.")
+        return self.model
+
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
-                   for a in self.model.attention_layers)
+                   for a in self.loaded_model.attention_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        for attn in self.model.attention_layers:
+        for attn in self.loaded_model.attention_layers:
             attn.kv_cache = allocate_kv_cache(num_blocks, self.block_size, attn.num_kv_heads,
                                               attn.head_dim, self.dtype, self.device)
 
@@ -164,6 +171,7 @@ class DraftModelProposer:
         meta = build_attention_metadata(cu, seq_lens, self._dev(slots),
                                         ib.block_table[rows, :max_blocks].astype(np.int64),
                                         self.block_size, backend=self.attention_backend)
-        hidden = self.model(token_ids, self._dev(positions), meta, None)
-        logits = self.model.compute_logits(hidden.index_select(0, self._dev(cu[1:] - 1)))
+        model = self.loaded_model
+        hidden = model(token_ids, self._dev(positions), meta, None)
+        logits = model.compute_logits(hidden.index_select(0, self._dev(cu[1:] - 1)))
         return logits.argmax(dim=-1)

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.async_output import AsyncOutputCopier
 from raylm.runner.input_batch import InputBatch
+from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.pp_ring import RingDelivery
 from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.sample.sampler import Sampler
@@ -173,7 +173,7 @@ class Speculator:
             self._drafts[r].tolist() if r in self._drafts else [] for r in req_ids])
 
     @torch.inference_mode()
-    def verify(self, batch: StepBatch, hidden: torch.Tensor, model: nn.Module,
+    def verify(self, batch: StepBatch, hidden: torch.Tensor, model: LlamaForCausalLM,
                sampler: Sampler, grammar_output: GrammarOutput | None = None
                ) -> ModelRunnerOutput:
         """Sample every verified position and accept the drafts. ``grammar_output``: the
@@ -189,13 +189,16 @@ class Speculator:
                                   sampled: torch.Tensor, seg_starts: np.ndarray,
                                   base_len: np.ndarray) -> None:
         # A method of its own so that tests can count the drafting done here.
+        assert self.draft_ahead is not None  # verify calls it only with one
         self.draft_ahead.draft(batch, sampling, sampled, seg_starts, base_len)
 
     # ---------------------------------------------------------------- other PP stages
     def end_step_non_last(self, batch: StepBatch) -> None:
         """A stage that does not sample: this step's drafts leave the history."""
+        assert self.earlier_stage is not None, "only a stage that does not sample"
         self.earlier_stage.end_step(batch, self._drafts)
 
     def receive_verified(self, delivery: RingDelivery | None) -> None:
         """Async PP, a stage that does not sample: the runs accepted pp_size steps ago."""
+        assert self.earlier_stage is not None, "only a stage that does not sample"
         self.earlier_stage.receive(delivery)

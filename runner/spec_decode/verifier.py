@@ -11,10 +11,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch import nn
 
 from raylm.runner.async_output import AsyncOutputCopier
 from raylm.runner.input_batch import InputBatch
+from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.runner.sample.rejection_sampler import num_accepted_drafts
 from raylm.runner.sample.sampler import Sampler
@@ -54,7 +54,7 @@ class Verifier:
         self.num_computed = num_computed
 
     def verify(self, batch: StepBatch, hidden: torch.Tensor, drafts: dict[str, np.ndarray],
-               model: nn.Module, sampler: Sampler, grammar_output: GrammarOutput | None
+               model: LlamaForCausalLM, sampler: Sampler, grammar_output: GrammarOutput | None
                ) -> Verification:
         """``drafts``: this step's drafts on the host, cut in place to what the grammar
         kept (drafts still on the device are filled in by the copy); ``grammar_output``:

@@ -45,7 +45,7 @@ from raylm.runner.structured.json_closing import (
     utf8_due,
 )
 from raylm.scheduler.config.engine_config import EngineConfig
-from raylm.scheduler.structured.manager import StructuredOutputManager
+from raylm.scheduler.structured.manager import StructuredOutputGrammar, StructuredOutputManager
 from raylm.scheduler.structured.params import StructuredOutputsParams
 
 # Most whitespace characters in a row between JSON tokens (xgrammar 0.2.9's
@@ -418,10 +418,10 @@ class XgrammarBackend:
         return XgrammarGrammar(_xgr().GrammarMatcher(grammar), is_json, self.decoded_vocab,
                                closes_json)
 
-    def build_bitmask(self, grammars: list[XgrammarGrammar | None]) -> np.ndarray:
+    def build_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> np.ndarray:
         return self.build_spec_bitmask(grammars, [[] for _ in grammars])[0]
 
-    def build_spec_bitmask(self, grammars: list[XgrammarGrammar | None],
+    def build_spec_bitmask(self, grammars: list[StructuredOutputGrammar | None],
                            drafts: list[list[int]]) -> tuple[np.ndarray, list[int]]:
         """Rows for verifying drafts: for each grammar, a row for its state, then one for
         the state after each draft it accepts, the matcher advanced through the drafts
@@ -435,7 +435,8 @@ class XgrammarBackend:
         rows = bitmask.numpy()  # the tensor's memory: rows see what the matcher fills
         r = 0
         kept: list[int] = []
-        for grammar, draft in zip(grammars, drafts, strict=True):
+        for any_grammar, draft in zip(grammars, drafts, strict=True):
+            grammar = _own_grammar(any_grammar)
             n = 0
             while grammar is not None:
                 self._fill_row(grammar, bitmask, rows, r)
@@ -471,6 +472,13 @@ class XgrammarBackend:
             # so a stop token in the last slot still ends the request "length".
             steer_row(rows[r], grammar.closer_state, left - 1, self._closing_vocab,
                       extra=grammar.utf8_due)
+
+
+def _own_grammar(grammar: StructuredOutputGrammar | None) -> XgrammarGrammar | None:
+    """A grammar handed back by the manager: one this backend's new_grammar made."""
+    if grammar is not None and not isinstance(grammar, XgrammarGrammar):
+        raise TypeError(f"XgrammarBackend got a {type(grammar).__name__}, not its own grammar.")
+    return grammar
 
 
 def _allows(row: np.ndarray, token: int) -> bool:

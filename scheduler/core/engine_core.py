@@ -252,7 +252,7 @@ class EngineCore:
             list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
         self._pending_outputs = []
         error = EngineDeadError(f"EngineCore is dead: a step failed: {cause!r}")
-        error.outputs = EngineCoreOutputs(outputs=outputs)  # type: ignore[attr-defined]
+        error.outputs = EngineCoreOutputs(outputs=outputs)
         logger.error("%s", error)
         return error
 

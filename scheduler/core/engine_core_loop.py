@@ -18,6 +18,7 @@ from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 if TYPE_CHECKING:
+    from raylm.scheduler.core.engine_core import EngineCore
     from raylm.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,11 @@ class EngineCoreClient(Protocol):
         ...
 
     def get_metrics(self) -> dict[str, Any]: ...
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The KV pool in blocks (every DP rank's); None while not known."""
+        ...
 
     def check_health(self) -> None: ...
 
@@ -57,16 +63,20 @@ def next_output(outputs: queue.Queue, timeout: float | None) -> Any:
     return item
 
 
+# ("add", (request, what its caller waits on, or None)).
+_InboxItem = tuple[str, tuple["Request", Any]]
+
+
 class _Inbox:
     """The FIFO of adds from other threads to the loop thread. It remembers which request
     ids it holds, so that an abort can tell an add the loop has not admitted yet."""
 
     def __init__(self) -> None:
-        self._items: collections.deque[tuple[str, Any]] = collections.deque()
+        self._items: collections.deque[_InboxItem] = collections.deque()
         self.lock = threading.Lock()
         self.queued: collections.Counter[str] = collections.Counter()  # ids of queued adds
 
-    def put(self, item: tuple[str, Any], check: Any = None) -> None:
+    def put(self, item: _InboxItem, check: Any = None) -> None:
         """Queue ``item``; ``check()`` (raising to refuse it) runs under the lock, so an
         add cannot slip in after the loop has drained the inbox for good."""
         request_id = _add_id(item)
@@ -77,14 +87,14 @@ class _Inbox:
             if request_id is not None:
                 self.queued[request_id] += 1
 
-    def take_all(self) -> list[tuple[str, Any]]:
+    def take_all(self) -> list[_InboxItem]:
         """Everything queued (the caller holds ``lock``)."""
         items = list(self._items)
         self._items.clear()
         self.queued.clear()
         return items
 
-    def get_nowait(self) -> tuple[str, Any]:
+    def get_nowait(self) -> _InboxItem:
         with self.lock:
             if not self._items:
                 raise queue.Empty
@@ -97,9 +107,9 @@ class _Inbox:
             return item
 
 
-def _add_id(item: tuple[str, Any]) -> str | None:
-    kind, payload = item
-    return getattr(payload[0], "request_id", None) if kind == "add" else None
+def _add_id(item: _InboxItem) -> str | None:
+    kind, (request, _) = item
+    return request.request_id if kind == "add" else None
 
 
 class EngineCoreLoop:
@@ -179,9 +189,9 @@ class EngineCoreLoop:
             if done is not None:
                 done.put(None)
 
-    def _send_abort_after_add(self, request: Any) -> None:
+    def _send_abort_after_add(self, request: Request) -> None:
         """Send the abort that waited for this add, once no add of its id is queued."""
-        request_id = getattr(request, "request_id", None)
+        request_id = request.request_id
         with self._inbox.lock:
             if request_id not in self._aborts_after_add or request_id in self._inbox.queued:
                 return
@@ -212,8 +222,8 @@ class EngineCoreLoop:
         with self._inbox.lock:
             self.dead_error = error
             queued = self._inbox.take_all()
-        final = getattr(error, "outputs", None)
-        outputs = list(final.outputs) if isinstance(final, EngineCoreOutputs) else []
+        final = error.outputs if isinstance(error, EngineDeadError) else None
+        outputs = list(final.outputs) if final is not None else []
         for kind, (request, done) in queued:
             if kind != "add":
                 continue
@@ -245,5 +255,11 @@ class EngineCoreLoop:
 class InprocEngineCoreClient(EngineCoreLoop):
     """The EngineCore lives in this process; its loop runs in a daemon thread."""
 
+    engine_core: EngineCore
+
     def get_metrics(self) -> dict[str, Any]:
         return self.engine_core.get_metrics()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine_core.num_kv_blocks

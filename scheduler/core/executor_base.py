@@ -9,12 +9,15 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
-from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.structured.manager import GrammarOutput
 
 
 class EngineDeadError(RuntimeError):
     """The engine (an EngineCore or a worker) died; carries the root cause in its message."""
+
+    # An EngineCore's final ABORT outputs (EngineCore._fail), their only copy.
+    outputs: EngineCoreOutputs | None = None
 
 
 @runtime_checkable

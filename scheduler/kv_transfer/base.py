@@ -91,3 +91,7 @@ class KVConnectorScheduler:
     def has_pending_work(self) -> bool:
         """Orders for the workers that need a step even when nothing is scheduled."""
         return False
+
+    def release(self, request_ids: list[str]) -> list[str]:
+        """A peer has its copy of these finished requests' KV: the ids that were held."""
+        return []

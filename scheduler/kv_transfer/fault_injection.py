@@ -82,5 +82,4 @@ class FaultInjectingScheduler(KVConnectorScheduler):
         return self.inner.has_pending_work()
 
     def release(self, request_ids: list[str]) -> list[str]:
-        release = getattr(self.inner, "release", None)
-        return release(request_ids) if release is not None else []
+        return self.inner.release(request_ids)

@@ -200,8 +200,9 @@ class KVTransferScheduling:
 
     def release(self, request_ids: list[str]) -> None:
         """A peer has pulled these finished requests' KV: free their blocks."""
-        release = getattr(self.connector, "release", None)
-        for rid in release(request_ids) if release is not None else ():
+        if self.connector is None:
+            return
+        for rid in self.connector.release(request_ids):
             self._free_delayed(rid)
 
     def _free_delayed(self, rid: str) -> None:
@@ -217,7 +218,7 @@ class KVTransferScheduling:
             return {}
         stats = self.connector.stats
         c = self.counters
-        out = {
+        out: dict[str, float] = {
             "raylm:external_prefix_cache_queries": stats.external_queries,
             "raylm:external_prefix_cache_hits": stats.external_hits,
             "raylm:kv_connector_num_failed_loads": c.num_failed_loads,
