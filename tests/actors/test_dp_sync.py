@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pytest
 
@@ -60,6 +61,10 @@ def test_dp_loops_in_lockstep_over_real_gloo():
     from raylm.scheduler.core.dp_loop import DPEngineCoreLoop, WaveRecord
     from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
+    class FakeRequest(NamedTuple):  # what the loop reads of a request: its id
+        request_id: str
+        num_steps: int
+
     class Core:
         def __init__(self):
             self.left: dict[str, int] = {}
@@ -103,7 +108,7 @@ def test_dp_loops_in_lockstep_over_real_gloo():
                                       request_start_wave=lambda w, r=g.dp_rank: start_wave(r, w)))
     try:
         for wave, (rank, rid) in enumerate([(0, "a"), (1, "b")]):
-            loops[rank].add_request((rid, 3))
+            loops[rank].add_request(FakeRequest(rid, 3))
             finished = False
             while not finished:
                 out = loops[rank].get_output(timeout=20)
