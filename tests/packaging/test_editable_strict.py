@@ -18,10 +18,9 @@ import pathlib
 import re
 import subprocess
 import sys
-import venv
 
 import pytest
-from test_layout import REPO, _see_running_packages
+from test_layout import REPO
 
 # raylm module path in the installed tree -> the repository file it must be.
 MODULES = {
@@ -64,11 +63,8 @@ def _can_build_without_isolation() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_strict_editable_install_links_the_repository_files(tmp_path):
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=False)
-    py = env_dir / "bin" / "python"
-    purelib = _see_running_packages(py)
+def test_strict_editable_install_links_the_repository_files(tmp_path, scratch_venv):
+    py, purelib = scratch_venv
     cmd = [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q",
            "--config-settings", "editable_mode=strict", "-e", str(REPO)]
     if _can_build_without_isolation():

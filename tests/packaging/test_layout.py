@@ -7,7 +7,6 @@ import pathlib
 import site
 import subprocess
 import sys
-import venv
 
 import pytest
 
@@ -229,7 +228,7 @@ def test_runner_and_parallel_never_import_ray():
     assert offenders == []
 
 
-def _see_running_packages(py: pathlib.Path) -> pathlib.Path:
+def see_running_packages(py: pathlib.Path) -> pathlib.Path:
     """Let the new environment import this interpreter's packages (torch, ray, ...), whether
     this is a virtualenv or the system interpreter: a .pth file listing our site dirs. Plain
     directory lines, so our own .pth files (an editable raylm among them) are not run, and
@@ -245,17 +244,16 @@ def _see_running_packages(py: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.slow
-def test_wheel_installs_and_imports_outside_repo(tmp_path):
+def test_wheel_installs_and_imports_outside_repo(tmp_path, scratch_venv):
     wheel_dir = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                     "-q", "-w", str(wheel_dir), str(REPO)], check=True)
     wheels = list(wheel_dir.glob("raylm-*.whl"))
     assert len(wheels) == 1, wheels
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    py = env_dir / "bin" / "python"
-    _see_running_packages(py)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheels[0])], check=True)
+    py, _ = scratch_venv
+    env_dir = py.parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
+                    "--no-deps", str(wheels[0])], check=True)
     code = (
         "import importlib, raylm\n"
         f"mods = {SUBPACKAGES!r}\n"
