@@ -222,3 +222,189 @@ def moto_s3(monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+# ---- Ray: one instance at a time for the run, each topology started once ----
+# (tests/ray_instances.py). A module asks for a topology with one of the fixtures below;
+# tests/suite_order.py runs the modules of each topology together.
+LOCAL_CPUS = 24  # logical: the most any module's placement groups ask for at once
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    from suite_order import sort_by_topology
+
+    config.stash[MODULE_RANKS] = sort_by_topology(items)
+
+
+MODULE_RANKS = pytest.StashKey[dict]()
+
+
+RAY_INSTANCES = pytest.StashKey["object"]()
+
+
+def pytest_addoption(parser):
+    parser.addini("suite_time_budget_s", "the whole suite's wall-time budget on CI, seconds",
+                  default="1500")
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SUITE_START] = time.monotonic()
+
+
+def _whole_suite_on_ci(config) -> bool:
+    """The README's command on CI: no paths or -k/-m selection, CI=true."""
+    return (os.environ.get("CI") == "true" and not hasattr(config, "workeroutput")
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not config.option.keyword and not config.option.markexpr)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when the whole suite on CI took longer than its budget: a slow
+    suite is caught the day it grows, not when CI's own limit cuts it off."""
+    wall = time.monotonic() - session.config.stash[SUITE_START]
+    budget = float(session.config.getini("suite_time_budget_s"))
+    session.config.stash[SUITE_WALL] = wall
+    instances = session.config.stash[RAY_INSTANCES]
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: tell the controller
+        instances.close()
+        session.config.workeroutput["ray_inits"] = instances.inits
+        session.config.workeroutput["ray_killed"] = instances.killed
+    if _whole_suite_on_ci(session.config) and wall > budget and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+SUITE_START = pytest.StashKey[float]()
+SUITE_WALL = pytest.StashKey[float]()
+
+
+def pytest_configure(config):
+    from ray_instances import RayInstances
+    from suite_order import XdistGroups
+
+    instances = RayInstances()
+    instances.install_counter()  # from the start: the product's own ray.init counts too
+    config.stash[RAY_INSTANCES] = instances
+    config.pluginmanager.register(XdistGroups(), "raylm-xdist-groups")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: add a worker's Ray counts to the run's."""
+    instances = node.config.stash[RAY_INSTANCES]
+    out = getattr(node, "workeroutput", {})
+    instances.inits += out.get("ray_inits", [])
+    instances.killed += out.get("ray_killed", [])
+
+
+def pytest_unconfigure(config):
+    instances = config.stash.get(RAY_INSTANCES, None)
+    if instances is not None:
+        instances.close()
+        instances.uninstall_counter()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from suite_order import module_of
+
+    instances = item.config.stash[RAY_INSTANCES]
+    instances.test = item.nodeid
+    if item.config.stash[MODULE_RANKS].get(module_of(item)) == 0:
+        instances.close()  # the Ray modules of this process are done: free what they held
+
+
+@pytest.fixture(scope="session")
+def ray_instances(request):
+    return request.config.stash[RAY_INSTANCES]
+
+
+def _shared(ray_instances, topology: str, start):
+    instance = ray_instances.use(topology, start)
+    yield instance
+    ray_instances.end_module()
+
+
+@pytest.fixture(scope="module")
+def ray_local(ray_instances):
+    """The run's single-node Ray with LOCAL_CPUS logical CPUs and no GPU; Serve apps on
+    it through ``instance.serve_app``."""
+    from ray_instances import start_local
+
+    yield from _shared(ray_instances, "local", lambda: start_local(LOCAL_CPUS))
+
+
+@pytest.fixture(scope="module")
+def ray_gpu_node(ray_instances):
+    """A single-node Ray whose node declares 2 GPUs (this machine has none) and 3 CPUs."""
+    from ray_instances import start_local
+
+    yield from _shared(ray_instances, "gpu_node",
+                       lambda: start_local(3, num_gpus=2, topology="gpu_node"))
+
+
+@pytest.fixture(scope="module")
+def ray_gpu_nodes(ray_instances):
+    """A head without GPUs (2 CPUs) and two nodes of 1 CPU and 3 GPUs each."""
+    from ray_instances import start_cluster
+
+    yield from _shared(ray_instances, "gpu_nodes", lambda: start_cluster(
+        "gpu_nodes", {"num_cpus": 2, "num_gpus": 0}, [{"num_cpus": 1, "num_gpus": 3}] * 2))
+
+
+@pytest.fixture(scope="module")
+def ray_two_nodes(ray_instances):
+    """A head and a worker node of one CPU each (``instance.cluster`` is Ray's Cluster)."""
+    from ray_instances import start_cluster
+
+    yield from _shared(ray_instances, "two_nodes", lambda: start_cluster(
+        "two_nodes", {"num_cpus": 1, "include_dashboard": False}, [{"num_cpus": 1}]))
+
+
+@pytest.fixture(scope="module")
+def ray_multinode(ray_instances):
+    """tests/cluster/multinode.py's LocalCluster (``ray start`` processes) of a head and two
+    worker nodes, node_a and node_b, of one CPU each (``instance.cluster``)."""
+    def start():
+        from multinode import LocalCluster, NodeSpec
+        from ray_instances import FAST_SERVE_METRICS, RayInstance
+
+        fast = {**FAST_SERVE_METRICS, "RAY_health_check_period_ms": "1000",
+                "RAY_health_check_failure_threshold": "3",
+                "RAY_health_check_initial_delay_ms": "1000"}  # node death seen in seconds
+        workers = [NodeSpec(n, 1, resources={n: 1, "replica_slot": 1}, env=fast)
+                   for n in ("node_a", "node_b")]
+        cluster = LocalCluster(NodeSpec("head", 1, resources={"head": 1}, env=fast), workers)
+        cluster.start()
+        return RayInstance("multinode", cluster.shutdown, cluster=cluster)
+
+    yield from _shared(ray_instances, "multinode", start)
+
+
+@pytest.fixture(scope="module")
+def ray_none(ray_instances):
+    """No Ray of the run's: for a test that starts and stops a cluster of its own (the
+    soak's), after every shared one."""
+    ray_instances.close()
+    yield
+    import ray
+
+    assert not ray.is_initialized(), "the module left its Ray connected"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    wall = config.stash.get(SUITE_WALL, None)
+    if wall is not None:
+        budget = float(config.getini("suite_time_budget_s"))
+        over = wall > budget and _whole_suite_on_ci(config)
+        terminalreporter.write_sep("=", f"suite wall time {wall:.0f} s, budget {budget:.0f} s"
+                                   f" (suite_time_budget_s in pyproject.toml)"
+                                   f"{': OVER BUDGET, the run fails' if over else ''}",
+                                   red=over)
+    instances = config.stash.get(RAY_INSTANCES, None)
+    inits = instances.inits if instances is not None else []
+    terminalreporter.write_sep("=", f"Ray instances started or joined by this run: {len(inits)}")
+    for line in inits:
+        terminalreporter.write_line(f"  ray.init from {line}")
+    for line in instances.killed if instances is not None else []:
+        terminalreporter.write_line(f"  actors left alive by a module, killed after it: {line}")

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import ray
-from local_ray import local_ray
 
 from raylm.actors.ray_engine_core_client import RayEngineCoreClient
 from raylm.cluster.engine.engine_args import EngineArgs
@@ -29,9 +28,8 @@ DEADLINE_S = 120.0  # turns a hang into a failure; nothing asserts on time
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():
-        yield
+def ray_cluster(ray_local):
+    yield ray_local
 
 
 def _config(model: str, dp: int = 2, async_scheduling: bool | None = None,

@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 from engine_idle import idle_metrics
-from local_ray import local_ray
 
 from raylm import LLM, PoolingParams, SamplingParams
 
@@ -17,9 +16,8 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():
-        yield
+def ray_cluster(ray_local):
+    yield ray_local
 
 
 @pytest.mark.parametrize(("tp", "pp", "async_scheduling"), [

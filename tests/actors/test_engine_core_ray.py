@@ -10,7 +10,7 @@ import time
 
 import pytest
 import ray
-from local_ray import local_ray
+from local_ray import ship_by_value
 
 from raylm.actors.placement import PlacementGroupError
 from raylm.actors.ray_engine_core_client import RayEngineCoreClient
@@ -30,9 +30,9 @@ MAX_TOKENS = [12, 7, 16, 5]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray(sys.modules[__name__]):
-        yield
+def ray_cluster(ray_local):
+    ship_by_value(sys.modules[__name__])
+    yield ray_local
 
 
 def _config(model: str, tp: int, backend: str, async_scheduling: bool | None = None,

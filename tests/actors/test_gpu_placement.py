@@ -60,20 +60,10 @@ def test_ranks_of_a_stage_follow_their_gpu_ids():
 
 
 @pytest.fixture(scope="module")
-def three_nodes():
+def three_nodes(ray_gpu_nodes):
     """A head without GPUs and two nodes of 3 GPUs each: TP=2 x PP=2 needs 4, so one rank
     per bundle (as before) would pack 3 ranks on one node and split a TP group."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, num_gpus=3)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    yield ray_gpu_nodes.cluster
 
 
 @pytest.mark.ray

@@ -10,7 +10,6 @@ import random
 
 import pytest
 from engine_idle import idle_metrics
-from local_ray import local_ray
 
 from raylm import LLM, LoRARequest, SamplingParams
 
@@ -24,9 +23,8 @@ MAX_TOKENS = [18, 12, 24, 10, 20, 16]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():  # 4 CPUs: the EngineCore actor's bundle and two ranks'
-        yield
+def ray_cluster(ray_local):
+    yield ray_local
 
 
 def _prompts() -> list[list[int]]:

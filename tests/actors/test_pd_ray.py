@@ -32,12 +32,10 @@ def _kv(role: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    # Logical CPUs: several engines' actors share this machine's cores.
-    ray.init(address="local", num_cpus=24, include_dashboard=False, log_to_driver=False)
+def ray_cluster(ray_local):
+    # Logical CPUs (24): several engines' actors share this machine's cores.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+    yield ray_local
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,9 @@ MAX_TOKENS = [18, 12, 24, 10, 20, 16]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
+def ray_cluster(ray_local):
     # TP2 x PP2: 4 one-CPU worker bundles + the EngineCore actor's.
-    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    yield ray_local
 
 
 def _prompts() -> list[list[int]]:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import ray
-from local_ray import local_ray
+from local_ray import ship_by_value
 
 from raylm.actors.remote_engine import submit
 
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray(sys.modules[__name__]):
-        yield
+def ray_cluster(ray_local):
+    ship_by_value(sys.modules[__name__])
+    yield ray_local
 
 
 @ray.remote

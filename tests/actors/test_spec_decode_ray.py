@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from engine_idle import idle_metrics
-from local_ray import local_ray
+from local_ray import ship_by_value
 
 from raylm.actors.ray_executor import RayExecutor
 from raylm.scheduler.config.engine_config import (
@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray(sys.modules[__name__]):
-        yield
+def ray_cluster(ray_local):
+    ship_by_value(sys.modules[__name__])
+    yield ray_local
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from structured_workload import check, wait_for_free_kv, workload  # noqa: E402
@@ -23,10 +22,8 @@ FREE = ["an unconstrained prompt", "another one about rivers"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_cluster(ray_local):
+    yield ray_local
 
 
 def _generate(llm: LLM) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Test helper: a real local Ray instance with a Serve OpenAI app on a loopback port."""
+"""Test helpers: a Serve OpenAI app on the run's shared Ray, on a loopback port."""
 
 from __future__ import annotations
 
@@ -8,31 +8,18 @@ import subprocess
 import time
 
 import httpx
-from test_openai_fakes import free_port
 
 
 @contextlib.contextmanager
-def running_serve_app(app_args: dict, name: str, num_cpus: int = 4, num_gpus: int = 0,
-                      build=None):
-    """Start Ray (``num_cpus`` logical CPUs, ``num_gpus`` declared GPUs) and Serve, run
-    ``build(app_args)`` (default ``build_openai_app``); yield the base URL; shut both down."""
-    import ray
-    from ray import serve
-
+def running_serve_app(ray_instance, app_args: dict, name: str, build=None):
+    """Run ``build(app_args)`` (default ``build_openai_app``) as the Serve app ``name`` on
+    ``ray_instance`` (a ``ray_local``-like fixture's value); yield the base URL; delete
+    the app (its replicas and engines) on exit."""
     from raylm.cluster import build_openai_app
 
     build = build or build_openai_app
-
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(app_args), name=name, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_instance.serve_app(build(app_args), name) as url:
+        yield url
 
 
 def wait_until_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float = 240) -> None:

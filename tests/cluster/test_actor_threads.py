@@ -10,11 +10,8 @@ from raylm.cluster.engine.llm_engine import ray_actor_threads
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    # address="local": a new Ray of our own, never a cluster `ray start` left on this machine.
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_instance(ray_local):
+    yield ray_local
 
 
 @ray.remote

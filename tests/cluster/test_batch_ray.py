@@ -70,22 +70,11 @@ def check_output(lines: list[str], expected: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(ray_two_nodes):
     """The node ids of a two-node cluster; the test process is its driver."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     # One CPU per node and one per replica: two replicas can only sit one on each node.
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
-        yield {cluster.head_node.node_id, worker.node_id}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    cluster = ray_two_nodes.cluster
+    yield {node.node_id for node in cluster.list_all_nodes()}
 
 
 def test_two_replicas_one_per_node_and_a_killed_replica_loses_nothing(two_nodes, llama_path,

@@ -61,14 +61,11 @@ def test_noset_cuda_visible_devices_picks_the_assigned_gpu():
 
 
 @pytest.fixture(scope="module")
-def fake_gpu_ray():
+def fake_gpu_ray(ray_gpu_node):
     """A local Ray whose one node claims 2 GPUs (this machine has none)."""
     import ray
 
-    ray.init(address="local", num_cpus=3, num_gpus=2, include_dashboard=False,
-             log_to_driver=False)
     yield ray
-    ray.shutdown()
 
 
 @pytest.mark.ray

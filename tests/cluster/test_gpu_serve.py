@@ -42,17 +42,20 @@ def test_serve_flags_for_devices(llama_path, monkeypatch):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_serve_on_a_gpu_node_puts_each_rank_on_a_gpu(llama_path, monkeypatch):
+def test_serve_on_a_gpu_node_puts_each_rank_on_a_gpu(ray_gpu_node, llama_path, monkeypatch):
     import ray
     from serve_helpers import running_serve_app
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setenv("RAYLM_ALLOW_CPU_FALLBACK", "1")
     cfg = build_llm_config(build_parser().parse_args(
         ["serve", llama_path, "--served-model-name", "gpu", "-tp", "2", "--num-kv-blocks",
          "32", "--max-num-seqs", "4"]))
-    app = {"llm_configs": [cfg.model_dump(exclude_unset=True)], "ingress_in_replica": True}
-    with running_serve_app(app, "gpu", num_cpus=3, num_gpus=2) as base:
+    # The Ray instance is shared and started without the CPU fallback: the replica gets it
+    # through its runtime environment, as a user's deployment would.
+    llm = {**cfg.model_dump(exclude_unset=True),
+           "runtime_env": {"env_vars": {"RAYLM_ALLOW_CPU_FALLBACK": "1"}}}
+    app = {"llm_configs": [llm], "ingress_in_replica": True}
+    with running_serve_app(ray_gpu_node, app, "gpu") as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         out = client.completions.create(model="gpu", prompt="hello world", max_tokens=3,
                                         temperature=0)

@@ -22,26 +22,18 @@ import time
 
 import httpx
 import pytest
-from multinode import LocalCluster, NodeSpec, free_port
+from multinode import LocalCluster, free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PROMPTS = [[5, 9, 33, 70, 2], [11, 400, 7]]
-# Fast Serve autoscaling signals and node-death detection (the defaults are 10-30 s).
-FAST_SIGNALS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-                "RAY_health_check_initial_delay_ms": "1000"}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    workers = [NodeSpec(n, 1, resources={n: 1, "replica_slot": 1}, env=FAST_SIGNALS)
-               for n in ("node_a", "node_b")]
-    c = LocalCluster(NodeSpec("head", 1, resources={"head": 1}, env=FAST_SIGNALS), workers)
-    c.start()
-    yield c
-    c.shutdown()
+def cluster(ray_multinode):
+    """A head and node_a, node_b of one CPU each, with fast Serve autoscaling signals and
+    node-death detection (conftest's ``ray_multinode``)."""
+    yield ray_multinode.cluster
 
 
 def _greedy(llm, max_tokens: int = 6) -> list[list[int]]:

@@ -20,7 +20,7 @@ ORIGIN = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
-def base_url(llama_path):
+def base_url(ray_local, llama_path):
     args = {"http_server": {"allowed_origins": [ORIGIN]}, "llm_configs": [
         {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
          "engine_kwargs": {"max_num_seqs": 64, "tool_call_parser": "hermes", "max_n": 8},
@@ -29,7 +29,7 @@ def base_url(llama_path):
         {"model_loading_config": {"model_id": SMALL, "model_source": llama_path},
          "engine_kwargs": {"max_num_seqs": 1, "max_queued_requests": 1}},
     ]}
-    with running_serve_app(args, "raylm") as url:
+    with running_serve_app(ray_local, args, "raylm") as url:
         yield url
 
 

@@ -19,11 +19,11 @@ MODEL = "tiny-llama-dp"
 
 
 @pytest.fixture(scope="module")
-def base_url(llama_path):
+def base_url(ray_local, llama_path):
     args = {"llm_configs": [
         {"model_loading_config": {"model_id": MODEL, "model_source": llama_path},
          "engine_kwargs": {"data_parallel_size": 2, "max_num_seqs": 8}}]}
-    with running_serve_app(args, "raylm-dp") as url:
+    with running_serve_app(ray_local, args, "raylm-dp") as url:
         yield url
 
 

@@ -30,14 +30,14 @@ def _side(path: str, **engine_kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def base_url(llama_path):
+def base_url(ray_local, llama_path):
     from raylm.cluster.serve.pd_app import build_pd_openai_app
 
     # A small token budget on the prefill side: a long prompt takes many steps there
     # (chunked prefill), long enough to kill the replica in the middle of it.
     args = {"prefill_config": _side(llama_path, max_num_batched_tokens=8),
             "decode_config": _side(llama_path)}
-    with running_serve_app(args, APP, num_cpus=16, build=build_pd_openai_app) as url:
+    with running_serve_app(ray_local, args, APP, build=build_pd_openai_app) as url:
         yield url
 
 

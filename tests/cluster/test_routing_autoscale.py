@@ -7,7 +7,6 @@ router's view of the replicas follows. The test prints how long each step took."
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -19,16 +18,12 @@ from serve_helpers import running_serve_app
 pytestmark = pytest.mark.ray
 
 MODEL = "tiny-llama"
-# Replicas push their autoscaling metrics every 10 s by default; Serve reads these when
-# Ray starts (the replicas inherit them).
-FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+APP = "raylm-autoscale"
 
 
 @pytest.fixture(scope="module")
-def base_url(llama_path):
-    saved = {k: os.environ.get(k) for k in FAST_METRICS}
-    os.environ.update(FAST_METRICS)
+def base_url(ray_local, llama_path):
+    # ray_local pushes autoscaling metrics every 0.5 s (FAST_SERVE_METRICS), not 10 s.
     args = {"llm_configs": [{
         "model_loading_config": {"model_id": MODEL, "model_source": llama_path},
         "engine_kwargs": {"max_num_seqs": 2, "max_model_len": 512},
@@ -41,21 +36,14 @@ def base_url(llama_path):
                                    "target_num_requests_waiting": 2,
                                    "upscale_delay_s": 0, "downscale_delay_s": 3,
                                    "look_back_period_s": 2}}}]}
-    try:
-        with running_serve_app(args, "raylm", num_cpus=4) as url:
-            yield url
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with running_serve_app(ray_local, args, APP) as url:
+        yield url
 
 
 def running_replicas() -> int:
     from ray import serve
 
-    dep = serve.status().applications["raylm"].deployments[f"LLMServer:{MODEL}"]
+    dep = serve.status().applications[APP].deployments[f"LLMServer:{MODEL}"]
     return dep.replica_states.get("RUNNING", 0)
 
 

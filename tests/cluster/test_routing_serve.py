@@ -24,7 +24,7 @@ ADAPTERS = ("ad0", "ad1")
 
 
 @pytest.fixture(scope="module")
-def base_url(llama_path, lora_adapters):
+def base_url(ray_local, llama_path, lora_adapters):
     args = {"llm_configs": [{
         "model_loading_config": {"model_id": MODEL, "model_source": llama_path},
         "engine_kwargs": {"max_num_seqs": 8, "max_model_len": 512, "enable_lora": True,
@@ -34,7 +34,7 @@ def base_url(llama_path, lora_adapters):
         "deployment_config": {"num_replicas": 3, "max_ongoing_requests": 16,
                               "request_router": {"policy": "prefix", "imbalance_threshold": 2,
                                                  "stats_period_s": 0.5}}}]}
-    with running_serve_app(args, "raylm", num_cpus=4) as url:
+    with running_serve_app(ray_local, args, "raylm-routing") as url:
         yield url
 
 

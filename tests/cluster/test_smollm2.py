@@ -234,12 +234,8 @@ def test_prompt_logprobs_equal_transformers(smollm2, prompts, engine_run, hf_ora
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+def ray_cluster(ray_local):
+    yield ray_local
 
 
 @pytest.mark.ray
@@ -255,19 +251,14 @@ def test_parallel_on_ray_equals_transformers(ray_cluster, smollm2, prompts, refe
 @pytest.mark.ray
 def test_served_chat_and_scoring_request(ray_cluster, smollm2, prompts, hf_oracle):
     import openai
-    from ray import serve
-    from test_openai_fakes import free_port
 
     from raylm.cluster import build_openai_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_openai_app({"llm_configs": [{
-            "model_loading_config": {"model_id": "smollm2", "model_source": smollm2}}]}),
-            name="smollm2", route_prefix="/")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                               max_retries=0, timeout=120)
+    app = build_openai_app({"llm_configs": [{
+        "model_loading_config": {"model_id": "smollm2", "model_source": smollm2}}]})
+    with ray_cluster.serve_app(app, "smollm2") as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0,
+                               timeout=120)
         chat = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": CHAT[0]}], temperature=0)
         assert chat.choices[0].message.content == "The capital of France is Paris."
@@ -284,5 +275,3 @@ def test_served_chat_and_scoring_request(ray_cluster, smollm2, prompts, hf_oracl
         # logprobs=1: each position's top-1 alternative (beside the prompt token) as well.
         assert max(abs(max(tops[i].values()) - ref[i - 1].max().item())
                    for i in range(1, len(prompt))) < 1e-4
-    finally:
-        serve.shutdown()

@@ -35,7 +35,8 @@ def soak():
 
 
 @pytest.mark.timeout(420)
-def test_ci_profile_passes_under_replica_and_engine_core_kills(soak, llama_path, tmp_path):
+def test_ci_profile_passes_under_replica_and_engine_core_kills(ray_none, soak, llama_path,
+                                                              tmp_path):
     result = soak.main(["--minutes", "1.5", "--faults", "replica,engine_core",
                         "--fault-span", "0.3", "--rate", "1.5", "--max-in-flight", "32",
                         "--model", llama_path,

@@ -42,12 +42,12 @@ def _stream_text(base_url: str, body: dict) -> str:
     return "".join(text)
 
 
-def test_disconnect_with_drafts_in_flight(loopy_llama_path):
+def test_disconnect_with_drafts_in_flight(ray_local, loopy_llama_path):
     args = {"llm_configs": [{
         "model_loading_config": {"model_id": MODEL, "model_source": loopy_llama_path},
         "engine_kwargs": {"max_num_seqs": 8, "speculative_config": {
             "method": "ngram", "num_speculative_tokens": 3}}}]}
-    with running_serve_app(args, "raylm-spec") as base_url:
+    with running_serve_app(ray_local, args, "raylm-spec") as base_url:
         keep = {"model": MODEL, "prompt": "one two three one two three one two", "max_tokens": 60,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}
         drop = {**keep, "prompt": "four five six four five six four five", "max_tokens": 900}
