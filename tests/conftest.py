@@ -234,10 +234,7 @@ LOCAL_CPUS = 24  # logical: the most any module's placement groups ask for at on
 def pytest_collection_modifyitems(session, config, items):
     from suite_order import sort_by_topology
 
-    config.stash[MODULE_RANKS] = sort_by_topology(items)
-
-
-MODULE_RANKS = pytest.StashKey[dict]()
+    sort_by_topology(items)
 
 
 RAY_INSTANCES = pytest.StashKey["object"]()
@@ -245,7 +242,7 @@ RAY_INSTANCES = pytest.StashKey["object"]()
 
 def pytest_addoption(parser):
     parser.addini("suite_time_budget_s", "the whole suite's wall-time budget on CI, seconds",
-                  default="1500")
+                  default="3600")
 
 
 def pytest_sessionstart(session):
@@ -254,7 +251,7 @@ def pytest_sessionstart(session):
 
 def _whole_suite_on_ci(config) -> bool:
     """The README's command on CI: no paths or -k/-m selection, CI=true."""
-    return (os.environ.get("CI") == "true" and not hasattr(config, "workeroutput")
+    return (os.environ.get("CI") == "true"
             and config.args_source == pytest.Config.ArgsSource.TESTPATHS
             and not config.option.keyword and not config.option.markexpr)
 
@@ -265,11 +262,6 @@ def pytest_sessionfinish(session, exitstatus):
     wall = time.monotonic() - session.config.stash[SUITE_START]
     budget = float(session.config.getini("suite_time_budget_s"))
     session.config.stash[SUITE_WALL] = wall
-    instances = session.config.stash[RAY_INSTANCES]
-    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: tell the controller
-        instances.close()
-        session.config.workeroutput["ray_inits"] = instances.inits
-        session.config.workeroutput["ray_killed"] = instances.killed
     if _whole_suite_on_ci(session.config) and wall > budget and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -280,21 +272,10 @@ SUITE_WALL = pytest.StashKey[float]()
 
 def pytest_configure(config):
     from ray_instances import RayInstances
-    from suite_order import XdistGroups
 
     instances = RayInstances()
     instances.install_counter()  # from the start: the product's own ray.init counts too
     config.stash[RAY_INSTANCES] = instances
-    config.pluginmanager.register(XdistGroups(), "raylm-xdist-groups")
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """pytest-xdist's controller: add a worker's Ray counts to the run's."""
-    instances = node.config.stash[RAY_INSTANCES]
-    out = getattr(node, "workeroutput", {})
-    instances.inits += out.get("ray_inits", [])
-    instances.killed += out.get("ray_killed", [])
 
 
 def pytest_unconfigure(config):
@@ -306,12 +287,7 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    from suite_order import module_of
-
-    instances = item.config.stash[RAY_INSTANCES]
-    instances.test = item.nodeid
-    if item.config.stash[MODULE_RANKS].get(module_of(item)) == 0:
-        instances.close()  # the Ray modules of this process are done: free what they held
+    item.config.stash[RAY_INSTANCES].test = item.nodeid
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
-"""The order the suite runs in, and how pytest-xdist's two workers share it.
+"""The order the suite runs in: the Ray-free modules first, then the modules grouped by the
+Ray topology they ask for (a fixture of tests/conftest.py), so that each instance starts
+once and is stopped before the next starts.
 
-Modules are grouped by the Ray topology they ask for (a fixture of tests/conftest.py), so
-that each instance starts once. Under ``--dist loadgroup`` every module is one work unit,
-but the modules on the shared single-node Ray are one unit (one worker keeps that
-instance), and the modules on the other topologies another (the other worker starts them
-in turn, one at a time); both are handed out first, and the Ray-free modules fill in.
+One process on purpose: two pytest-xdist workers, each with its Ray modules, ran the
+2-core, 24 GiB machine out of memory (Ray's OOM killer took engine workers) and were
+slower than one process (44% of the suite in 38 minutes).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import pytest
 # run; the instance of one is stopped when the next is asked for.
 RAY_TOPOLOGIES = ("ray_local", "ray_gpu_node", "ray_gpu_nodes", "ray_two_nodes",
                   "ray_multinode", "ray_none")
-LOCAL_GROUP, CLUSTERS_GROUP = "ray-local", "ray-clusters"
 
 
 def module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::")[0].split("@")[0]
+    return item.nodeid.split("::")[0]
 
 
 def module_ranks(items: list[pytest.Item]) -> dict[str, int]:
@@ -33,22 +32,8 @@ def module_ranks(items: list[pytest.Item]) -> dict[str, int]:
     return ranks
 
 
-def sort_by_topology(items: list[pytest.Item]) -> dict[str, int]:
-    """Ray modules first, by topology, then the others; stable, so the order within a
-    module stays as pytest's fixture-aware ordering left it. Returns the module ranks."""
+def sort_by_topology(items: list[pytest.Item]) -> None:
+    """The Ray-free modules, then the others by topology; stable, so the order within a
+    module stays as pytest's fixture-aware ordering left it."""
     ranks = module_ranks(items)
-    items.sort(key=lambda item: ranks[module_of(item)] or len(RAY_TOPOLOGIES) + 1)
-    return ranks
-
-
-class XdistGroups:
-    """Marks each test with its work unit before pytest-xdist reads the marks."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        ranks = module_ranks(items)
-        for item in items:
-            rank = ranks[module_of(item)]
-            group = (module_of(item) if rank == 0 else LOCAL_GROUP if rank == 1
-                     else CLUSTERS_GROUP)
-            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: ranks[module_of(item)])
