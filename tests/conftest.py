@@ -242,7 +242,7 @@ RAY_INSTANCES = pytest.StashKey["object"]()
 
 def pytest_addoption(parser):
     parser.addini("suite_time_budget_s", "the whole suite's wall-time budget on CI, seconds",
-                  default="3600")
+                  default="3900")
 
 
 def pytest_sessionstart(session):
