@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import os
 import socket
-import time
 from collections.abc import Callable, Iterator
 
 import ray
@@ -137,14 +136,6 @@ def start_local(num_cpus: int, num_gpus: int = 0, topology: str = "local") -> Ra
                 os.environ[k] = v
 
     return RayInstance(topology, stop)
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.1)
 
 
 def start_cluster(topology: str, head: dict, workers: list[dict]) -> RayInstance:
