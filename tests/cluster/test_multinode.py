@@ -245,8 +245,11 @@ def _clean_failure(events: list, killed_at: float) -> None:
 def _kill_mid_stream(url: str, model: str, kill, n_streams: int = 1) -> tuple[list, float]:
     streams = [[] for _ in range(n_streams)]
     threads = [threading.Thread(target=_stream, args=(url, model, ev)) for ev in streams]
-    for t in threads:
+    # One at a time: a stream already running is in the router's count of its replica,
+    # so the next goes to the other one (streams started together can all land on one).
+    for t, ev in zip(threads, streams, strict=True):
         t.start()
+        _wait(lambda ev=ev: any(e[0] == "token" for e in ev), 60, "a stream started")
     _wait(lambda: all(sum(e[0] == "token" for e in ev) >= 3 for ev in streams), 60,
           "streams started")
     killed_at = time.monotonic()
