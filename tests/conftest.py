@@ -230,11 +230,75 @@ def moto_s3(monkeypatch):
 LOCAL_CPUS = 24  # logical: the most any module's placement groups ask for at once
 
 
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+class WorkGroups:
+    """An xdist worker's side of tests/work_groups.py: the module -> unit map written for
+    the controller; the Ray-free tests told to keep to one CPU."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, session, config, items):
+        from suite_order import OWN_RAY, module_of, module_ranks, work_group
+        from work_groups import write_groups
+
+        ranks = module_ranks(items)
+        config.stash[MODULE_RANKS] = ranks
+        write_groups(self.path, {m: work_group(r, m) for m, r in ranks.items()})
+        for item in items:
+            item.stash[ONE_CPU] = ranks[module_of(item)] < OWN_RAY
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, per worker: where the worker writes its module -> unit map."""
+    node.workerinput[WORK_GROUPS_KEY] = str(node.config.stash[WORK_GROUPS_PATH])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from work_groups import WorkGroupScheduling
+
+    return WorkGroupScheduling(config, log, str(config.stash[WORK_GROUPS_PATH]))
+
+
+WORK_GROUPS_KEY = "raylm_work_groups"
+WORK_GROUPS_PATH = pytest.StashKey[str]()
+MODULE_RANKS = pytest.StashKey[dict]()
+ONE_CPU = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    from suite_order import sort_by_topology
+    from suite_order import sort_by_topology, sort_for_workers
 
-    sort_by_topology(items)
+    if MODULE_RANKS in config.stash:
+        sort_for_workers(items, config.stash[MODULE_RANKS])
+    else:
+        sort_by_topology(items)
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_beside_ray(request, monkeypatch):
+    """Under two xdist workers a Ray-free test runs its engines and oracles on one torch
+    thread: the other CPU is the shared-Ray worker's (two 2-thread OpenMP teams on two
+    cores spin against each other)."""
+    if not request.node.stash.get(ONE_CPU, False):
+        yield
+        return
+    import torch
+
+    monkeypatch.setenv("RAYLM_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 RAY_INSTANCES = pytest.StashKey["object"]()
@@ -242,7 +306,7 @@ RAY_INSTANCES = pytest.StashKey["object"]()
 
 def pytest_addoption(parser):
     parser.addini("suite_time_budget_s", "the whole suite's wall-time budget on CI, seconds",
-                  default="3900")
+                  default="1500")
 
 
 def pytest_sessionstart(session):
@@ -262,6 +326,11 @@ def pytest_sessionfinish(session, exitstatus):
     wall = time.monotonic() - session.config.stash[SUITE_START]
     budget = float(session.config.getini("suite_time_budget_s"))
     session.config.stash[SUITE_WALL] = wall
+    if _xdist_worker(session.config):  # to the controller's summary
+        instances = session.config.stash[RAY_INSTANCES]
+        session.config.workeroutput["ray_inits"] = instances.inits
+        session.config.workeroutput["ray_killed"] = instances.killed
+        return
     if _whole_suite_on_ci(session.config) and wall > budget and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -273,6 +342,15 @@ SUITE_WALL = pytest.StashKey[float]()
 def pytest_configure(config):
     from ray_instances import RayInstances
 
+    if _xdist_worker(config) and WORK_GROUPS_KEY in config.workerinput:
+        config.pluginmanager.register(WorkGroups(config.workerinput[WORK_GROUPS_KEY]),
+                                      "raylm-work-groups")
+    elif not _xdist_worker(config):
+        import tempfile
+
+        config.stash[WORK_GROUPS_PATH] = os.path.join(tempfile.mkdtemp(prefix="raylm-units-"),
+                                                      "groups.json")
+
     instances = RayInstances()
     instances.install_counter()  # from the start: the product's own ray.init counts too
     config.stash[RAY_INSTANCES] = instances
@@ -283,6 +361,15 @@ def pytest_unconfigure(config):
     if instances is not None:
         instances.close()
         instances.uninstall_counter()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: a worker's Ray instances join the run's count."""
+    instances = node.config.stash[RAY_INSTANCES]
+    output = getattr(node, "workeroutput", {})
+    instances.inits.extend(f"[{node.gateway.id}] {line}" for line in output.get("ray_inits", []))
+    instances.killed.extend(output.get("ray_killed", []))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -16,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # raylm starts a Ray of its own in the subprocess
 def test_five_engines_in_a_loop_run_to_the_end(llama_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
     # Its own Ray session folder; short, as Ray's unix socket paths must be.
