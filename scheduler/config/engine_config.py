@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from raylm.scheduler.config.attention_layout import check_attention_layout
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
@@ -89,7 +90,8 @@ class ModelConfig:
                                  "(nor a GGUF file).")
             with open(path) as f:
                 object.__setattr__(self, "hf_config", json.load(f))
-        supported_architecture(self.hf_config.get("architectures") or [], self.model)
+        arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
+        check_attention_layout(arch, self.hf_config, self.model)
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
         if self.max_model_len == 0:
             object.__setattr__(self, "max_model_len", limit)
