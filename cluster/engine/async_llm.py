@@ -17,12 +17,11 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from raylm.cluster.engine.engine_args import EngineArgs
+from raylm.cluster.engine.engine_stats import engine_stats
 from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import ValidatedPrompt
-from raylm.cluster.serve.metrics import kv_connector_stats, lora_stats, spec_decode_stats
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.scheduler_stats import parse_device_info
 
 logger = logging.getLogger(__name__)
 
@@ -151,21 +150,7 @@ class AsyncLLM:
         await asyncio.to_thread(self.engine.check_health)
 
     def get_stats(self) -> dict[str, Any]:
-        m = self.engine.get_metrics()
-        return {
-            "num_requests_running": m.get("raylm:num_requests_running", 0),
-            "num_requests_waiting": m.get("raylm:num_requests_waiting", 0),
-            "kv_cache_usage_perc": m.get("raylm:kv_cache_usage_perc", 0.0),
-            "num_preemptions_total": m.get("raylm:num_preemptions", 0),
-            "prompt_tokens_total": m.get("raylm:prompt_tokens", 0),
-            "generation_tokens_total": m.get("raylm:generation_tokens", 0),
-            "prefix_cache_queries_total": m.get("raylm:prefix_cache_queries", 0),
-            "prefix_cache_hits_total": m.get("raylm:prefix_cache_hits", 0),
-            "devices": parse_device_info(m),
-            **spec_decode_stats(m),
-            **kv_connector_stats(m),
-            **lora_stats(m),
-        }
+        return engine_stats(self.engine.get_metrics())
 
     @property
     def num_kv_blocks(self) -> int | None:

@@ -9,7 +9,6 @@ from the token stream the server sees; gauges and counters of the engine are rea
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -17,6 +16,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from raylm.cluster.engine.engine_stats import (
+    KV_GAUGES,
+    LORA_INFO,
+    SPEC_COUNTERS,
+    SPEC_PER_POS,
+    labelled,
+)
 from raylm.cluster.engine.outputs import RequestOutput
 
 # The families raylm fills (Metric itself has no add_metric).
@@ -46,62 +52,6 @@ _COUNTERS = {
     "prefix_cache_queries_total": ("raylm:prefix_cache_queries", "Prefix cache tokens queried."),
     "prefix_cache_hits_total": ("raylm:prefix_cache_hits", "Prefix cache tokens hit."),
 }
-# Speculative decoding (only when the engine reports them: speculation is configured).
-_SPEC_COUNTERS = {
-    "spec_decode_num_drafts_total": ("raylm:spec_decode_num_drafts",
-                                     "Steps of a request that verified drafts."),
-    "spec_decode_num_draft_tokens_total": ("raylm:spec_decode_num_draft_tokens",
-                                           "Draft tokens proposed."),
-    "spec_decode_num_accepted_tokens_total": ("raylm:spec_decode_num_accepted_tokens",
-                                              "Draft tokens accepted."),
-}
-_SPEC_PER_POS = ("raylm:spec_decode_num_accepted_tokens_per_pos",
-                 "Draft tokens accepted, per draft position.")
-
-
-# KV connectors (only with one configured): the engine's own names, gauges among them.
-_KV_PREFIXES = ("raylm:external_prefix_cache_", "raylm:kv_offload_", "raylm:kv_transfer_",
-                "raylm:kv_connector_", "raylm:num_requests_waiting_for_remote_kvs")
-_KV_GAUGES = ("raylm:kv_offload_cpu_cache_usage_perc", "raylm:num_requests_waiting_for_remote_kvs")
-
-
-def kv_connector_stats(metrics: dict[str, Any]) -> dict[str, Any]:
-    """get_metrics() -> the get_stats() key ``kv_connector``: every KV-connector series
-    by its full name (labels included); none without a connector."""
-    kv = {k: v for k, v in metrics.items() if k.startswith(_KV_PREFIXES)}
-    return {"kv_connector": kv} if kv else {}
-
-
-_LORA_INFO = "raylm:lora_requests_info"
-
-
-def lora_stats(metrics: dict[str, Any]) -> dict[str, Any]:
-    """get_metrics() -> the get_stats() key ``lora_requests_info``: (labels, value) of
-    each reading (scheduler/lora.py; its label values hold commas, so parsed by quotes);
-    none without LoRA."""
-    out = [(dict(re.findall(r'(\w+)="([^"]*)"', key)), float(value))
-           for key, value in metrics.items() if key.startswith(_LORA_INFO + "{")]
-    return {"lora_requests_info": out} if out else {}
-
-
-def _labelled(key: str) -> tuple[str, dict[str, str]]:
-    """'name{a="x"}' -> ('name', {'a': 'x'})."""
-    name, _, rest = key.partition("{")
-    labels = dict(pair.split("=", 1) for pair in rest.rstrip("}").split(",") if pair)
-    return name, {k: v.strip('"') for k, v in labels.items()}
-
-
-def spec_decode_stats(metrics: dict[str, Any]) -> dict[str, Any]:
-    """get_metrics() -> the get_stats() keys of speculative decoding (none when off)."""
-    if "raylm:spec_decode_num_drafts" not in metrics:
-        return {}
-    stats: dict[str, Any] = {key: metrics[name] for key, (name, _) in _SPEC_COUNTERS.items()}
-    prefix = _SPEC_PER_POS[0] + '{position="'
-    per_pos = {int(k[len(prefix):-2]): v for k, v in metrics.items() if k.startswith(prefix)}
-    stats["spec_decode_num_accepted_tokens_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
-    return stats
-
-
 # The engine series a replica reports to the routers (``routing_stats``), so that an
 # ingress can show every replica's (``engine_families`` with one label per replica).
 ENGINE_SERIES = frozenset(name for name, _ in (*_GAUGES.values(), *_COUNTERS.values()))
@@ -170,11 +120,11 @@ class _EngineStatsCollector:
                 family.add_metric([self._model_name, kind, name], float(count))
             yield family
         if "spec_decode_num_drafts_total" in stats:
-            for key, (name, doc) in _SPEC_COUNTERS.items():
+            for key, (name, doc) in SPEC_COUNTERS.items():
                 family = CounterMetricFamily(name, doc, labels=["model_name"])
                 family.add_metric([self._model_name], float(stats[key]))
                 yield family
-            family = CounterMetricFamily(*_SPEC_PER_POS, labels=["model_name", "position"])
+            family = CounterMetricFamily(*SPEC_PER_POS, labels=["model_name", "position"])
             for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
                 family.add_metric([self._model_name, str(pos)], float(n))
             yield family
@@ -182,7 +132,7 @@ class _EngineStatsCollector:
         if stats.get("lora_requests_info"):
             names = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
             family = GaugeMetricFamily(
-                _LORA_INFO, "LoRA adapters of running and waiting requests (labels); the "
+                LORA_INFO, "LoRA adapters of running and waiting requests (labels); the "
                 "value is the time of the reading.", labels=["model_name", *names])
             for labels, value in stats["lora_requests_info"]:
                 family.add_metric([self._model_name, *(labels.get(n, "") for n in names)],
@@ -192,11 +142,11 @@ class _EngineStatsCollector:
     def _kv_families(self, series: dict[str, float]) -> Iterable[Metric]:
         by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
         for key, value in series.items():
-            name, labels = _labelled(key)
+            name, labels = labelled(key)
             by_name.setdefault(name, []).append((labels, float(value)))
         for name, samples in sorted(by_name.items()):
             label_names = ["model_name", *sorted(samples[0][0])]
-            kind = GaugeMetricFamily if name in _KV_GAUGES else CounterMetricFamily
+            kind = GaugeMetricFamily if name in KV_GAUGES else CounterMetricFamily
             family = kind(name, "KV connector: " + name.split(":", 1)[1].replace("_", " "),
                           labels=label_names)
             for labels, value in samples:

@@ -154,6 +154,15 @@ def test_only_the_schedulers_users_import_it():
                          "raylm.scheduler.core.engine_core"}
 
 
+def test_the_engine_client_does_not_import_the_server():
+    """cluster/engine (LLM, LLMEngine, AsyncLLM) is what the server is built on: the
+    statistics and protocol it needs live beside it, not in cluster/serve."""
+    bad = {name: sorted(e for e in edges if e.startswith("raylm.cluster.serve"))
+           for name, edges in import_graph().items()
+           if name.startswith("raylm.cluster.engine")}
+    assert not {name: edges for name, edges in bad.items() if edges}
+
+
 def _raylm_imports(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text())
     found = set()
