@@ -164,7 +164,7 @@ def shutdown_engine(engine: _ShutsDown | None) -> None:
 
 
 class _ReplicaBackend:
-    """The LLMServer of this very replica as an ``openai_api.ModelBackend``."""
+    """The LLMServer of this very replica as an ``routes.ModelBackend``."""
 
     def __init__(self, server: LLMServer):
         self._server = server
@@ -200,7 +200,7 @@ class LLMIngressServer(LLMServer):
 
 
 class _HandleBackend:
-    """An LLMServer deployment seen through its DeploymentHandle (see openai_api.ModelBackend)."""
+    """An LLMServer deployment seen through its DeploymentHandle (see routes.ModelBackend)."""
 
     def __init__(self, handle: Any, model_id: str):
         self._handle = handle

