@@ -33,8 +33,11 @@ _NUM_NEEDS_DIGIT = ("sign", "dot", "exp", "exp_sign")
 _NULL = b"null"
 # The most one byte can lengthen the closing in any state (an upper bound, state-free);
 # a UTF-8 lead byte adds the continuation bytes it calls for (``utf8_due``).
+# A literal or a sign opening an array's first value: "n" -> "ull", "t" -> "rue",
+# "f" -> "alse", "-" -> a digit (after "[" the closing needs no value before them).
 _BYTE_GROWTH = {ord(","): 7, ord('"'): 6, ord("u"): 3, ord("{"): 1, ord("["): 1,
                 ord("\\"): 1, ord("."): 1, ord("e"): 1, ord("E"): 1,
+                ord("n"): 3, ord("t"): 3, ord("f"): 4, ord("-"): 1,
                 **{b: 1 for b in range(0xC0, 0xE0)}, **{b: 2 for b in range(0xE0, 0xF0)},
                 **{b: 3 for b in range(0xF0, 0x100)}}
 

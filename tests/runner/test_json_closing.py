@@ -117,3 +117,13 @@ def test_room_to_spare_leaves_the_grammar_row_alone(backend):
         assert free.accept_token(token) and limited.accept_token(token)
     assert np.array_equal(backend.build_bitmask([free])[0],
                           backend.build_bitmask([limited])[0])
+
+
+@pytest.mark.parametrize("token", [b"n", b"t", b"f", b"-", b"\n  n", b"tr"])
+def test_a_literal_or_sign_opening_an_arrays_first_value_is_within_the_bound(token):
+    """After "[" the closing needs no value, so a literal's first byte lengthens it by
+    the rest of the literal (hypothesis found "n" missing from the bound)."""
+    state = advance(START, b'{"a": [')
+    after = advance(state, token)
+    assert len(closing(after)) - len(closing(state)) <= growth_bound(token)
+    assert len(closing(after)) > len(closing(state))
