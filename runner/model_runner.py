@@ -66,13 +66,19 @@ class ModelRunner:
         self.input_batch = InputBatch(sched.max_num_seqs, self.model_config.max_model_len,
                                       self.block_size)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        attn_shape = RankAttentionShape.of(DecoderConfig.from_hf(self.model_config.hf_config),
-                                           ctx.tp_size)
+        decoder = DecoderConfig.from_hf(self.model_config.hf_config)
+        attn_shape = RankAttentionShape.of(decoder, ctx.tp_size)
+        attention_backend = resolve_attention_backend(self.device)
+        windows = sorted({w for w in decoder.layer_windows if w is not None})
+        if windows and attention_backend == "triton":
+            raise ValueError(f"sliding_window {windows} of model {self.model_config.model!r} "
+                             "is not supported on the Triton attention backend (CUDA); "
+                             "RAYLM_ATTENTION_BACKEND=native runs it.")
         self.input_preparer = InputPreparer(
             self.input_batch, self.block_size, sched.max_num_batched_tokens, self.device,
             needs_input_ids=ctx.is_first_pp_rank,
             max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem),
-            attention_backend=resolve_attention_backend(self.device))
+            attention_backend=attention_backend)
         self.max_num_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).

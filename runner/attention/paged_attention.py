@@ -10,6 +10,7 @@ host, uploaded without a wait and shared by every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,20 @@ class AttentionMetadata:
     # Per num_kv_heads: the cache write index [T * H]; every layer of one rank has the same
     # head count, so the first layer builds it.
     _write_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Sliding-window layers: this step's metadata for a window, built by the first layer of
+    # that window (``for_window``) from the same host inputs.
+    _rebuild: Callable[[int], AttentionMetadata] | None = None
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int) -> AttentionMetadata:
+        """The step's metadata for a layer whose tokens see only their last ``window``
+        keys (themselves included): the same writes, fewer keys read."""
+        if window not in self._windowed:
+            if self._rebuild is None:
+                raise ValueError("sliding-window attention runs on the native (CPU) "
+                                 "attention backend only, not the Triton one.")
+            self._windowed[window] = self._rebuild(window)
+        return self._windowed[window]
 
     def write_index(self, num_kv_heads: int) -> torch.Tensor:
         """Rows of the cache seen as ``[num_blocks * H * block_size, D]`` for each new
@@ -160,10 +175,13 @@ def build_attention_metadata(
     cpu_kernel: bool | None = None,
     max_pairs: int | None = None,
     backend: str = "native",
+    window: int = 0,
 ) -> AttentionMetadata:
     """``cpu_kernel``: whether the short rows may take the C++ kernel (default: on CPU);
     they do when it is available. ``max_pairs``: the torch kernel's chunk (max_ragged_pairs).
-    ``backend``: ``triton`` builds the Triton kernel's tiles for every row instead."""
+    ``backend``: ``triton`` builds the Triton kernel's tiles for every row instead.
+    ``window`` > 0: every token sees only its last ``window`` keys, itself included (a
+    sliding-window layer; ``for_window`` of the plain metadata builds it when needed)."""
     device = slot_mapping.device
     if backend == "triton":
         from raylm.runner.attention.triton_paged import build_tiles
@@ -175,19 +193,27 @@ def build_attention_metadata(
     cpu_kernel = (device.type == "cpu" if cpu_kernel is None else cpu_kernel) and \
         load_cpu_attention_kernel()
     table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
+    if window < 0:
+        raise ValueError(f"window must be positive (0: none), got {window}.")
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     num_tokens = int(query_start_loc[-1])
     query_lens = np.diff(query_start_loc)
     meta = AttentionMetadata(num_tokens=num_tokens, block_size=block_size,
                              slot_mapping=slot_mapping)
+    if window == 0:
+        def rebuild(w: int) -> AttentionMetadata:
+            return build_attention_metadata(query_start_loc, seq_lens, slot_mapping, table,
+                                            block_size, cpu_kernel, max_pairs, backend, w)
+
+        meta._rebuild = rebuild
     pack = HostUpload(device)
     short = np.flatnonzero(query_lens <= RAGGED_MAX_QUERY_LEN)
     finish_ragged = None
     if short.size:
         finish_ragged = build_ragged_tokens(query_start_loc, seq_lens, table, short,
                                             block_size, num_tokens, pack, pairs=not cpu_kernel,
-                                            max_pairs=max_pairs)
+                                            max_pairs=max_pairs, window=window)
     # Long rows: few per step (bounded by the token budget), one sdpa each.
     spans: list[tuple[PrefillSpan, tuple[int, int] | None]] = []
     for row in np.flatnonzero(query_lens > RAGGED_MAX_QUERY_LEN).tolist():
@@ -200,11 +226,15 @@ def build_attention_metadata(
     if finish_ragged is not None:
         meta.ragged = finish_ragged(uploaded)
     for span, where in spans:
+        seq_len = span.context_len + span.end - span.start
         if where is not None:
-            seq_len = span.context_len + span.end - span.start
             span.block_ids = uploaded[where[0]:where[1]]
+        if where is not None or 0 < window < span.end - span.start:
             q_pos = torch.arange(span.context_len, seq_len, device=device)
-            span.mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            k_pos = torch.arange(seq_len, device=device)[None, :]
+            span.mask = k_pos <= q_pos[:, None]
+            if window > 0:
+                span.mask &= k_pos > q_pos[:, None] - window
         meta.prefills.append(span)
     return meta
 
@@ -222,8 +252,14 @@ def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tenso
 class Attention(nn.Module):
     """Attention over the paged KV cache for one layer (this rank's heads only)."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
+        # Each token sees only its last sliding_window keys, itself included (transformers'
+        # window); None: every earlier key.
+        self.sliding_window = sliding_window
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}.")
@@ -251,6 +287,10 @@ class Attention(nn.Module):
         if meta.tiles is not None:
             from raylm.runner.attention import triton_paged
 
+            if self.sliding_window is not None:
+                raise ValueError("sliding_window is not supported on the Triton attention "
+                                 "backend (RAYLM_ATTENTION_BACKEND=native runs it).")
+
             triton_paged.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
             if connector is not None:
                 connector.save_kv_layer(self.layer_index)
@@ -262,6 +302,8 @@ class Attention(nn.Module):
         value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
         if connector is not None:
             connector.save_kv_layer(self.layer_index)
+        if self.sliding_window is not None:
+            meta = meta.for_window(self.sliding_window)
         ragged = meta.ragged
         idx = None if ragged is None else ragged.token_index
         if ragged is not None and idx is None:  # every token is ragged

@@ -43,18 +43,20 @@ class RaggedTokens:
     block_table: torch.Tensor | None = None  # [R, nb] the block tables of the tokens' rows
     token_row: torch.Tensor | None = None  # [N] each token's row of ``block_table``
     kv_len: torch.Tensor | None = None  # [N] keys each token sees
+    window: int = 0  # >0: each token sees only its last ``window`` keys, itself included
 
 
 def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                         block_table: np.ndarray, rows: np.ndarray, block_size: int,
                         num_batch_tokens: int, upload: _Upload, pairs: bool = True,
-                        max_pairs: int | None = None
+                        max_pairs: int | None = None, window: int = 0
                         ) -> Callable[[torch.Tensor], RaggedTokens]:
     """Metadata for the query tokens of ``rows`` (host numpy, vectorised): their pairs
     when ``pairs`` (the torch kernel), else their rows and key counts (the C++ kernel).
     The index arrays are added to ``upload``; the returned function takes the uploaded
     tensor and slices them out. ``max_pairs``: the most pairs the torch kernel takes at
-    once (whole tokens per chunk; a token with more pairs runs alone)."""
+    once (whole tokens per chunk; a token with more pairs runs alone). ``window`` > 0: a
+    token sees only its last ``window`` keys (itself included), a sliding-window layer."""
     bs = block_size
     qlens = query_start_loc[rows + 1] - query_start_loc[rows]
     num_tokens = int(qlens.sum())
@@ -67,6 +69,9 @@ def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     kv_len = seq_lens[tok_row] - query_start_loc[tok_row + 1] + tok + 1
     assert (kv_len >= 1).all(), f"a query token sees no keys: kv_len={kv_len.tolist()}"
     nblk = -(-kv_len // bs)
+    # The first key a token sees, and its first visible block (0 without a window).
+    first_key = np.maximum(kv_len - window, 0) if window > 0 else np.zeros_like(kv_len)
+    first_blk = first_key // bs
     max_blocks = block_table.shape[1]
     assert int(nblk.max()) <= max_blocks, (
         f"a token needs {int(nblk.max())} blocks but the block table has {max_blocks}")
@@ -83,31 +88,37 @@ def build_ragged_tokens(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                 num_tokens=num_tokens,
                 token_index=None if at_index is None else uploaded[at_index[0]:at_index[1]],
                 block_table=uploaded[at_table[0]:at_table[1]].view(rows.size, width),
-                token_row=uploaded[at_row[0]:at_row[1]], kv_len=uploaded[at_len[0]:at_len[1]])
+                token_row=uploaded[at_row[0]:at_row[1]], kv_len=uploaded[at_len[0]:at_len[1]],
+                window=window)
 
         return finish_rows
-    num_pairs = int(nblk.sum())
-    pair_token = np.repeat(np.arange(num_tokens), nblk)
-    pair_pos = np.arange(num_pairs) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+    npairs = nblk - first_blk
+    num_pairs = int(npairs.sum())
+    pair_token = np.repeat(np.arange(num_tokens), npairs)
+    pair_pos = (np.arange(num_pairs) - np.repeat(np.cumsum(npairs) - npairs, npairs)
+                + first_blk[pair_token])
     pair_block = block_table[tok_row[pair_token], pair_pos]
     visible = kv_len[pair_token] - pair_pos * bs  # keys of the block the token sees (>= 1)
-    masked = bool((visible < bs).any())
+    hidden = first_key[pair_token] - pair_pos * bs  # leading keys before the window (<= 0: none)
+    masked = bool((visible < bs).any() or (hidden > 0).any())
     at_token = upload.add(pair_token)
     at_block = upload.add(pair_block)
     at_visible = upload.add(visible) if masked else None
-    single_pair = bool((nblk == 1).all())
-    chunks = (pair_chunks(nblk, max_pairs)
+    at_hidden = upload.add(hidden) if masked else None
+    single_pair = bool((npairs == 1).all())
+    chunks = (pair_chunks(npairs, max_pairs)
               if max_pairs is not None and num_pairs > max_pairs else None)
 
     def finish(uploaded: torch.Tensor) -> RaggedTokens:
         bias = None
-        if at_visible is not None:
+        if at_visible is not None and at_hidden is not None:
             vis = uploaded[at_visible[0]:at_visible[1]]
+            before = uploaded[at_hidden[0]:at_hidden[1]]
             keys = torch.arange(bs, device=uploaded.device)
             bias = torch.zeros(vis.numel(), 1, 1, bs, dtype=torch.float32,
                                device=uploaded.device)
-            bias.masked_fill_((keys[None, :] >= vis[:, None]).view(-1, 1, 1, bs),
-                              float("-inf"))
+            outside = (keys[None, :] >= vis[:, None]) | (keys[None, :] < before[:, None])
+            bias.masked_fill_(outside.view(-1, 1, 1, bs), float("-inf"))
         return RaggedTokens(
             num_tokens=num_tokens,
             token_index=None if at_index is None else uploaded[at_index[0]:at_index[1]],
@@ -146,7 +157,7 @@ def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
         f"query has {num_tokens} tokens, the metadata {meta.num_tokens}")
     if meta.pair_token is None:  # the C++ kernel's metadata
         return torch.ops.raylm.paged_attention(query, key_cache, value_cache, meta.block_table,
-                                               meta.token_row, meta.kv_len, scale)
+                                               meta.token_row, meta.kv_len, scale, meta.window)
     assert meta.pair_block is not None and meta.pair_token is not None
     if meta.chunks is None:
         return _pairs_attention(query, key_cache, value_cache, meta.pair_token,

@@ -33,8 +33,8 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM",
-                          "Qwen3ForCausalLM"] = "LlamaForCausalLM"
+    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "MistralForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -48,6 +48,10 @@ class CheckpointSpec:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.2  # peaky logits: greedy ties between engines stay unlikely
     seed: int = 0
+    # Mistral: the window of every layer; Qwen2/Qwen3: the window of the layers from
+    # max_window_layers on (use_sliding_window). None: full attention everywhere.
+    sliding_window: int | None = None
+    max_window_layers: int = 0
 
 
 # Named sizes used by the demo CLI and the benchmarks.
@@ -125,6 +129,13 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = spec.rope_scaling
+    if spec.architecture == "MistralForCausalLM":
+        kwargs["sliding_window"] = spec.sliding_window
+    elif spec.sliding_window is not None:
+        if spec.architecture == "LlamaForCausalLM":
+            raise ValueError("a Llama checkpoint has no sliding window.")
+        kwargs.update(use_sliding_window=True, sliding_window=spec.sliding_window,
+                      max_window_layers=spec.max_window_layers)
     config: transformers.PretrainedConfig
     if spec.architecture == "LlamaForCausalLM":
         config = transformers.LlamaConfig(**kwargs)
@@ -132,6 +143,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.Qwen2Config(**kwargs)
     elif spec.architecture == "Qwen3ForCausalLM":
         config = transformers.Qwen3Config(**kwargs)
+    elif spec.architecture == "MistralForCausalLM":
+        config = transformers.MistralConfig(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.runner.models.registry import resolve_architecture
+from raylm.scheduler.config.attention_layout import layer_windows
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class DecoderConfig:
     o_bias: bool  # Llama/Qwen3: attention_bias; Qwen2: never
     mlp_bias: bool  # Llama's mlp_bias
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    # Per layer: its sliding window (a token sees its last W keys, itself included), or None
+    layer_windows: tuple[int | None, ...]
     hf_config: dict[str, Any] = field(compare=False, repr=False)
 
     @classmethod
@@ -53,5 +56,6 @@ class DecoderConfig:
             o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            layer_windows=tuple(layer_windows(arch, hf)),
             hf_config=hf,
         )

@@ -98,7 +98,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 ops: FusedOps = EAGER_OPS) -> None:
+                 ops: FusedOps = EAGER_OPS, sliding_window: int | None = None) -> None:
         super().__init__()
         self.ops = ops
         d = cfg.head_dim
@@ -116,7 +116,8 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
-        self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=d ** -0.5)
+        self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=d ** -0.5,
+                              sliding_window=sliding_window)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -134,11 +135,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 ops: FusedOps = EAGER_OPS) -> None:
+                 ops: FusedOps = EAGER_OPS, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device,
                                        ops)
-        self.self_attn = LlamaAttention(cfg, ctx, dtype, ops)
+        self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 ctx.device, ops)
         self.mlp = LlamaMLP(cfg, ctx, dtype)
@@ -169,7 +170,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_position, dtype,
                                           ctx.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, dtype, ops)
+            LlamaDecoderLayer(cfg, ctx, dtype, ops, i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
         self.norm: RMSNorm | PPMissingLayer = PPMissingLayer()

@@ -1,53 +1,61 @@
 """Which layers of a checkpoint attend through a sliding window, read from config.json as
-transformers reads it, and the refusal of any raylm cannot run.
+transformers reads it.
 
-raylm runs full causal attention on every layer. A Qwen2/Qwen3 config can ask for a window
-on some layers (``use_sliding_window``, ``sliding_window``, ``max_window_layers``,
-``layer_types``); run with full attention such a model gives other tokens than the model
-does, so the config is refused, naming the field, unless no layer would use a window.
+Mistral puts its ``sliding_window`` on every layer; Qwen2/Qwen3 on the layers their
+``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types`` say.
+A token of a windowed layer sees its last ``sliding_window`` keys, itself included
+(transformers' window). A layer kind raylm does not know is refused, naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Architectures whose config carries the sliding-window fields, and transformers' default
+# Architectures whose config carries Qwen's window fields, and transformers' default
 # max_window_layers for them (Qwen2Config / Qwen3Config).
-WINDOW_FIELDS_DEFAULT_MAX_WINDOW_LAYERS = {"Qwen2ForCausalLM": 28, "Qwen3ForCausalLM": 28}
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = {"Qwen2ForCausalLM": 28, "Qwen3ForCausalLM": 28}
 LAYER_KINDS = ("full_attention", "sliding_attention")
+DEFAULT_WINDOW = 4096  # transformers' default sliding_window for these families
 
 
-def windowed_layers(architecture: str, hf_config: dict[str, Any]) -> list[int]:
-    """The layers that transformers runs with a sliding window (empty: none). ValueError
-    for a ``layer_types`` entry that is no attention kind raylm knows."""
-    if architecture not in WINDOW_FIELDS_DEFAULT_MAX_WINDOW_LAYERS:
-        return []  # Llama: transformers reads none of these fields
-    num_layers = int(hf_config["num_hidden_layers"])
+def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | None]:
+    """Per layer: its window in tokens, or None for full attention. ValueError for a
+    ``layer_types`` entry that is no attention kind raylm knows."""
+    num_layers = int(hf_config.get("num_hidden_layers", 0))
+    if architecture == "MistralForCausalLM":
+        window = hf_config.get("sliding_window", DEFAULT_WINDOW)
+        return [_checked(window)] * num_layers
+    if architecture not in QWEN_DEFAULT_MAX_WINDOW_LAYERS:
+        return [None] * num_layers  # Llama: transformers reads none of these fields
     # transformers drops the window unless use_sliding_window is set.
-    window = hf_config.get("sliding_window", 4096) if hf_config.get("use_sliding_window") else None
+    window = (hf_config.get("sliding_window", DEFAULT_WINDOW)
+              if hf_config.get("use_sliding_window") else None)
     layer_types = hf_config.get("layer_types")
     if layer_types is None:
         first = int(hf_config.get("max_window_layers",
-                                  WINDOW_FIELDS_DEFAULT_MAX_WINDOW_LAYERS[architecture]))
+                                  QWEN_DEFAULT_MAX_WINDOW_LAYERS[architecture]))
         layer_types = ["sliding_attention" if window is not None and i >= first
                        else "full_attention" for i in range(num_layers)]
     unknown = sorted({t for t in layer_types if t not in LAYER_KINDS})
     if unknown:
         raise ValueError(f"layer_types {unknown} is not supported: raylm knows the layer kinds "
                          f"{list(LAYER_KINDS)}.")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for "
+                         f"num_hidden_layers={num_layers}.")
+    # A "sliding_attention" layer without a window attends to every earlier key.
+    return [_checked(window) if kind == "sliding_attention" and window is not None else None
+            for kind in layer_types]
+
+
+def _checked(window: Any) -> int | None:
     if window is None:
-        return []  # a "sliding_attention" layer without a window attends to everything
-    return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}.")
+    return window
 
 
-def check_attention_layout(architecture: str, hf_config: dict[str, Any], model: str) -> None:
-    """ValueError naming the field when the checkpoint wants a layer raylm cannot run."""
-    layers = windowed_layers(architecture, hf_config)
-    if not layers:
-        return
-    field = "layer_types" if hf_config.get("layer_types") is not None else "max_window_layers"
-    raise ValueError(
-        f"use_sliding_window=True with sliding_window={hf_config.get('sliding_window', 4096)} "
-        f"on layers {layers} of model {model!r} ({field}) is not supported: raylm runs full "
-        "attention on every layer and would give other tokens than the model. Use a "
-        "checkpoint without the window (use_sliding_window=false).")
+def check_attention_layout(architecture: str, hf_config: dict[str, Any]) -> None:
+    """ValueError naming the field when the checkpoint asks for a layer raylm cannot run."""
+    layer_windows(architecture, hf_config)

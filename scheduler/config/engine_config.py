@@ -23,8 +23,10 @@ from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
-# Qwen2 (qkv bias) and Qwen3 (q/k norm) run on the Llama decoder with flags.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral (a sliding window) run on the Llama
+# decoder with flags.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -91,7 +93,7 @@ class ModelConfig:
             with open(path) as f:
                 object.__setattr__(self, "hf_config", json.load(f))
         arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
-        check_attention_layout(arch, self.hf_config, self.model)
+        check_attention_layout(arch, self.hf_config)
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
         if self.max_model_len == 0:
             object.__setattr__(self, "max_model_len", limit)

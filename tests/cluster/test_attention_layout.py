@@ -1,6 +1,6 @@
-"""Sliding-window fields of a checkpoint's config.json: raylm runs full attention on every
-layer, so a config that puts a window on any layer is refused, naming the field, and one
-whose window falls on no layer runs and equals transformers."""
+"""Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window): the windowed
+layers read from config.json as transformers reads them, and the tokens equal
+transformers' with chunked prefill, prefix caching and preemption, sync and async."""
 
 from __future__ import annotations
 
@@ -10,31 +10,50 @@ import shutil
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.scheduler.config.attention_layout import windowed_layers
+from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+from raylm.scheduler.config.attention_layout import layer_windows
 
 QWEN2, QWEN3, LLAMA = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"
+MISTRAL = "MistralForCausalLM"
+
+
+W = 8
 
 
 @pytest.mark.parametrize(("arch", "fields", "expected"), [
-    (QWEN2, {}, []),
-    (QWEN2, {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0}, []),
-    (QWEN2, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [1, 2, 3]),
-    (QWEN2, {"use_sliding_window": True, "sliding_window": 8}, []),  # default 28 >= 4 layers
-    (QWEN2, {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, []),
-    (QWEN3, {"use_sliding_window": True, "sliding_window": 8,
-             "layer_types": ["full_attention", "sliding_attention"] * 2}, [1, 3]),
+    (QWEN2, {}, [None] * 4),
+    (QWEN2, {"use_sliding_window": False, "sliding_window": W, "max_window_layers": 0},
+     [None] * 4),
+    (QWEN2, {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1},
+     [None, W, W, W]),
+    (QWEN2, {"use_sliding_window": True, "sliding_window": W}, [None] * 4),  # default 28
+    (QWEN2, {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+     [None] * 4),
+    (QWEN3, {"use_sliding_window": True, "sliding_window": W,
+             "layer_types": ["full_attention", "sliding_attention"] * 2}, [None, W, None, W]),
     # transformers gives a "sliding_attention" layer no window unless use_sliding_window
-    (QWEN3, {"sliding_window": 8, "layer_types": ["sliding_attention"] * 4}, []),
-    (LLAMA, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, []),
+    (QWEN3, {"sliding_window": W, "layer_types": ["sliding_attention"] * 4}, [None] * 4),
+    (LLAMA, {"use_sliding_window": True, "sliding_window": W, "max_window_layers": 0},
+     [None] * 4),
+    (MISTRAL, {"sliding_window": W}, [W] * 4),
+    (MISTRAL, {"sliding_window": None}, [None] * 4),
+    (MISTRAL, {}, [4096] * 4),  # transformers' default
 ])
 def test_the_windowed_layers_are_those_transformers_windows(arch, fields, expected):
-    assert windowed_layers(arch, {"num_hidden_layers": 4, **fields}) == expected
+    assert layer_windows(arch, {"num_hidden_layers": 4, **fields}) == expected
 
 
-def test_an_unknown_layer_kind_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\]"):
-        windowed_layers(QWEN3, {"num_hidden_layers": 2,
-                                "layer_types": ["full_attention", "linear_attention"]})
+@pytest.mark.parametrize(("arch", "fields", "match"), [
+    (QWEN3, {"layer_types": ["full_attention", "linear_attention"]},
+     r"layer_types \['linear_attention'\]"),
+    (QWEN3, {"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+    (MISTRAL, {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    (QWEN2, {"use_sliding_window": True, "sliding_window": "8", "max_window_layers": 0},
+     "sliding_window must be a positive integer"),
+])
+def test_a_layout_raylm_cannot_run_is_refused_by_name(arch, fields, match):
+    with pytest.raises(ValueError, match=match):
+        layer_windows(arch, {"num_hidden_layers": 2, **fields})
 
 
 def _with_config(src: str, dst, **fields) -> str:
@@ -46,17 +65,53 @@ def _with_config(src: str, dst, **fields) -> str:
     return str(dst)
 
 
-PROMPT = list(range(40, 72))  # 32 tokens: far beyond a 4-token window
+PROMPT = list(range(40, 72))  # 32 tokens: far beyond a 5-token window
 
 
-def test_a_windowed_qwen2_is_refused_naming_the_field(qwen2_path, tmp_path, hf_oracle):
-    windowed = _with_config(qwen2_path, tmp_path / "windowed", use_sliding_window=True,
-                            sliding_window=4, max_window_layers=1)
-    # The window changes the model's tokens: running it with full attention would be wrong.
-    assert hf_oracle(windowed).greedy(PROMPT, 12) != hf_oracle(qwen2_path).greedy(PROMPT, 12)
-    with pytest.raises(ValueError, match=r"use_sliding_window=True with sliding_window=4 on "
-                                         r"layers \[1\].*max_window_layers"):
-        LLM(windowed)
+@pytest.fixture(scope="module")
+def windowed_paths(tmp_path_factory) -> dict[str, str]:
+    """Mistral with a 5-token window on every layer; Qwen2 with one on its second layer."""
+    root = tmp_path_factory.mktemp("windowed")
+    specs = {"mistral": CheckpointSpec(architecture="MistralForCausalLM", sliding_window=5,
+                                       seed=21),
+             "qwen2": CheckpointSpec(architecture="Qwen2ForCausalLM", sliding_window=5,
+                                     max_window_layers=1, seed=22)}
+    return {name: write_random_checkpoint(str(root / name), spec)
+            for name, spec in specs.items()}
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_the_window_changes_the_models_tokens(windowed_paths, family, tmp_path, hf_oracle):
+    """Without its window the same weights give other tokens: the tests below can fail."""
+    path = windowed_paths[family]
+    fields = ({"sliding_window": None} if family == "mistral"
+              else {"use_sliding_window": False})
+    unwindowed = _with_config(path, tmp_path / "full", **fields)
+    assert hf_oracle(path).greedy(PROMPT, 12) != hf_oracle(unwindowed).greedy(PROMPT, 12)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_models_equal_transformers(windowed_paths, family, async_scheduling,
+                                                  hf_oracle):
+    """Chunked prefill (a 16-token budget), prefix hits (a shared 20-token start) and
+    preemption (30 blocks of 4 tokens), decode rows and prefill spans in one step."""
+    path = windowed_paths[family]
+    oracle = hf_oracle(path)
+    shared = list(range(100, 120))
+    prompts = [shared + [7, 8, 9], shared + list(range(200, 230)), PROMPT, [5, 6],
+               list(range(300, 341))]
+    lengths = [14, 9, 16, 20, 11]
+    with LLM(path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=30,
+             max_num_batched_tokens=16, max_num_seqs=5) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                             for n in lengths])
+        metrics = llm.get_metrics()
+    for p, n, out in zip(prompts, lengths, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
+    assert metrics["raylm:prefix_cache_hits"] > 0 and metrics["raylm:num_preemptions"] > 0
+    assert metrics["raylm:kv_cache_usage_perc"] == 0.0
 
 
 def test_a_window_on_no_layer_runs_and_equals_transformers(qwen2_path, tmp_path, hf_oracle):
@@ -67,3 +122,27 @@ def test_a_window_on_no_layer_runs_and_equals_transformers(qwen2_path, tmp_path,
         out = llm.generate([{"prompt_token_ids": PROMPT}],
                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_oracle(path).greedy(PROMPT, 12)
+
+
+def test_ngram_speculation_on_a_windowed_model_under_async_equals_transformers(
+        windowed_paths, hf_oracle):
+    """Verified drafts are rows of several tokens through the ragged kernel, each draft
+    position with its own window; a repeating prompt makes the lookup propose."""
+    path = windowed_paths["mistral"]
+    prompts = [[11, 12, 13, 14] * 6, PROMPT]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    with LLM(path, async_scheduling=True, block_size=4, speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        metrics = llm.get_metrics()
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_oracle(path).greedy(p, 16)
+    assert metrics["raylm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_the_triton_backend_refuses_a_windowed_model_by_name(windowed_paths, monkeypatch):
+    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"sliding_window \[5\] .* Triton attention backend"):
+        LLM(windowed_paths["qwen2"])

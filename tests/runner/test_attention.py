@@ -19,9 +19,10 @@ from raylm.runner.attention.ragged import ragged_paged_attention
 BS, HQ, HKV, D, NUM_BLOCKS = 4, 4, 2, 8, 512
 
 
-def _reference(q, cache_k, cache_v, table, length, scale):
-    """softmax(q k^T) v over positions [0, length) of one sequence, head by head."""
-    pos = torch.arange(length)
+def _reference(q, cache_k, cache_v, table, length, scale, window=None):
+    """softmax(q k^T) v over positions [0, length) of one sequence (the last ``window`` of
+    them with a window), head by head."""
+    pos = torch.arange(0 if window is None else max(0, length - window), length)
     blocks = torch.as_tensor(table)[pos // BS]
     k = cache_k[blocks, :, pos % BS]  # [L, Hkv, D]
     v = cache_v[blocks, :, pos % BS]
@@ -67,13 +68,13 @@ def _check(attn, tables, qsl, query, out, lens, q_lens, tol):
         for j in range(ql):
             tok = int(qsl[i]) + j
             want = _reference(query[tok].float(), cache_k, cache_v, tables[i], n - ql + j + 1,
-                              D ** -0.5)
+                              attn.scale, attn.sliding_window)
             torch.testing.assert_close(out[tok].float(), want, atol=tol, rtol=tol)
 
 
-def _step(rng, lens, q_lens, dtype, cpu_kernel, max_pairs=None):
-    attn = Attention(HQ, D, HKV, scale=D ** -0.5)
-    attn.kv_cache = allocate_kv_cache(NUM_BLOCKS, BS, HKV, D, dtype, "cpu")
+def _step(rng, lens, q_lens, dtype, cpu_kernel, max_pairs=None, window=None, head_dim=D):
+    attn = Attention(HQ, head_dim, HKV, scale=head_dim ** -0.5, sliding_window=window)
+    attn.kv_cache = allocate_kv_cache(NUM_BLOCKS, BS, HKV, head_dim, dtype, "cpu")
     for c in attn.kv_cache:
         c.normal_()
     free = iter(rng.permutation(NUM_BLOCKS).tolist())
@@ -87,9 +88,41 @@ def _step(rng, lens, q_lens, dtype, cpu_kernel, max_pairs=None):
     meta = build_attention_metadata(qsl, np.array(lens), slots, block_table, BS, cpu_kernel,
                                     max_pairs=max_pairs)
     t = int(qsl[-1])
-    query = torch.randn(t, HQ, D).to(dtype)
-    key, value = torch.randn(t, HKV, D).to(dtype), torch.randn(t, HKV, D).to(dtype)
+    query = torch.randn(t, HQ, head_dim).to(dtype)
+    key = torch.randn(t, HKV, head_dim).to(dtype)
+    value = torch.randn(t, HKV, head_dim).to(dtype)
     return attn, meta, tables, qsl, query, attn(query, key, value, meta)
+
+
+# Windows inside one block, of a block and one key, and across many blocks; head sizes
+# of the C++ kernel's generic loop (8) and of its AVX-512 one (64).
+@pytest.mark.parametrize("window", [1, 3, BS + 1, 13])
+@pytest.mark.parametrize("head_dim", [D, 64])
+@KERNELS
+def test_a_sliding_window_layer_sees_only_its_last_keys(window, head_dim, cpu_kernel):
+    rng = np.random.default_rng(window)
+    torch.manual_seed(window)
+    # Decode rows short and long, a 4-token speculative row, a 5-token chunk (ragged),
+    # a 12-token chunk after context and a 10-token prompt (sdpa, masked by the window).
+    lens = [2, 9, 40, 77, 41, 14, 42, 10]
+    q_lens = [1, 1, 1, 1, 4, 5, 12, 10]
+    attn, meta, tables, qsl, query, out = _step(rng, lens, q_lens, torch.float32, cpu_kernel,
+                                                window=window, head_dim=head_dim)
+    windowed = meta.for_window(window)
+    assert windowed is meta.for_window(window)  # built once per step, shared by the layers
+    assert windowed.ragged is not None and len(windowed.prefills) == 2
+    _check(attn, tables, qsl, query, out, lens, q_lens, tol=1e-5)
+
+
+def test_a_window_reads_fewer_blocks_than_full_attention():
+    lens = [77]
+    qsl = np.array([0, 1])
+    table = np.arange(20)[None, :]
+    slots = torch.tensor([table[0, 76 // BS] * BS + 76 % BS])
+    meta = build_attention_metadata(qsl, np.array(lens), slots, table, BS, cpu_kernel=False)
+    full = meta.ragged.pair_block.tolist()
+    windowed = meta.for_window(6).ragged.pair_block.tolist()
+    assert full == list(range(20)) and windowed == [17, 18, 19]  # keys 71..76
 
 
 @KERNELS

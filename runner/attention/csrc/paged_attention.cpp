@@ -60,7 +60,7 @@ template <typename T>
 void attend(const T* query, const T* key_cache, const T* value_cache,
             const int64_t* block_table, int64_t table_stride, const int64_t* token_row,
             const int64_t* kv_len, T* out, int64_t num_tokens, int64_t num_kv_heads,
-            int64_t group, int64_t block_size, int64_t head_dim, float scale) {
+            int64_t group, int64_t block_size, int64_t head_dim, float scale, int64_t window) {
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), k_buf(block_size * head_dim),
@@ -73,16 +73,18 @@ void attend(const T* query, const T* key_cache, const T* value_cache,
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       const int64_t len = kv_len[t];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t* blocks = block_table + token_row[t] * table_stride;
-      for (int64_t start = 0; start < len; start += block_size) {
+      for (int64_t start = first / block_size * block_size; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
+        const int64_t j0 = std::max<int64_t>(0, first - start);  // keys before the window
         const int64_t offset = blocks[start / block_size] * block_stride + h * block_size * head_dim;
         const float* k = as_float(key_cache + offset, n * head_dim, k_buf.data());
         const float* v = as_float(value_cache + offset, n * head_dim, v_buf.data());
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = j0; j < n; ++j) {
             const float* kj = k + j * head_dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -94,14 +96,14 @@ void attend(const T* query, const T* key_cache, const T* value_cache,
           const float rescale = std::exp(row_max[g] - new_max);  // 0 on the first block
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = j0; j < n; ++j) {
             p[j] = exp_nonpositive(p[j] - new_max);
             sum += p[j];
           }
           float* ag = acc.data() + g * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = j0; j < n; ++j) {
             const float w = p[j];
             const float* vj = v + j * head_dim;
 #pragma omp simd
@@ -157,7 +159,7 @@ template <typename T, int D>
 void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
                    const int64_t* block_table, int64_t table_stride, const int64_t* token_row,
                    const int64_t* kv_len, T* out, int64_t num_tokens, int64_t num_kv_heads,
-                   int64_t group, int64_t block_size, float scale) {
+                   int64_t group, int64_t block_size, float scale, int64_t window) {
   constexpr int NV = D / 16;
   const int64_t block_stride = num_kv_heads * block_size * D;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -168,6 +170,7 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
       const T* q_in = query + (t * num_kv_heads + h) * group * D;
       for (int64_t i = 0; i < group * D; ++i) qs[i] = static_cast<float>(q_in[i]) * scale;
       const int64_t len = kv_len[t];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t* blocks = block_table + token_row[t] * table_stride;
       for (int64_t g = 0; g < group; ++g) {
         __m512 q[NV], acc[NV];
@@ -176,8 +179,9 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
           acc[i] = _mm512_setzero_ps();
         }
         float row_max = -std::numeric_limits<float>::infinity(), row_sum = 0.f;
-        for (int64_t start = 0; start < len; start += block_size) {
+        for (int64_t start = first / block_size * block_size; start < len; start += block_size) {
           const int64_t n = std::min(block_size, len - start);
+          const int64_t lo = std::max<int64_t>(0, first - start);  // keys before the window
           const int64_t offset = blocks[start / block_size] * block_stride + h * block_size * D;
           const T* k = key_cache + offset;
           const T* v = value_cache + offset;
@@ -194,11 +198,12 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
               _mm_prefetch(vn + b, _MM_HINT_T0);
             }
           }
-          for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          for (int64_t j0 = lo / 16 * 16; j0 < n; j0 += 16) {
             const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
+            const int skip = static_cast<int>(std::max<int64_t>(0, lo - j0));  // < 16
             __m512 dots[16];
             for (int j = 0; j < 16; ++j) {
-              if (j < m) {
+              if (j >= skip && j < m) {
                 const T* kj = k + (j0 + j) * D;
                 __m512 d = _mm512_mul_ps(q[0], load16(kj));
                 for (int i = 1; i < NV; ++i) d = _mm512_fmadd_ps(q[i], load16(kj + 16 * i), d);
@@ -207,7 +212,7 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
                 dots[j] = _mm512_setzero_ps();
               }
             }
-            const __mmask16 live = static_cast<__mmask16>((1u << m) - 1u);
+            const __mmask16 live = static_cast<__mmask16>(((1u << m) - 1u) & ~((1u << skip) - 1u));
             const __m512 scores = _mm512_mask_blend_ps(
                 live, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum_lanes16(dots));
             const float new_max = std::max(row_max, _mm512_reduce_max_ps(scores));
@@ -219,10 +224,11 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
               p[j] = exp_nonpositive(p[j]);  // masked keys: exp(-inf) clamps to ~0
               sum += p[j];
             }
-            for (int j = m; j < 16; ++j) sum -= p[j];  // drop the clamped ~0s exactly
+            for (int j = 0; j < skip; ++j) sum -= p[j];  // drop the clamped ~0s exactly
+            for (int j = m; j < 16; ++j) sum -= p[j];
             const __m512 r = _mm512_set1_ps(rescale);
             for (int i = 0; i < NV; ++i) acc[i] = _mm512_mul_ps(acc[i], r);
-            for (int j = 0; j < m; ++j) {
+            for (int j = skip; j < m; ++j) {
               const __m512 w = _mm512_set1_ps(p[j]);
               const T* vj = v + (j0 + j) * D;
               for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(w, load16(vj + 16 * i), acc[i]);
@@ -243,12 +249,13 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
 #endif
 
 // query [N, Hq, D]; caches [num_blocks, Hkv, bs, D]; block_table [R, max_blocks] int64;
-// token_row, kv_len [N] int64 (token i attends to keys 0..kv_len[i]-1 of row token_row[i])
-// -> [N, Hq * D] in the query's dtype.
+// token_row, kv_len [N] int64 (token i attends to keys 0..kv_len[i]-1 of row token_row[i];
+// with window > 0 only to its last `window` keys, itself included) -> [N, Hq * D] in the
+// query's dtype.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table,
                            const at::Tensor& token_row, const at::Tensor& kv_len,
-                           double scale) {
+                           double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [N, Hq, D], cache [B, H, bs, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
@@ -275,7 +282,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
           q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
           table.data_ptr<int64_t>(), table.size(1), rows.data_ptr<int64_t>(),
           lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
-          num_heads / num_kv_heads, block_size, static_cast<float>(scale));
+          num_heads / num_kv_heads, block_size, static_cast<float>(scale), window);
       if (head_dim == 32) return std::apply(attend_avx512<scalar_t, 32>, args);
       if (head_dim == 64) return std::apply(attend_avx512<scalar_t, 64>, args);
       if (head_dim == 128) return std::apply(attend_avx512<scalar_t, 128>, args);
@@ -285,7 +292,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      value_cache.data_ptr<scalar_t>(), table.data_ptr<int64_t>(),
                      table.size(1), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                      out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
-                     num_heads / num_kv_heads, block_size, head_dim, static_cast<float>(scale));
+                     num_heads / num_kv_heads, block_size, head_dim, static_cast<float>(scale),
+                     window);
   });
   return out;
 }
@@ -294,7 +302,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 
 TORCH_LIBRARY(raylm, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-        "Tensor token_row, Tensor kv_len, float scale) -> Tensor");
+        "Tensor token_row, Tensor kv_len, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_attention", &paged_attention); }
