@@ -114,6 +114,23 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
         llm.shutdown()
 
 
+def test_a_sliding_window_layer_on_the_second_stage_tp2xpp2_async(tmp_path_factory, hf_oracle):
+    """A Qwen2 whose second layer attends through a 5-token window: the window lives on
+    stage 1, each TP rank's heads apply it."""
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("qwen2win")), CheckpointSpec(
+        architecture="Qwen2ForCausalLM", sliding_window=5, max_window_layers=1, seed=23))
+    expected = [hf_oracle(path).greedy(p, m) for p, m in zip(_prompts(), MAX_TOKENS, strict=True)]
+    llm = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True,
+              **ENGINE)
+    try:
+        assert _generate(llm) == expected
+        assert llm.get_metrics()["raylm:num_preemptions"] > 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_tensor_parallel_under_preemption_and_chunking_matches_hf(llama_path, reference,
                                                                    async_scheduling):
