@@ -104,7 +104,9 @@ class ModelRunner:
         # attention, no PP or drafts: their steps' shapes are not the bucket's), or padded
         # eagerly where asked (RAYLM_PAD_DECODE_STEPS) to check and measure the padding.
         plain = ctx.pp_size == 1 and self.speculator is None
-        self.use_cuda_graphs = (plain and self.device.type == "cuda"
+        # The expert grouping reads each step's routing on the host: no graph captures it.
+        sparse = any(decoder.moe_layers)
+        self.use_cuda_graphs = (plain and not sparse and self.device.type == "cuda"
                                 and self.input_preparer.attention_backend == "triton"
                                 and not self.model_config.enforce_eager)
         self.pad_decode_steps = self.use_cuda_graphs or (plain and envs.pad_decode_steps())

@@ -34,7 +34,7 @@ _WORDS = (
 @dataclass(frozen=True)
 class CheckpointSpec:
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "MistralForCausalLM"] = "LlamaForCausalLM"
+                          "MistralForCausalLM", "Qwen3MoeForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -52,6 +52,11 @@ class CheckpointSpec:
     # max_window_layers on (use_sliding_window). None: full attention everywhere.
     sliding_window: int | None = None
     max_window_layers: int = 0
+    # Qwen3-MoE: experts per layer, each token's top k, an expert's intermediate size
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE layers with a dense MLP
 
 
 # Named sizes used by the demo CLI and the benchmarks.
@@ -129,6 +134,10 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = spec.rope_scaling
+    if spec.architecture == "Qwen3MoeForCausalLM":
+        kwargs.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                      moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True,
+                      mlp_only_layers=list(spec.mlp_only_layers))
     if spec.architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.sliding_window is not None:
@@ -145,6 +154,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.Qwen3Config(**kwargs)
     elif spec.architecture == "MistralForCausalLM":
         config = transformers.MistralConfig(**kwargs)
+    elif spec.architecture == "Qwen3MoeForCausalLM":
+        config = transformers.Qwen3MoeConfig(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

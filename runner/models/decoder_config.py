@@ -28,6 +28,12 @@ class DecoderConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before RoPE
     # Per layer: its sliding window (a token sees its last W keys, itself included), or None
     layer_windows: tuple[int | None, ...]
+    # Mixture of experts (Qwen3-MoE): per layer whether its MLP is the sparse block
+    moe_layers: tuple[bool, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
     hf_config: dict[str, Any] = field(compare=False, repr=False)
 
     @classmethod
@@ -55,7 +61,29 @@ class DecoderConfig:
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
             o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             layer_windows=tuple(layer_windows(arch, hf)),
+            moe_layers=tuple(_moe_layers(arch, hf)),
+            num_experts=_num_experts(hf),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             hf_config=hf,
         )
+
+
+def _moe_layers(arch: str, hf: dict[str, Any]) -> list[bool]:
+    """Which layers' MLP is the sparse expert block, as transformers' Qwen3-MoE decides:
+    every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
+    num_layers = int(hf["num_hidden_layers"])
+    if arch != "Qwen3MoeForCausalLM" or not _num_experts(hf):
+        return [False] * num_layers
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or [])
+    return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    """``num_experts`` (the hub's Qwen3-MoE configs) or ``num_local_experts`` (what
+    transformers 5 writes)."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)

@@ -9,6 +9,7 @@ residual, both [T, hidden]) that the next stage passes back in as ``intermediate
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -32,6 +33,7 @@ from raylm.parallel.layers import (
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
+from raylm.runner.models.moe import SparseMoeBlock
 from raylm.runner.rotary import RotaryEmbedding
 
 
@@ -142,7 +144,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 ctx.device, ops)
-        self.mlp = LlamaMLP(cfg, ctx, dtype)
+        self.mlp: LlamaMLP | SparseMoeBlock = LlamaMLP(cfg, ctx, dtype)
+        if cfg.moe_layers[layer]:
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
+                                      cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.norm_topk_prob, ctx, dtype)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
@@ -199,6 +205,9 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
+# model.layers.{layer}.mlp.experts.{expert}.{gate,up,down}_proj.weight (Qwen3-MoE)
+_EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
+                            r"(gate_proj|up_proj|down_proj)\.weight")
 # (checkpoint name fragment, parameter name fragment, shard id)
 _STACKED_PARAMS = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -285,6 +294,17 @@ class LlamaForCausalLM(nn.Module):
             if name.split(".")[0:2] == ["model", "embed_tokens"] and not self.ctx.is_first_pp_rank:
                 continue
             if name.startswith(("model.norm.", "lm_head.")) and not self.ctx.is_last_pp_rank:
+                continue
+            expert = _EXPERT_WEIGHT.fullmatch(name)
+            if expert is not None:
+                layer, index, proj = int(expert[1]), int(expert[2]), expert[3]
+                mlp = cast(LlamaDecoderLayer, self.model.layers[layer]).mlp
+                if not isinstance(mlp, SparseMoeBlock):
+                    raise ValueError(f"checkpoint tensor {name!r}: layer {layer} has no experts.")
+                mlp.load_expert_weight(index, proj, tensor)
+                if not mlp.missing_expert_weights():
+                    loaded.update((f"model.layers.{layer}.mlp.w13",
+                                   f"model.layers.{layer}.mlp.w2"))
                 continue
             for ckpt_part, param_part, shard_id in _STACKED_PARAMS:
                 if ckpt_part in name:

@@ -1,7 +1,8 @@
 """Which layers of a checkpoint attend through a sliding window, read from config.json as
 transformers reads it.
 
-Mistral puts its ``sliding_window`` on every layer; Qwen2/Qwen3 on the layers their
+Mistral puts its ``sliding_window`` on every layer (Qwen3-MoE too, with
+``use_sliding_window``); Qwen2/Qwen3 on the layers their
 ``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types`` say.
 A token of a windowed layer sees its last ``sliding_window`` keys, itself included
 (transformers' window). A layer kind raylm does not know is refused, naming the field.
@@ -24,6 +25,10 @@ def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | No
     num_layers = int(hf_config.get("num_hidden_layers", 0))
     if architecture == "MistralForCausalLM":
         window = hf_config.get("sliding_window", DEFAULT_WINDOW)
+        return [_checked(window)] * num_layers
+    if architecture == "Qwen3MoeForCausalLM":  # every layer, when use_sliding_window
+        window = (hf_config.get("sliding_window", DEFAULT_WINDOW)
+                  if hf_config.get("use_sliding_window") else None)
         return [_checked(window)] * num_layers
     if architecture not in QWEN_DEFAULT_MAX_WINDOW_LAYERS:
         return [None] * num_layers  # Llama: transformers reads none of these fields

@@ -23,10 +23,11 @@ from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
-# Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral (a sliding window) run on the Llama
-# decoder with flags.
+# Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window) and Qwen3-MoE (q/k norm,
+# sparse expert MLPs) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -243,6 +244,9 @@ class EngineConfig:
         if spec is not None and spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.hf_config)
         self._check_kv_transfer()
+        if self.lora_config is not None and self.model_config.architecture in MOE_ARCHITECTURES:
+            raise ValueError(f"enable_lora is not supported for {self.model_config.architecture} "
+                             "(LoRA adapts dense MLPs; this model's are sparse experts).")
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))

@@ -114,13 +114,20 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
         llm.shutdown()
 
 
-def test_a_sliding_window_layer_on_the_second_stage_tp2xpp2_async(tmp_path_factory, hf_oracle):
-    """A Qwen2 whose second layer attends through a 5-token window: the window lives on
-    stage 1, each TP rank's heads apply it."""
+@pytest.mark.parametrize("spec", [
+    # A Qwen2 whose second layer attends through a 5-token window: the window lives on
+    # stage 1, each TP rank's heads apply it.
+    pytest.param(dict(architecture="Qwen2ForCausalLM", sliding_window=5, max_window_layers=1,
+                      seed=23), id="qwen2-sliding-window"),
+    # Sparse expert MLPs with TP inside the experts (each rank every expert's slice of the
+    # intermediate dimension, one all-reduce per layer), a dense layer between.
+    pytest.param(dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
+                      mlp_only_layers=(1,), seed=32), id="qwen3-moe"),
+])
+def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
-    path = write_random_checkpoint(str(tmp_path_factory.mktemp("qwen2win")), CheckpointSpec(
-        architecture="Qwen2ForCausalLM", sliding_window=5, max_window_layers=1, seed=23))
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("family")), CheckpointSpec(**spec))
     expected = [hf_oracle(path).greedy(p, m) for p, m in zip(_prompts(), MAX_TOKENS, strict=True)]
     llm = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True,
               **ENGINE)

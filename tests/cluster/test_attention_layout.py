@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+from family_check import assert_greedy_equals_transformers
 
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
@@ -97,21 +98,12 @@ def test_sliding_window_models_equal_transformers(windowed_paths, family, async_
     """Chunked prefill (a 16-token budget), prefix hits (a shared 20-token start) and
     preemption (30 blocks of 4 tokens), decode rows and prefill spans in one step."""
     path = windowed_paths[family]
-    oracle = hf_oracle(path)
     shared = list(range(100, 120))
     prompts = [shared + [7, 8, 9], shared + list(range(200, 230)), PROMPT, [5, 6],
                list(range(300, 341))]
-    lengths = [14, 9, 16, 20, 11]
-    with LLM(path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=30,
-             max_num_batched_tokens=16, max_num_seqs=5) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                             for n in lengths])
-        metrics = llm.get_metrics()
-    for p, n, out in zip(prompts, lengths, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
-    assert metrics["raylm:prefix_cache_hits"] > 0 and metrics["raylm:num_preemptions"] > 0
-    assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+    assert_greedy_equals_transformers(
+        path, hf_oracle(path), prompts, [14, 9, 16, 20, 11], async_scheduling=async_scheduling,
+        block_size=4, num_kv_blocks=30, max_num_batched_tokens=16, max_num_seqs=5)
 
 
 def test_a_window_on_no_layer_runs_and_equals_transformers(qwen2_path, tmp_path, hf_oracle):

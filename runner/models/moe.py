@@ -1,0 +1,112 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE's): a softmax router picks each token's top-k
+experts, each expert is a SwiGLU MLP, and a token's output is the weighted sum of its
+experts' outputs.
+
+The experts run grouped by expert: one pair of matmuls per expert over the tokens routed
+to it (no per-token loop), their outputs added in expert order as transformers adds them.
+With tensor parallelism every rank holds every expert's slice of the intermediate
+dimension (TP inside the experts) and the partial sums are all-reduced once per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.parallel.communication import tp_all_reduce
+from raylm.parallel.context import ParallelContext
+from raylm.parallel.layers import Weight, divide, read_whole, set_weight_loader
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], "
+                             f"got {top_k}.")
+        self.ctx = ctx
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.intermediate = divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
+        self.gate = _Router(num_experts, hidden_size, ctx, dtype)
+        # Per expert: [gate; up] rows of this rank's slice, and down's columns of it.
+        self.w13 = _param((num_experts, 2 * self.intermediate, hidden_size), ctx, dtype)
+        self.w2 = _param((num_experts, hidden_size, self.intermediate), ctx, dtype)
+        self._loaded: set[tuple[int, str]] = set()
+
+    def missing_expert_weights(self) -> list[str]:
+        """``experts.{e}.{proj}`` of every expert weight not loaded yet."""
+        return [f"experts.{e}.{proj}" for e in range(self.num_experts)
+                for proj in ("gate_proj", "up_proj", "down_proj")
+                if (e, proj) not in self._loaded]
+
+    def load_expert_weight(self, expert: int, proj: str, weight: Weight) -> None:
+        """``experts.{expert}.{proj}.weight`` of the checkpoint: this rank's slice."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (num_experts={self.num_experts}).")
+        size, start = self.intermediate, self.ctx.tp_rank * self.intermediate
+        if proj in ("gate_proj", "up_proj"):
+            shard = weight.narrow(0, start, size)
+            target = self.w13.data[expert].narrow(0, 0 if proj == "gate_proj" else size, size)
+        elif proj == "down_proj":
+            shard = weight.narrow(1, start, size)
+            target = self.w2.data[expert]
+        else:
+            raise ValueError(f"unknown expert projection {proj!r}.")
+        if tuple(shard.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert} {proj}: checkpoint shard has shape "
+                             f"{tuple(shard.shape)}, parameter expects {tuple(target.shape)}.")
+        target.copy_(shard)
+        self._loaded.add((expert, proj))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        # Tokens grouped by expert: the (token, slot) pairs sorted by expert id.
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        slot_weights = weights.reshape(-1)[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = tokens[start:start + n]
+            gate, up = F.linear(x.index_select(0, idx), self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, idx, y * slot_weights[start:start + n, None])
+            start += n
+        return tp_all_reduce(out, self.ctx)
+
+
+class _Router(nn.Module):
+    """The router's linear (``mlp.gate.weight``, [num_experts, hidden]), whole on every rank."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param((num_experts, hidden_size), ctx, dtype)
+        set_weight_loader(self.weight, self._load)
+
+    def _load(self, param: torch.Tensor, loaded_weight: Weight, shard_id: object = None) -> None:
+        whole = read_whole(loaded_weight)
+        if tuple(whole.shape) != tuple(param.shape):
+            raise ValueError(f"router: checkpoint tensor has shape {tuple(whole.shape)}, "
+                             f"parameter expects {tuple(param.shape)}.")
+        param.data.copy_(whole)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _param(shape: tuple[int, ...], ctx: ParallelContext, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=ctx.device), requires_grad=False)
