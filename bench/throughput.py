@@ -12,6 +12,8 @@ unless named -bf16):
 - mixed200:  6m model, 200 requests, prompts 16-512, outputs 16-256 (seeded),
              max_num_seqs=256, max_model_len=1024: mixed-length traffic (raylm and vLLM)
 - mixed200-bf16: the same with both engines in bfloat16
+- fixedmoe:  a Qwen3-MoE at the 6m model's width (16 experts, top 2, 3 of 4 layers sparse),
+             64 requests, 32-token prompts, 64 output tokens (asked for by name)
 - smollm2 (asked for by name): the default model (SmolLM2-135M-Instruct, float32),
   32 chat-templated requests of 35-73 prompt tokens, outputs 16-126 tokens
 Both engines use KV blocks of 32 tokens (vLLM-CPU needs a multiple of 32).
@@ -221,6 +223,7 @@ def plans(wanted: list[str]) -> dict[str, Plan]:
         Plan("mixed64", "6m", mixed_workload(v6, 64), 64),
         Plan("mixed200", "6m", mixed200, 256, 1024, with_hf=False),
         Plan("mixed200-bf16", "6m", mixed200, 256, 1024, "bfloat16", with_hf=False),
+        Plan("fixedmoe", "moe", fixed_workload(SPECS["moe"].vocab_size, 64, 32, 64), 64),
     ]
     if "smollm2" in wanted:  # the real model (fetched on first use): a chat workload
         known.append(Plan("smollm2", "smollm2", chat_workload(checkpoint("smollm2"), 32), 32))

@@ -69,6 +69,14 @@ SPECS = {
                            num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                            max_position_embeddings=2048, initializer_range=0.02),
 }
+# A mixture of experts at the 6m model's width (bench/throughput.py fixedmoe): 16 experts,
+# top 2, one dense layer among four.
+SPECS["moe"] = CheckpointSpec(architecture="Qwen3MoeForCausalLM", vocab_size=4096,
+                              hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                              max_position_embeddings=2048, initializer_range=0.05,
+                              num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
+                              mlp_only_layers=(1,))
 # GPU benchmarks (bench/gpu_speed.py): Llama-3.2-1B's shape, Llama-3-8B's with 4 layers;
 # (hidden, intermediate, layers), with Llama-3's vocabulary and 32 / 8 heads.
 for _name, (_hidden, _inter, _layers) in {"1b": (2048, 8192, 16),
