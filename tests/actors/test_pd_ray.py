@@ -142,7 +142,10 @@ def test_pd_over_ray_direct_transport_matches_hf(engines, loopy_llama_path, hf_o
     assert m[TRANSPORT_BYTES.format("rdt")] - before.get(TRANSPORT_BYTES.format("rdt"), 0) \
         == moved
     assert TRANSPORT_BYTES.format("object_store") not in m
-    assert m["raylm:kv_connector_num_failed_load_requests"] == 0
+    # This test's pulls, not the shared engine's life (an earlier test's pull may time out
+    # on a loaded machine and be recomputed, as designed).
+    failed = "raylm:kv_connector_num_failed_load_requests"
+    assert m[failed] - before.get(failed, 0) == 0
     _wait_drained(engines[prefill], decode)
 
 
