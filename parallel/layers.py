@@ -151,7 +151,17 @@ def _check_shape(param: torch.Tensor, shard: torch.Tensor, name: str) -> None:
             f"parameter expects {tuple(param.shape)}.")
 
 
-def _new_param(shape: tuple[int, ...], ctx: ParallelContext, dtype: torch.dtype) -> nn.Parameter:
+def replicated_weight_loader(param: torch.Tensor, loaded_weight: Weight,
+                             shard_id: object = None) -> None:
+    """A parameter every rank keeps whole (norms, a router): the whole tensor, its shape
+    checked before it is read."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                         f"parameter expects {tuple(param.shape)}.")
+    param.data.copy_(read_whole(loaded_weight))
+
+
+def new_param(shape: tuple[int, ...], ctx: ParallelContext, dtype: torch.dtype) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by the loader (which checks it was).
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=ctx.device), requires_grad=False)
 
@@ -169,11 +179,11 @@ class ColumnParallelLinear(PackedLinearWeight, nn.Module):
         self.output_size_per_partition = divide(output_size, ctx.tp_size, "output_size")
         self.gather_output = gather_output
         self.lora: LinearLoRA | None = None
-        self.weight = _new_param((self.output_size_per_partition, input_size), ctx, params_dtype)
+        self.weight = new_param((self.output_size_per_partition, input_size), ctx, params_dtype)
         set_weight_loader(self.weight, self.weight_loader)
         self.bias = None
         if bias:
-            self.bias = _new_param((self.output_size_per_partition,), ctx, params_dtype)
+            self.bias = new_param((self.output_size_per_partition,), ctx, params_dtype)
             set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
@@ -286,11 +296,11 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
         self.output_size = output_size
         self.reduce_results = reduce_results
         self.lora: LinearLoRA | None = None
-        self.weight = _new_param((output_size, self.input_size_per_partition), ctx, params_dtype)
+        self.weight = new_param((output_size, self.input_size_per_partition), ctx, params_dtype)
         set_weight_loader(self.weight, self.weight_loader)
         self.bias = None
         if bias:
-            self.bias = _new_param((output_size,), ctx, params_dtype)
+            self.bias = new_param((output_size,), ctx, params_dtype)
             set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: Weight,
@@ -328,7 +338,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = ctx.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition,
                                    num_embeddings)
-        self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), ctx,
+        self.weight = new_param((self.num_embeddings_per_partition, embedding_dim), ctx,
                                  params_dtype)
         set_weight_loader(self.weight, self.weight_loader)
 

@@ -28,7 +28,7 @@ from raylm.parallel.layers import (
     VocabParallelEmbedding,
     Weight,
     get_pp_layer_range,
-    read_whole,
+    replicated_weight_loader,
 )
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
@@ -43,15 +43,6 @@ class IntermediateTensors:
 
     hidden_states: torch.Tensor
     residual: torch.Tensor
-
-
-def default_weight_loader(param: nn.Parameter, loaded_weight: Weight,
-                          shard_id: object = None) -> None:
-    """A replicated parameter (the norms): the whole tensor, shape checked before it is read."""
-    if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
-                         f"parameter expects {tuple(param.shape)}.")
-    param.data.copy_(read_whole(loaded_weight))
 
 
 class _LoaderParam(Protocol):
@@ -318,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                      f"{self.config.architecture}.")
                 param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                getattr(param, "weight_loader", replicated_weight_loader)(param, tensor)
             loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:

@@ -16,7 +16,13 @@ from torch import nn
 
 from raylm.parallel.communication import tp_all_reduce
 from raylm.parallel.context import ParallelContext
-from raylm.parallel.layers import Weight, divide, read_whole, set_weight_loader
+from raylm.parallel.layers import (
+    Weight,
+    divide,
+    new_param,
+    replicated_weight_loader,
+    set_weight_loader,
+)
 
 
 class SparseMoeBlock(nn.Module):
@@ -33,8 +39,8 @@ class SparseMoeBlock(nn.Module):
         self.intermediate = divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
         self.gate = _Router(num_experts, hidden_size, ctx, dtype)
         # Per expert: [gate; up] rows of this rank's slice, and down's columns of it.
-        self.w13 = _param((num_experts, 2 * self.intermediate, hidden_size), ctx, dtype)
-        self.w2 = _param((num_experts, hidden_size, self.intermediate), ctx, dtype)
+        self.w13 = new_param((num_experts, 2 * self.intermediate, hidden_size), ctx, dtype)
+        self.w2 = new_param((num_experts, hidden_size, self.intermediate), ctx, dtype)
         self._loaded: set[tuple[int, str]] = set()
 
     def missing_expert_weights(self) -> list[str]:
@@ -94,19 +100,8 @@ class _Router(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ctx: ParallelContext,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param((num_experts, hidden_size), ctx, dtype)
-        set_weight_loader(self.weight, self._load)
-
-    def _load(self, param: torch.Tensor, loaded_weight: Weight, shard_id: object = None) -> None:
-        whole = read_whole(loaded_weight)
-        if tuple(whole.shape) != tuple(param.shape):
-            raise ValueError(f"router: checkpoint tensor has shape {tuple(whole.shape)}, "
-                             f"parameter expects {tuple(param.shape)}.")
-        param.data.copy_(whole)
+        self.weight = new_param((num_experts, hidden_size), ctx, dtype)
+        set_weight_loader(self.weight, replicated_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
-
-
-def _param(shape: tuple[int, ...], ctx: ParallelContext, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=ctx.device), requires_grad=False)
