@@ -293,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
                 if not isinstance(mlp, SparseMoeBlock):
                     raise ValueError(f"checkpoint tensor {name!r}: layer {layer} has no experts.")
                 mlp.load_expert_weight(index, proj, tensor)
-                if not mlp.missing_expert_weights():
+                if mlp.all_expert_weights_loaded:  # a count: checked after every tensor
                     loaded.update((f"model.layers.{layer}.mlp.w13",
                                    f"model.layers.{layer}.mlp.w2"))
                 continue

@@ -43,6 +43,10 @@ class SparseMoeBlock(nn.Module):
         self.w2 = new_param((num_experts, hidden_size, self.intermediate), ctx, dtype)
         self._loaded: set[tuple[int, str]] = set()
 
+    @property
+    def all_expert_weights_loaded(self) -> bool:
+        return len(self._loaded) == 3 * self.num_experts
+
     def missing_expert_weights(self) -> list[str]:
         """``experts.{e}.{proj}`` of every expert weight not loaded yet."""
         return [f"experts.{e}.{proj}" for e in range(self.num_experts)
