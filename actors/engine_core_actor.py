@@ -53,27 +53,6 @@ def rank_config(config: EngineConfig) -> EngineConfig:
         pc, data_parallel_size=1, distributed_executor_backend=backend))
 
 
-def poll_outputs(loop: EngineCoreLoop, timeout: float) -> list[EngineCoreOutputs]:
-    """Long poll: wait up to ``timeout`` for the first batch, then take what is ready.
-
-    After the engine dies, the ABORT outputs of the requests it was serving come once (the
-    loop queues them before the error), then every call raises EngineDeadError.
-    """
-    batches: list[EngineCoreOutputs] = []
-    wait: float | None = timeout
-    while True:
-        try:
-            batch = loop.get_output(timeout=wait)
-        except EngineDeadError:
-            if batches:
-                return batches  # deliver what came before the death first
-            raise
-        if batch is None:
-            return batches
-        batches.append(batch)
-        wait = 0.0
-
-
 def make_engine_core(config: EngineConfig, executor: Any) -> EngineCore:
     """The EngineCore over a started executor; the executor is shut down if that fails
     (its workers hold devices and placement bundles)."""
@@ -205,9 +184,12 @@ class EngineCoreActor:
         return self.worker_handles()
 
     def get_outputs(self, timeout: float) -> list[EngineCoreOutputs]:
-        """``poll_outputs``; a DP rank names itself in its death."""
+        """Long poll: every batch ready, waiting up to ``timeout`` for the first. After the
+        engine dies, the outputs queued before the death come first (the ABORT outputs of
+        the requests it was serving among them), then every call raises EngineDeadError,
+        a DP rank's naming the rank."""
         try:
-            return poll_outputs(self._require_loop(), timeout)
+            return self._require_loop().outputs.get_ready(timeout)
         except EngineDeadError as e:
             if self.dp_size == 1:
                 raise

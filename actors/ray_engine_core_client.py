@@ -4,15 +4,18 @@ Same synchronous API as ``InprocEngineCoreClient``, whatever data_parallel_size 
 rank is an EngineCoreActor in a placement group of its own, or in its slice of the Serve
 replica's group. With d > 1 a DPCoordinator starts waves on the ranks and a DPLoadBalancer
 routes each new request (to the rank that most likely holds its prompt's prefix while the
-ranks' loads are balanced, else to the least loaded: docs/architecture.md §14). One thread per rank long-polls its
-outputs; a dead rank becomes one EngineDeadError that every later ``get_output`` raises.
+ranks' loads are balanced, else to the least loaded: docs/architecture.md §14). One long
+poll per rank is in flight (``RankOutputPolls``), read by the caller of ``get_output`` or by
+the awaiting ``get_output_async``; a dead rank becomes one EngineDeadError that every later
+read and call raises, once the outputs the ranks sent before it are read.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,6 +35,7 @@ from raylm.actors.placement import (
     worker_bundle,
 )
 from raylm.actors.prefix_affinity import prompt_block_hashes
+from raylm.actors.rank_output_polls import Answer, RankOutputPolls
 from raylm.actors.remote_engine import RemoteEngineCalls, as_engine_dead, submit
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S
 from raylm.scheduler.config import envs
@@ -41,7 +45,6 @@ from raylm.scheduler.config.engine_config import (
     dp_rank_bundles,
     stage_bundles,
 )
-from raylm.scheduler.core.engine_core_loop import next_output
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import EngineCoreOutputs, SchedulerStats
 
@@ -141,11 +144,12 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self.ranks: list[Any] = []
         self.coordinator: Any = None
         self.rank_infos: list[dict[str, Any]] = []
-        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        # Batches read from the ranks and not yet handed out (a blocking reader takes one).
+        self._ready: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._aborts: list[Any] = []  # abort calls sent, their answers not yet read
         self._latest_stats: dict[int, SchedulerStats] = {}
         self._stopped = threading.Event()
         self._init_death_tracking()
-        self._pollers: list[threading.Thread] = []
         # A local Ray this starts must hold every rank's bundles, were they all CPU ones.
         rank_cpus = cpus_per_rank + (0.0 if model_in_rank_actor(pc)
                                      else pc.world_size * cpus_per_worker)
@@ -161,7 +165,8 @@ class RayEngineCoreClient(RemoteEngineCalls):
         except BaseException:
             self._teardown()
             raise
-        self._init_pollers()
+        self._polls = RankOutputPolls(self.ranks, poll_timeout_s, call_timeout_s)
+        self._polls.issue()
 
     @property
     def info(self) -> dict[str, Any]:
@@ -234,13 +239,6 @@ class RayEngineCoreClient(RemoteEngineCalls):
         self._get([r.join_dp_group.remote(host, port, sync_interval, timeout_s)
                    for r in self.ranks], timeout_s + 30, "joining the DP Gloo group")
 
-    def _init_pollers(self) -> None:
-        for rank in range(self.dp_size):
-            name = "raylm-engine-core-poll" if self.dp_size == 1 else f"raylm-dp{rank}-poll"
-            t = threading.Thread(target=self._poll, args=(rank,), daemon=True, name=name)
-            t.start()
-            self._pollers.append(t)
-
     def _get(self, refs: list, timeout_s: float, what: str) -> list:
         return get_within(refs, timeout_s, what, on=f"{self.dp_size} x {self._who}")
 
@@ -248,13 +246,7 @@ class RayEngineCoreClient(RemoteEngineCalls):
     def add_request(self, request: Request) -> None:
         """To the rank the DPLoadBalancer picks. Raises ValueError when the request can
         never be served, EngineDeadError if the engine is dead."""
-        self._check_not_dead()
-        hashes = None
-        if self._route_block_size is not None:
-            lora = request.lora_request  # an adapter's blocks are its own
-            hashes = prompt_block_hashes(request.prompt_token_ids, self._route_block_size,
-                                         None if lora is None else lora.lora_name)
-        rank = self.balancer.select(request.request_id, hashes)
+        rank = self._route(request)
         try:
             # Synchronous: the rank's ValueError reaches the caller, and a later abort
             # cannot overtake the add on the (threaded, so unordered) actor.
@@ -263,36 +255,67 @@ class RayEngineCoreClient(RemoteEngineCalls):
             self.balancer.finish(request.request_id)
             raise
 
+    async def add_request_async(self, request: Request) -> None:
+        """``add_request``, awaited: the caller's next call (an abort) waits for it too."""
+        rank = self._route(request)
+        try:
+            await self._call_async(submit(self.ranks[rank].add_request, request),
+                                   "add_request")
+        except BaseException:
+            self.balancer.finish(request.request_id)
+            raise
+
+    def _route(self, request: Request) -> int:
+        self._check_not_dead()
+        hashes = None
+        if self._route_block_size is not None:
+            lora = request.lora_request  # an adapter's blocks are its own
+            hashes = prompt_block_hashes(request.prompt_token_ids, self._route_block_size,
+                                         None if lora is None else lora.lora_name)
+        return self.balancer.select(request.request_id, hashes)
+
     def abort_requests(self, request_ids: list[str]) -> None:
-        """To each request's rank; with d > 1 ids already finished are dropped here."""
+        """To each request's rank, without waiting (an event loop calls this); with d > 1
+        ids already finished are dropped here. A failed abort is found by the next read
+        of the outputs, as the engine's death."""
         self._check_not_dead()
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
             rank = self.balancer.owner(rid)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
-        refs = [submit(self.ranks[rank].abort_requests, ids) for rank, ids in by_rank.items()]
-        if refs:
-            self._call(refs, "abort_requests")
+        for rank, ids in by_rank.items():
+            self._aborts.append(submit(self.ranks[rank].abort_requests, ids))
+
+    def _reap_aborts(self) -> None:
+        if not self._aborts:
+            return
+        done, self._aborts = ray.wait(self._aborts, num_returns=len(self._aborts), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError as e:
+                self._call_error(e, "abort_requests")
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        """A rank's next batch; with d > 1 what is ready from every rank, merged (each
-        rank's outputs in its order)."""
-        item = next_output(self._outputs, timeout)
-        if item is None or self.dp_size == 1:
-            return item
-        merged = EngineCoreOutputs()
-        has_stats = False
-        while item is not None:
-            merged.outputs.extend(item.outputs)
-            has_stats = has_stats or item.scheduler_stats is not None
-            try:
-                item = next_output(self._outputs, 0)
-            except EngineDeadError:
-                break  # deliver what came before the death first; it stays queued
-        if has_stats:
-            merged.scheduler_stats = merge_scheduler_stats(list(dict(self._latest_stats).values()))
-        return merged
+        """The next batch of any rank (each rank's in its order); None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            self._check_not_dead()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._take_answers(self._polls.wait(left))
+            if not self._ready and deadline is not None and time.monotonic() >= deadline:
+                return None
+        return self._ready.popleft()
+
+    async def get_output_async(self) -> list[EngineCoreOutputs]:
+        """Every batch the ranks have sent, awaiting the first."""
+        while not self._ready:
+            self._check_not_dead()
+            self._take_answers(await self._polls.wait_async())
+        batches = list(self._ready)
+        self._ready.clear()
+        return batches
 
     def get_metrics(self) -> dict[str, Any]:
         per_rank = self._call([submit(r.get_metrics) for r in self.ranks], "get_metrics")
@@ -330,8 +353,6 @@ class RayEngineCoreClient(RemoteEngineCalls):
         if self._stopped.is_set():
             return
         self._stopped.set()
-        for t in self._pollers:
-            t.join(timeout=self.poll_timeout_s + 10)
         if not ray.is_initialized():
             return
         if self._dead is None and self.ranks:
@@ -348,25 +369,33 @@ class RayEngineCoreClient(RemoteEngineCalls):
         assert isinstance(self.balancer, DPLoadBalancer), "d = 1 routes nothing"
         return self.balancer
 
-    def _poll(self, rank: int) -> None:
-        actor = self.ranks[rank]
-        what = "get_outputs" if self.dp_size == 1 else f"get_outputs of DP rank {rank}"
-        while not self._stopped.is_set():
-            try:
-                batches = ray.get(actor.get_outputs.remote(self.poll_timeout_s),
-                                  timeout=self.poll_timeout_s + self.call_timeout_s)
-            except ray.exceptions.RayError as e:
-                if not self._stopped.is_set():
-                    self._mark_dead(as_engine_dead(e, self._who, what))
-                return
-            for batch in batches:
+    def _take_answers(self, answers: list[Answer]) -> None:
+        """Book the ranks' answers (finished requests, load, stats) and queue their batches;
+        a failed poll or abort, or a poll overdue, is the engine's death."""
+        self._reap_aborts()
+        for rank, answer in answers:
+            what = "get_outputs" if self.dp_size == 1 else f"get_outputs of DP rank {rank}"
+            if isinstance(answer, BaseException):
+                self._mark_dead(as_engine_dead(answer, self._who, what))
+                continue
+            if not self._stopped.is_set() and self._dead is None:
+                self._polls.issue([rank])  # the next poll is under way while these are read
+            for batch in answer:
                 for out in batch.outputs:
                     if out.finished:
                         self.balancer.finish(out.request_id)
                 if batch.scheduler_stats is not None:
                     self._latest_stats[rank] = batch.scheduler_stats
                     self.balancer.set_kv_usage(rank, batch.scheduler_stats.kv_cache_usage)
-                self._outputs.put(batch)
+                    if self.dp_size > 1:
+                        batch.scheduler_stats = merge_scheduler_stats(
+                            list(self._latest_stats.values()))
+                self._ready.append(batch)
+        overdue = self._polls.overdue()
+        if overdue is not None and self._dead is None:
+            self._mark_dead(EngineDeadError(
+                f"{self._who} {overdue} has not answered get_outputs within "
+                f"{self._polls.answer_timeout_s:.0f} s"))
 
     def _teardown(self) -> None:
         for actor in [*self.ranks, self.coordinator]:

@@ -1,11 +1,11 @@
-"""What the driver-side Ray engine clients share: calls to remote EngineCore actors whose
-failures turn into one EngineDeadError that every later caller and reader sees."""
+"""Calls to remote EngineCore actors whose failures turn into one EngineDeadError that
+every later caller and reader sees (the driver-side Ray engine client's)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
-import queue
 import threading
 from typing import Any
 
@@ -37,33 +37,43 @@ def as_engine_dead(e: BaseException, who: str, what: str) -> EngineDeadError:
 
 
 class RemoteEngineCalls:
-    """Mixin: ``self._outputs`` is the queue readers take outputs from; the first death
-    is queued there once and re-raised by every later call."""
+    """Mixin: the first death is kept and re-raised by every later call (and, once the
+    outputs before it are read, by the reader)."""
 
     _who = "EngineCore actor"
     call_timeout_s: float
-    _outputs: queue.Queue
 
     def _init_death_tracking(self) -> None:
         self._dead: EngineDeadError | None = None
-        self._dead_lock = threading.Lock()  # the pollers and the callers may both see it
+        self._dead_lock = threading.Lock()  # the reader and the callers may both see it
 
     def _call(self, ref: Any, what: str) -> Any:
         try:
             return ray.get(ref, timeout=self.call_timeout_s)
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ValueError):
-                raise e.cause from None  # the caller's bad input, with its own type
-            raise self._mark_dead(as_engine_dead(e, self._who, what)) from None
-        except ray.exceptions.RayError as e:  # the actor died or stopped answering
-            raise self._mark_dead(as_engine_dead(e, self._who, what)) from None
+        except ray.exceptions.RayError as e:
+            raise self._call_error(e, what) from None
+
+    async def _call_async(self, ref: Any, what: str) -> Any:
+        """``_call`` of one ref, awaited on the running event loop."""
+        try:
+            return await asyncio.wait_for(ref.as_future(), self.call_timeout_s)
+        except TimeoutError:
+            error = EngineDeadError(f"{self._who} did not answer {what} within "
+                                    f"{self.call_timeout_s:.0f} s")
+            raise self._mark_dead(error) from None
+        except ray.exceptions.RayError as e:
+            raise self._call_error(e, what) from None
+
+    def _call_error(self, e: ray.exceptions.RayError, what: str) -> Exception:
+        if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
+            return e.cause  # the caller's bad input, with its own type
+        return self._mark_dead(as_engine_dead(e, self._who, what))  # died, or went silent
 
     def _mark_dead(self, error: EngineDeadError) -> EngineDeadError:
         with self._dead_lock:
             if self._dead is None:
                 self._dead = error
                 logger.error("Engine is dead: %s", error)
-                self._outputs.put(error)
             return self._dead
 
     def _check_not_dead(self) -> None:

@@ -166,7 +166,7 @@ class _RemoteDecode(_Remote):
 
 
 def _proxy_engine(llm_config: LLMConfig, prefill: Any, decode: Any) -> PDEngineClient:
-    from raylm.cluster.engine.llm_engine import load_tokenizer
+    from raylm.cluster.engine.engine_setup import load_tokenizer
 
     model_config = llm_config.engine_args().create_model_config()
     return PDEngineClient(model_config, load_tokenizer(str(model_config.tokenizer)),

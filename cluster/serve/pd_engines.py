@@ -57,7 +57,7 @@ class _EngineSide:
 class PrefillEngine(_EngineSide):
     def __init__(self, engine: Any) -> None:
         super().__init__(engine)
-        config = engine.engine.engine_config
+        config = engine.engine_config
         self.engine_id = str(config.kv_transfer_config.engine_id)
         self.tp_size = config.parallel_config.tensor_parallel_size
 
@@ -76,7 +76,7 @@ class PrefillEngine(_EngineSide):
 
     async def release(self, request_ids: list[str]) -> None:
         """Free held blocks no decode engine will pull (its client left first)."""
-        await asyncio.to_thread(self.engine.engine.core.release_kv, list(request_ids))
+        await self.engine.release_kv(request_ids)
 
 
 class DecodeEngine(_EngineSide):

@@ -52,7 +52,7 @@ class PromptHasher:
                              name="raylm-router-tokenizer").start()
 
     def _load(self, config: Any) -> None:
-        from raylm.cluster.engine.llm_engine import load_tokenizer
+        from raylm.cluster.engine.engine_setup import load_tokenizer
 
         try:
             source = config.engine_kwargs.tokenizer or config.model_loading_config.resolve_model_source()

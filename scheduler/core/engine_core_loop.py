@@ -15,6 +15,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raylm.scheduler.core.executor_base import EngineDeadError
+from raylm.scheduler.core.output_stream import EngineOutputStream
 from raylm.scheduler.core_outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 if TYPE_CHECKING:
@@ -29,10 +30,26 @@ class EngineCoreClient(Protocol):
         """Raises ValueError when the request can never be served."""
         ...
 
-    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Queue the aborts without waiting for them (an event loop calls this)."""
+        ...
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        """The next batch of outputs, in order; None on timeout. Raises EngineDeadError."""
+        """The next batch of outputs, in order; None on timeout. Raises EngineDeadError
+        once the outputs queued before the death are read."""
+        ...
+
+    async def get_output_async(self) -> list[EngineCoreOutputs]:
+        """Every batch ready, in order, awaiting the first on the running event loop (the
+        asyncio engine client's one reader). Raises EngineDeadError as ``get_output``."""
+        ...
+
+    async def add_request_async(self, request: Request) -> None:
+        """``add_request`` without blocking the event loop."""
+        ...
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Prefill/decode: free finished requests' KV that no decode engine will pull."""
         ...
 
     def get_metrics(self) -> dict[str, Any]: ...
@@ -45,22 +62,6 @@ class EngineCoreClient(Protocol):
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def next_output(outputs: queue.Queue, timeout: float | None) -> Any:
-    """The next item of an engine's output queue; None on timeout.
-
-    Once the engine has died the last item is its EngineDeadError: it stays queued, so
-    every later reader raises it too (with a fresh traceback, so that repeated reads do
-    not grow one)."""
-    try:
-        item = outputs.get(timeout=timeout)
-    except queue.Empty:
-        return None
-    if isinstance(item, EngineDeadError):
-        outputs.put(item)  # keep it for the next reader
-        raise item.with_traceback(None)
-    return item
 
 
 # ("add", (request, what its caller waits on, or None)).
@@ -126,7 +127,7 @@ class EngineCoreLoop:
         # Aborts of adds still in the inbox: sent right after their add is admitted.
         self._aborts_after_add: set[str] = set()
         self._wakeup = threading.Event()
-        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self.outputs = EngineOutputStream()
         self._stopped = False
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="raylm-engine-core", daemon=True)
@@ -236,10 +237,10 @@ class EngineCoreLoop:
             self.outputs.put(EngineCoreOutputs(outputs=outputs))
         dead = EngineDeadError(f"EngineCore died: {error!r}")
         dead.__cause__ = error
-        self.outputs.put(dead)
+        self.outputs.put_death(dead)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        return next_output(self.outputs, timeout)
+        return self.outputs.get(timeout)
 
     def check_health(self) -> None:
         self._check_alive()
@@ -256,6 +257,12 @@ class InprocEngineCoreClient(EngineCoreLoop):
     """The EngineCore lives in this process; its loop runs in a daemon thread."""
 
     engine_core: EngineCore
+
+    async def get_output_async(self) -> list[EngineCoreOutputs]:
+        return await self.outputs.get_ready_async()
+
+    async def add_request_async(self, request: Request) -> None:
+        self.add_request(request)  # an inbox put: never blocks
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine_core.get_metrics()

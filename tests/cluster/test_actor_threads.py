@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from raylm.cluster.engine.llm_engine import ray_actor_threads
+from raylm.cluster.engine.engine_setup import ray_actor_threads
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def test_rejected_prompt_is_validated_once_and_never_reaches_the_engine(engine, 
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         serving.prepare("/v1/completions", {"model": MODEL, "prompt": [99999]})
     assert (counts.validations, counts.encodes) == (1, 0)
-    assert not engine.engine.has_unfinished_requests()
+    assert not engine.output_processor.has_unfinished()
 
 
 def test_offline_generate_validates_each_prompt_once(llama_path, engine, counts):
@@ -149,15 +149,14 @@ def tokenizer(llama_path):
 
 class AbortCounts:
     def __init__(self) -> None:
-        self.client: list[str] = []  # LLMEngine.abort_request: what the engine client sends
+        self.client: list[str] = []  # AsyncLLM._abort: what the engine client sends
         self.core: list[list[str]] = []  # the EngineCore client's abort_requests
 
 
 @pytest.fixture
 def aborts(monkeypatch, engine):
     a = AbortCounts()
-    llm_engine = engine.engine
-    abort_request, core_abort = llm_engine.abort_request, llm_engine.core.abort_requests
+    abort_request, core_abort = engine._abort, engine.core.abort_requests
 
     def counting_abort_request(request_id, *args, **kwargs):
         a.client.append(request_id)
@@ -167,15 +166,15 @@ def aborts(monkeypatch, engine):
         a.core.append(list(request_ids))
         return core_abort(request_ids)
 
-    monkeypatch.setattr(llm_engine, "abort_request", counting_abort_request)
-    monkeypatch.setattr(llm_engine.core, "abort_requests", counting_core_abort)
+    monkeypatch.setattr(engine, "_abort", counting_abort_request)
+    monkeypatch.setattr(engine.core, "abort_requests", counting_core_abort)
     return a
 
 
 def _wait_engine_idle(engine) -> None:
-    scheduler = engine.engine.core.engine_core.scheduler
+    scheduler = engine.core.engine_core.scheduler
     deadline = time.monotonic() + DEADLINE_S
-    while scheduler.requests or engine.engine.has_unfinished_requests():
+    while scheduler.requests or engine.output_processor.has_unfinished():
         assert time.monotonic() < deadline, "the aborted request is still in the engine"
         time.sleep(0.01)
 
@@ -205,14 +204,14 @@ def test_cancelled_request_is_one_abort(engine, aborts):
     asyncio.run(cancel_once_running(
         serving.handle("/v1/completions", {"model": MODEL, "prompt": "a long one",
                                            "max_tokens": 500, "ignore_eos": True}),
-        engine.engine.has_unfinished_requests, DEADLINE_S))
+        engine.output_processor.has_unfinished, DEADLINE_S))
     assert len(aborts.client) == 1 and len(aborts.core) == 1
     assert serving.num_pending == 0
     _wait_engine_idle(engine)
 
 
 def test_cancel_while_the_request_is_being_added_still_aborts_it(engine, aborts, monkeypatch):
-    processor = engine.engine.input_processor
+    processor = engine.input_processor
     make_requests = processor.make_requests
     adding = threading.Event()
 

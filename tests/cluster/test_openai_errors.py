@@ -41,7 +41,7 @@ def url(engine):
 
 
 def _assert_engine_idle_and_working(engine, url):
-    assert not engine.engine.has_unfinished_requests()
+    assert not engine.output_processor.has_unfinished()
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hello",
                                                   "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -69,7 +69,7 @@ def test_engine_bug_is_a_logged_500_even_as_a_value_error(engine, url, stream, m
     def broken(*args, **kwargs):
         raise ValueError("slot_mapping has 3 entries for 4 tokens")  # a bug, not bad input
 
-    monkeypatch.setattr(engine.engine.input_processor, "make_requests", broken)
+    monkeypatch.setattr(engine.input_processor, "make_requests", broken)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}
     with caplog.at_level(logging.ERROR, logger="raylm.cluster.serve.errors"):
         r = httpx.post(f"{url}/v1/completions", json=body)
