@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from types import MappingProxyType
 
 from raylm.scheduler.async_ledger import (
     book_scheduled_tokens,
@@ -80,16 +81,19 @@ class Scheduler:
         lora = config.lora_config
         self.max_loras = lora.max_loras if lora is not None else None
         kv = self.kv_cache_manager
+        # The collaborators read the requests through a read-only view; only this class
+        # adds, removes and queues them.
+        requests_view = MappingProxyType(self.requests)
         self.kv_transfer = KVTransferScheduling(
-            make_connector_scheduler(config, kv.get_block_ids), requests=self.requests,
-            waiting=self.waiting, kv_cache_manager=kv, block_size=self.block_size)
+            make_connector_scheduler(config, kv.get_block_ids), kv_cache_manager=kv,
+            block_size=self.block_size)
         self.structured_output = StructuredOutputScheduling(
-            requests=self.requests, waiting=self.waiting, manager=structured_output_manager,
+            requests=requests_view, manager=structured_output_manager,
             num_spec_tokens=self.num_spec_tokens,
             books_output_placeholders=self.books_output_placeholders,
             finish_request=self._finish_request)
         self.step_settler = StepSettler(
-            requests=self.requests, kv_cache_manager=self.kv_cache_manager,
+            requests=requests_view, kv_cache_manager=self.kv_cache_manager,
             counters=self.counters, spec_decode_counters=self.spec_decode_counters,
             finish_request=self._finish_request,
             advance_grammar=self.structured_output.advance_grammar,
@@ -169,6 +173,13 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in removed_running]
         return outputs
 
+    def admit_structured_output_requests(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is ready (arrival order); the final outputs of
+        those whose grammar failed to compile."""
+        ready, outputs = self.structured_output.take_compiled()
+        self.waiting.extend(ready)
+        return outputs
+
     def _add_structured_output_request(self, request: Request) -> bool:
         """Park a constrained request until its grammar is compiled. True if parked."""
         return self.structured_output.add_request(request)
@@ -193,7 +204,7 @@ class Scheduler:
         step = self._begin_step()
         plan = StepPlan(budget=self.max_num_scheduled_tokens)
         if self.kv_transfer.received:
-            self.kv_transfer.admit_received()
+            self.waiting.extendleft(self.kv_transfer.admit_received())
         self._schedule_running(step, plan)
         new_reqs: list[Request] = []
         if not plan.preempted and not plan.blocked_on_kv:
@@ -203,7 +214,7 @@ class Scheduler:
             self.kv_cache_manager.get_block_ids,
             self.num_spec_tokens if self.send_sampled_token_ids else None)
         self.finished_req_ids = set()
-        self.kv_transfer.build_meta(out)
+        self.kv_transfer.build_meta(out, self.requests)
         self._update_after_schedule(out)
         return out
 
@@ -270,7 +281,7 @@ class Scheduler:
         lookahead = self._lookahead(request.num_computed_tokens, num_new)
         new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
         while new_blocks is None:
-            if self.kv_transfer.loaded and self.kv_transfer.reclaim_loaded():
+            if self.kv_transfer.loaded and self.kv_transfer.reclaim_loaded(self.waiting):
                 new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
                 continue
             if kv.num_deferred_blocks and kv.get_num_blocks_to_allocate(
@@ -318,7 +329,8 @@ class Scheduler:
                                                budget)  # chunked prefill
             if kv.allocate_slots(request, num_new + num_external, hit_blocks,
                                  self._lookahead(num_hit, num_new + num_external)) is None:
-                if kv_transfer.loaded and kv_transfer.reclaim_loaded(exclude=request):
+                if kv_transfer.loaded and kv_transfer.reclaim_loaded(self.waiting,
+                                                                     exclude=request):
                     continue  # retry with what a loaded request held (see reclaim_loaded)
                 break
             self.waiting.popleft()

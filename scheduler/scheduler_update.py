@@ -74,7 +74,8 @@ class StepSettler:
         outputs: list[EngineCoreOutput] = []
         any_stopped = False
         # Requests whose KV failed to load, each with the tokens it keeps.
-        failed = self.kv_transfer.on_step_output(model_runner_output.kv_connector_output)
+        failed = self.kv_transfer.on_step_output(model_runner_output.kv_connector_output,
+                                                 requests)
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.is_finished():

@@ -142,7 +142,7 @@ class EngineCore:
         return outputs, executed
 
     def _schedule(self) -> SchedulerOutput:
-        self._pending_outputs.extend(self.structured_output.admit_structured_output_requests())
+        self._pending_outputs.extend(self.scheduler.admit_structured_output_requests())
         scheduler_output = self.scheduler.schedule()
         self.structured_output.mark_structured_output(scheduler_output)
         return scheduler_output

@@ -12,8 +12,7 @@ request holding a failed block returns to the end of its last good block
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +34,10 @@ class KVTransferCounters:
 
 class KVTransferScheduling:
     def __init__(self, connector: KVConnectorScheduler | None, *,
-                 requests: Mapping[str, Request], waiting: deque[Request],
                  kv_cache_manager: KVCacheManager, block_size: int) -> None:
+        """The Scheduler's requests and waiting queue are its own: each call that needs
+        them is handed them, and requests to queue are returned to the Scheduler."""
         self.connector = connector
-        self.requests = requests
-        self.waiting = waiting
         self.kv = kv_cache_manager
         self.block_size = block_size
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -83,23 +81,26 @@ class KVTransferScheduling:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.waiting_for_remote_kvs[request.request_id] = request
 
-    def admit_received(self) -> None:
-        """Requests whose KV has landed go to the front of the waiting queue, computed up
-        to what loaded well (never their last known token: it is computed to sample)."""
+    def admit_received(self) -> list[Request]:
+        """Requests whose KV has landed, for the front of the waiting queue (each in turn:
+        the last one first), computed up to what loaded well (never their last known
+        token: it is computed to sample)."""
+        admitted = []
         for rid in sorted(self.received):
             request = self.waiting_for_remote_kvs.pop(rid)
             request.num_computed_tokens = min(request.num_computed_tokens,
                                               request.num_tokens - 1)
             request.status = RequestStatus.WAITING
             self.loaded.add(rid)
-            self.waiting.appendleft(request)
+            admitted.append(request)
         self.received.clear()
+        return admitted
 
-    def reclaim_loaded(self, exclude: Request | None = None) -> bool:
+    def reclaim_loaded(self, waiting: Iterable[Request], exclude: Request | None = None) -> bool:
         """Free the blocks of the newest loaded request still waiting (its good full
         blocks stay in the prefix cache): a waiting request cannot preempt, so blocks held
         by one must be given up when they are what another needs to make progress."""
-        for request in reversed(self.waiting):
+        for request in reversed(list(waiting)):
             rid = request.request_id
             if request is exclude or rid not in self.loaded:
                 continue
@@ -111,12 +112,13 @@ class KVTransferScheduling:
         return False
 
     # ---- per step --------------------------------------------------------------------
-    def build_meta(self, scheduler_output: SchedulerOutput) -> None:
+    def build_meta(self, scheduler_output: SchedulerOutput,
+                   requests: Mapping[str, Request]) -> None:
         if self.connector is None:
             return
         self.free_expired()
         scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
-            scheduler_output, self.requests)
+            scheduler_output, requests)
 
     def free_expired(self) -> None:
         """Free the blocks of finished requests whose transfer never came (timeout)."""
@@ -130,7 +132,8 @@ class KVTransferScheduling:
                 and (bool(self.waiting_for_remote_kvs) or self.connector.has_pending_work()))
 
     # ---- results ---------------------------------------------------------------------
-    def on_step_output(self, output: KVConnectorOutput | None) -> dict[str, int]:
+    def on_step_output(self, output: KVConnectorOutput | None,
+                       requests: Mapping[str, Request]) -> dict[str, int]:
         """Apply a step's connector report. Returns the requests a failed load touches,
         each with the tokens it keeps (the start of its first failed block); the caller
         rolls them back, running ones after settling this step's in-flight count."""
@@ -142,7 +145,7 @@ class KVTransferScheduling:
         failed: dict[str, int] = {}
         if output.invalid_block_ids:
             self.counters.num_failed_loads += len(output.invalid_block_ids)
-            failed = self._requests_with_failed_blocks(output.invalid_block_ids)
+            failed = self._requests_with_failed_blocks(output.invalid_block_ids, requests)
             self.kv.uncache_block_ids(output.invalid_block_ids)
         for rid in output.finished_sending:
             self._free_delayed(rid)
@@ -153,9 +156,10 @@ class KVTransferScheduling:
                 self.received.add(rid)
         return failed
 
-    def _requests_with_failed_blocks(self, invalid: set[int]) -> dict[str, int]:
+    def _requests_with_failed_blocks(self, invalid: set[int],
+                                     requests: Mapping[str, Request]) -> dict[str, int]:
         failed = {}
-        for rid, request in self.requests.items():
+        for rid, request in requests.items():
             block_ids = self.kv.get_block_ids(rid)
             first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
             if first is not None:

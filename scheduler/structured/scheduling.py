@@ -1,7 +1,8 @@
 """The scheduler's side of structured outputs (docs/architecture.md §3, rule 7).
 
-``StructuredOutputScheduling`` is owned by the Scheduler and handed the state it touches:
-it parks constrained requests while their grammar compiles (``waiting_for_fsm``), marks
+``StructuredOutputScheduling`` is owned by the Scheduler; it reads the Scheduler's
+requests through a read-only view and hands back the requests whose grammar is ready (the
+Scheduler queues them). It parks constrained requests while their grammar compiles (``waiting_for_fsm``), marks
 the steps whose sampling needs a bitmask, builds that bitmask, and advances grammars on
 settled tokens only. A token a grammar rejects ends that request with finish_reason
 "error", never the engine.
@@ -10,7 +11,6 @@ settled tokens only. A token a grammar rejects ends that request with finish_rea
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import wait
 
@@ -23,12 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputScheduling:
-    def __init__(self, *, requests: Mapping[str, Request], waiting: deque[Request],
+    def __init__(self, *, requests: Mapping[str, Request],
                  manager: StructuredOutputManager | None, num_spec_tokens: int,
                  books_output_placeholders: bool,
                  finish_request: Callable[[Request, list[int]], EngineCoreOutput]) -> None:
-        self.requests = requests
-        self.waiting = waiting
+        self.requests = requests  # read-only
         self.manager = manager  # None: this engine has no structured-output backend
         self.num_spec_tokens = num_spec_tokens
         self.books_output_placeholders = books_output_placeholders
@@ -53,12 +52,13 @@ class StructuredOutputScheduling:
         self.waiting_for_fsm.append(request)
         return True
 
-    def admit_structured_output_requests(self) -> list[EngineCoreOutput]:
-        """Move requests whose grammar is ready to ``waiting`` (arrival order); finish those
-        whose grammar failed to compile. Returns their final outputs."""
+    def take_compiled(self) -> tuple[list[Request], list[EngineCoreOutput]]:
+        """The requests whose grammar is ready (arrival order), for the waiting queue, and
+        the final outputs of those whose grammar failed to compile (finished here)."""
         if not self.waiting_for_fsm:
-            return []
+            return [], []
         still: list[Request] = []
+        ready: list[Request] = []
         outputs = []
         for request in self.waiting_for_fsm:
             so_request = request.structured_output_request
@@ -72,9 +72,9 @@ class StructuredOutputScheduling:
                 outputs.append(self.finish_request(request, []))
             else:
                 request.status = RequestStatus.WAITING
-                self.waiting.append(request)
+                ready.append(request)
         self.waiting_for_fsm = still
-        return outputs
+        return ready, outputs
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to ``timeout`` for the oldest compiling grammar (nothing else to run)."""
