@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.actors.dp_coordinator import DPCoordinator, DPLoadBalancer
 from raylm.actors.engine_core_actor import EngineCoreActor, model_in_rank_actor
-from raylm.actors.kv_transport import KV_NAMESPACE, engine_actor_name
+from raylm.actors.kv_transfer.kv_transport import KV_NAMESPACE, engine_actor_name
 from raylm.actors.placement import (
     create_placement_group,
     default_worker_resource,
@@ -214,7 +214,7 @@ class RayEngineCoreClient(RemoteEngineCalls):
             self.coordinator = DPCoordinator.remote(self.dp_size)
         env = envs.forwarded_to_actors()
         kv = self.config.kv_transfer_config
-        # A prefill/decode peer finds this engine by its engine_id (actors/kv_transport.py).
+        # A prefill/decode peer finds this engine by its engine_id (actors/kv_transfer/kv_transport.py).
         named = ({"name": engine_actor_name(str(kv.engine_id)), "namespace": KV_NAMESPACE}
                  if kv is not None and not kv.is_offloading else {})
         for rank, slot in enumerate(self.slots):

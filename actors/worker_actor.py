@@ -144,7 +144,7 @@ class WorkerActor:
             self._init_pp_transport(worker, engine_config, ctx, dist_timeout_s)
         kv = engine_config.kv_transfer_config
         if kv is not None and not kv.is_offloading:  # prefill/decode: the rank's connector
-            from raylm.actors.kv_transport import RayKVTransport
+            from raylm.actors.kv_transfer.kv_transport import RayKVTransport
 
             connector = self._kv_connector()
             # Decode ranks pull through it; its caches exist once initialize_kv_cache ran.
@@ -211,7 +211,7 @@ class WorkerActor:
         ``RayKVConnectorWorker.read_blocks``; the blocks are held until it is released)."""
         return self._kv_connector().read_blocks(request_id, first_block, head_lo, head_hi)
 
-    # Ray Direct Transport (raylm.actors.kv_rdt): the prefill rank's side, then the decode
+    # Ray Direct Transport (raylm.actors.kv_transfer.kv_rdt): the prefill rank's side, then the decode
     # rank's (which calls it on itself, with the ref of the prefill rank's tensors).
     @ray.method(concurrency_group=KV)
     def read_kv_tensors(self, request_id: str, first_block: int, head_lo: int, head_hi: int,
@@ -231,7 +231,7 @@ class WorkerActor:
         """The prefill side of a KV pair (the decode rank joins it at the same time)."""
         import torch
 
-        from raylm.actors import kv_rdt
+        from raylm.actors.kv_transfer import kv_rdt
 
         device = (kv_cache_device(self._kv_connector()) if backend == "nccl"
                   else torch.device("cpu"))
@@ -240,7 +240,7 @@ class WorkerActor:
 
     @ray.method(concurrency_group=CONTROL)
     def leave_kv_pair(self, name: str) -> None:
-        from raylm.actors import kv_rdt
+        from raylm.actors.kv_transfer import kv_rdt
 
         kv_rdt.leave_pair(name)
 
@@ -248,7 +248,7 @@ class WorkerActor:
     def take_kv(self, key: str, payload: dict[str, Any]) -> None:
         """Ray resolved ``payload`` (a ref to a prefill rank's ``read_kv_tensors``) with
         tensors received over the pair; hand it to the pulling thread."""
-        from raylm.actors import kv_rdt
+        from raylm.actors.kv_transfer import kv_rdt
 
         kv_rdt.land(key, payload)
 
@@ -302,8 +302,8 @@ class WorkerActor:
                            self.rank, SHUTDOWN_WAIT_S)
         if self.worker is not None and hasattr(self.worker, "shutdown"):
             self.worker.shutdown()
-        if "raylm.actors.kv_rdt" in sys.modules:  # this rank's KV pairs, either side
-            sys.modules["raylm.actors.kv_rdt"].leave_all()
+        if "raylm.actors.kv_transfer.kv_rdt" in sys.modules:  # this rank's KV pairs, either side
+            sys.modules["raylm.actors.kv_transfer.kv_rdt"].leave_all()
         from raylm.parallel.distributed import destroy_distributed_environment
 
         destroy_distributed_environment()

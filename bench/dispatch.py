@@ -142,6 +142,16 @@ def bench_compiled_graph(steps: int, num_reqs: int) -> tuple[list[float], float]
             ray.kill(w)
 
 
+def _drain(core) -> list:
+    """Step the EngineCore from this thread until it is idle; its outputs."""
+    outputs = []
+    while core.has_work():
+        step_outputs, _ = core.step_fn()
+        if step_outputs is not None:
+            outputs.extend(step_outputs.outputs)
+    return outputs
+
+
 def bench_model(path: str, num_reqs: int, max_tokens: int) -> list[tuple[str, float, int]]:
     from raylm.runner.uniproc_executor import UniProcExecutor
     from raylm.scheduler.core.engine_core import EngineCore
@@ -166,7 +176,7 @@ def bench_model(path: str, num_reqs: int, max_tokens: int) -> list[tuple[str, fl
                     eos_token_ids=frozenset(), max_model_len=config.model_config.max_model_len,
                     sampling_seed=i))
             start = time.perf_counter()
-            n_tokens = sum(len(o.new_token_ids) for o in core.run_until_idle())
+            n_tokens = sum(len(o.new_token_ids) for o in _drain(core))
             seconds = time.perf_counter() - start
             n_steps = core.scheduler.counters.num_steps
             assert n_tokens == num_reqs * max_tokens, n_tokens

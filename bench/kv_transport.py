@@ -109,7 +109,7 @@ def _engine_config(size: str, role: str, transport: str, max_tokens: int):
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import ray
 
-    from raylm.actors.kv_transport import KV_NAMESPACE, engine_actor_name
+    from raylm.actors.kv_transfer.kv_transport import KV_NAMESPACE, engine_actor_name
     from raylm.actors.worker_actor import WorkerActor
 
     @ray.remote(num_cpus=0)

@@ -48,8 +48,8 @@ def schedule(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
 def _engines(args: argparse.Namespace, pd: bool):
     from raylm.cluster.engine.async_llm import AsyncLLM
     from raylm.cluster.engine.engine_args import EngineArgs
-    from raylm.cluster.serve.pd_client import PDEngineClient
-    from raylm.cluster.serve.pd_engines import DECODE_KV, PREFILL_KV, DecodeEngine, PrefillEngine
+    from raylm.cluster.serve.pd.pd_client import PDEngineClient
+    from raylm.cluster.serve.pd.pd_engines import DECODE_KV, PREFILL_KV, DecodeEngine, PrefillEngine
 
     common = dict(block_size=16, max_num_seqs=64, dtype="float32", max_model_len=2048,
                   distributed_executor_backend="ray")

@@ -5,7 +5,7 @@
 It works between two fresh actors, but (1) its group is torch.distributed's default group
 of each actor process, (2) an actor can be in one group per backend, (3) creating a group
 waits for the actors' default concurrency group, and (4) a process that already owns its
-default group (a TP rank) cannot join. raylm's transport (``raylm.actors.kv_rdt``) keeps
+default group (a TP rank) cannot join. raylm's transport (``raylm.actors.kv_transfer.kv_rdt``) keeps
 Ray's RDT and uses a process group of its own per pair instead.
 """
 

@@ -37,7 +37,7 @@ class Choice:
 def request_params(rec: Record) -> Any:
     """The SamplingParams the server built from the record's body (the protocol's own
     conversion, so the oracle runs the very same request)."""
-    from raylm.cluster.serve.protocol import CompletionRequest
+    from raylm.cluster.serve.openai_api.protocol import CompletionRequest
 
     return CompletionRequest.model_validate(rec.body).to_sampling_params(rec.body["max_tokens"])
 

@@ -12,7 +12,7 @@ __all__ = ["build_openai_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "build_openai_app":
-        from raylm.cluster.serve.app import build_openai_app
+        from raylm.cluster.serve.deployment.app import build_openai_app
 
         return build_openai_app
     raise AttributeError(f"module 'raylm.cluster' has no attribute {name!r}")

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from raylm.cluster.engine.engine_args import add_cli_args, cli_engine_kwargs
-from raylm.cluster.serve.local import PROXIES, default_proxy, local_serve_env
+from raylm.cluster.serve.deployment.local import PROXIES, default_proxy, local_serve_env
 from raylm.runner.cpu_budget import usable_cpus
 from raylm.scheduler.config import envs
 
@@ -74,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from raylm.cluster.batch.job import BatchJobConfig, parse_replicas, run_batch_job
-    from raylm.cluster.serve.config import LLMConfig
+    from raylm.cluster.serve.deployment.config import LLMConfig
 
     min_replicas, max_replicas = parse_replicas(args.num_replicas)
     source, name = model_loading(args)
@@ -135,7 +135,7 @@ def owns_its_node(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> bo
 
 
 def build_llm_config(args: argparse.Namespace) -> Any:
-    from raylm.cluster.serve.config import LLMConfig
+    from raylm.cluster.serve.deployment.config import LLMConfig
 
     source, name = model_loading(args)
     deployment: dict[str, Any] = {}
@@ -185,7 +185,7 @@ def serve_app_args(args: argparse.Namespace, llm_config: Any) -> dict[str, Any]:
 
 
 def pd_app_args(args: argparse.Namespace, llm_config: Any) -> dict[str, Any]:
-    """The prefill/decode app's args (cluster/serve/pd_app.py) from the serve flags: both
+    """The prefill/decode app's args (cluster/serve/pd/pd_app.py) from the serve flags: both
     sides are the model's LLMConfig with their replica counts and, if given, their own
     tensor_parallel_size; the app fills in each side's kv_transfer_config."""
     base = llm_config.model_dump(exclude_unset=True)
@@ -207,7 +207,7 @@ def pd_app_args(args: argparse.Namespace, llm_config: Any) -> dict[str, Any]:
 
 def http_server_config(args: argparse.Namespace) -> dict[str, Any]:
     """The app config's ``http_server`` from the HTTP flags (only those given)."""
-    from raylm.cluster.serve.deployment_config import HTTPServerConfig
+    from raylm.cluster.serve.deployment.deployment_config import HTTPServerConfig
 
     config = {k: getattr(args, k) for k in ("allowed_origins", "allowed_methods",
                                             "allowed_headers", "max_request_body_bytes",
@@ -240,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from raylm.cluster.serve.app import build_openai_app
+    from raylm.cluster.serve.deployment.app import build_openai_app
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or "
@@ -262,7 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         if args.prefill_replicas or args.decode_replicas:
-            from raylm.cluster.serve.pd_app import build_pd_openai_app
+            from raylm.cluster.serve.pd.pd_app import build_pd_openai_app
 
             serve.run(build_pd_openai_app(pd_app_args(args, llm_config)), name=args.app_name,
                       route_prefix="/")
@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route HTTP through an ingress deployment in front of the model's "
                         "replicas (a replica that dies mid-stream then ends its streams with "
                         "an error event) instead of the replicas answering HTTP themselves")
-    # Prefill/decode disaggregation (cluster/serve/pd_app.py): either count turns it on.
+    # Prefill/decode disaggregation (cluster/serve/pd/pd_app.py): either count turns it on.
     for side, what in (("prefill", "compute a prompt's KV and hand it over"),
                        ("decode", "continue from the handed-over KV")):
         p.add_argument(f"--{side}-replicas", type=int, default=None,

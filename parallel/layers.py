@@ -50,7 +50,7 @@ def read_whole(weight: Weight) -> torch.Tensor:
 
 
 class LinearLoRA(Protocol):
-    """A linear's LoRA hook (raylm.runner.lora.layers.LoRALinear)."""
+    """A linear's LoRA hook (raylm.runner.lora.lora_linear.LoRALinear)."""
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the step's adapter products of ``x`` to ``out``, in place."""

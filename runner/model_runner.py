@@ -25,7 +25,7 @@ from raylm.runner.cuda_graphs import DecodeGraphs, setup_decode_padding
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.kv_transfer.steps import KVConnectorSteps
 from raylm.runner.loading.model_loader import get_model, resolve_dtype
-from raylm.runner.lora.manager import LoRAManager
+from raylm.runner.lora.lora_manager import LoRAManager
 from raylm.runner.memory_budget import RankAttentionShape
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.llama import IntermediateTensors, LlamaForCausalLM

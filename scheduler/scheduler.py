@@ -32,7 +32,7 @@ from raylm.scheduler.kv.block_pool import KVCacheBlock
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
 from raylm.scheduler.kv_transfer.factory import make_connector_scheduler
-from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
+from raylm.scheduler.kv_transfer.kv_transfer_scheduling import KVTransferScheduling
 from raylm.scheduler.lora import LoRAAdmission, lora_requests_info
 from raylm.scheduler.request import InvalidRequestError, Request, RequestStatus
 from raylm.scheduler.scheduler_checks import check_scheduler_integrity
@@ -41,7 +41,7 @@ from raylm.scheduler.scheduler_update import StepSettler
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters, num_useful_drafts
 from raylm.scheduler.step_plan import StepPlan, make_scheduler_output
 from raylm.scheduler.structured.manager import StructuredOutputManager
-from raylm.scheduler.structured.scheduling import StructuredOutputScheduling
+from raylm.scheduler.structured.structured_output_scheduling import StructuredOutputScheduling
 
 
 class Scheduler:

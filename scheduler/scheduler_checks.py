@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
-from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
+from raylm.scheduler.kv_transfer.kv_transfer_scheduling import KVTransferScheduling
 from raylm.scheduler.request import Request, RequestStatus
 
 

@@ -27,7 +27,7 @@ from raylm.scheduler.core_outputs import (
 )
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import update_block_hashes
-from raylm.scheduler.kv_transfer.scheduling import KVTransferScheduling
+from raylm.scheduler.kv_transfer.kv_transfer_scheduling import KVTransferScheduling
 from raylm.scheduler.prompt_logprobs import take_new_prompt_logprobs
 from raylm.scheduler.request import Request
 from raylm.scheduler.scheduler_stats import SchedulerCounters

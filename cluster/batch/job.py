@@ -24,7 +24,7 @@ from raylm.cluster.batch.fs import check_output_location, resolve
 from raylm.cluster.batch.output import BatchOutput
 from raylm.cluster.batch.replica import BatchReplica, ReplicaPlacement, replica_bundles
 from raylm.cluster.batch.rows import DEFAULT_MAX_CONCURRENCY, input_custom_id, reject_row
-from raylm.cluster.serve.config import LLMConfig
+from raylm.cluster.serve.deployment.config import LLMConfig
 
 logger = logging.getLogger(__name__)
 

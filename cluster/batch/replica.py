@@ -16,8 +16,8 @@ import uuid
 from typing import Any
 
 from raylm.cluster.batch.rows import DEFAULT_MAX_CONCURRENCY, BatchRunner
-from raylm.cluster.serve.config import LLMConfig
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.deployment.config import LLMConfig
+from raylm.cluster.serve.handlers.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.cluster.serve.errors import OpenAIError, from_exception
-from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS
-from raylm.cluster.serve.protocol import random_id
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.errors import OpenAIError, from_exception
+from raylm.cluster.serve.openai_api.prepared import CHAT_COMPLETIONS, COMPLETIONS
+from raylm.cluster.serve.openai_api.protocol import random_id
 
 logger = logging.getLogger(__name__)
 

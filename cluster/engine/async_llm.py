@@ -60,7 +60,7 @@ class AsyncLLM:
 
     @classmethod
     def from_llm_config(cls, llm_config: Any) -> AsyncLLM:
-        """Build from a serving ``LLMConfig`` (raylm.cluster.serve.config)."""
+        """Build from a serving ``LLMConfig`` (raylm.cluster.serve.deployment.config)."""
         return cls(llm_config.engine_args(),
                    model_resolver=llm_config.model_loading_config.node_resolver())
 

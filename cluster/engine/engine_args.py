@@ -47,7 +47,7 @@ def _arg(default: Any, help: str, *aliases: str,
 
 
 _AT_LEAST_1 = {"minimum": 1}
-# The output formats the server parses (cluster/serve/tool_parsers.py, reasoning.py).
+# The output formats the server parses (cluster/serve/tools/tool_parsers.py, reasoning.py).
 ToolCallParserName = Literal["hermes", "llama3_json"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 PoolingTypeName = Literal["last", "mean"]  # scheduler/pooling_params.py

@@ -1,6 +1,6 @@
 """The engine's statistics as ``get_stats()`` gives them to the server: counters and gauges
 parsed from the EngineCore's ``get_metrics()`` names (the Prometheus exposition of them is
-the server's, cluster/serve/metrics.py)."""
+the server's, cluster/serve/deployment/metrics.py)."""
 
 from __future__ import annotations
 

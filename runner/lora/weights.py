@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from safetensors.torch import load_file
 
-from raylm.runner.lora.layers import LoRALinear, SliceLoRA
+from raylm.runner.lora.lora_linear import LoRALinear, SliceLoRA
 from raylm.runner.lora.peft import TARGETS, WEIGHTS_FILE, adapter_folder, check_adapter
 
 # (layer index, raylm's fused module) -> that module's slices of the adapter

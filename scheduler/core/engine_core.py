@@ -268,17 +268,6 @@ class EngineCore:
         return bool(self._abort_queue or self._pending_outputs or self.batch_queue
                     or self.scheduler.has_requests())
 
-    def run_until_idle(self, max_steps: int = 1_000_000) -> list[EngineCoreOutput]:
-        """Step until nothing is left; every output in order (tests and offline use)."""
-        outputs: list[EngineCoreOutput] = []
-        for _ in range(max_steps):
-            if not self.has_work():
-                return outputs
-            step_outputs, _ = self.step_fn()
-            if step_outputs is not None:
-                outputs.extend(step_outputs.outputs)
-        raise RuntimeError(f"engine still busy after {max_steps} steps")
-
     def get_metrics(self) -> dict[str, Any]:
         s = self.scheduler
         kv = s.kv_cache_manager

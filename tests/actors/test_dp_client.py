@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+from engine_drive import run_until_idle
 
 from raylm.actors.ray_engine_core_client import RayEngineCoreClient
 from raylm.cluster.engine.engine_args import EngineArgs
@@ -103,7 +104,7 @@ def reference(llama_path, hf_oracle):
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             core.add_request(_request(config, f"r{i}", p, m))
         single: dict[str, list[int]] = {}
-        for out in core.run_until_idle():
+        for out in run_until_idle(core):
             single.setdefault(out.request_id, []).extend(out.new_token_ids)
     finally:
         core.shutdown()

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+from engine_drive import run_until_idle
 from local_ray import ship_by_value
 
 from raylm.actors.placement import PlacementGroupError
@@ -60,7 +61,7 @@ def _run_engine(config: EngineConfig, executor, prompts, max_tokens) -> dict[str
         for r in _requests(config, prompts, max_tokens):
             core.add_request(r)
         tokens: dict[str, list[int]] = {}
-        for out in core.run_until_idle():
+        for out in run_until_idle(core):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens
     finally:

@@ -8,6 +8,7 @@ import random
 import sys
 
 import pytest
+from engine_drive import run_until_idle
 from engine_idle import idle_metrics
 from local_ray import ship_by_value
 
@@ -51,7 +52,7 @@ def test_tp2_ngram_greedy_matches_hf(loopy_llama_path, hf_oracle, async_scheduli
                 eos_token_ids=config.model_config.eos_token_ids,
                 max_model_len=config.model_config.max_model_len, sampling_seed=i))
         tokens: dict[str, list[int]] = {}
-        for out in core.run_until_idle():
+        for out in run_until_idle(core):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         metrics = core.get_metrics()
     finally:

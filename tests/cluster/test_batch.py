@@ -10,7 +10,7 @@ import pytest
 from test_openai_fakes import FakeEngine
 
 from raylm.cluster.batch.rows import BatchRunner, reject_row
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
 from raylm.scheduler.sampling_params import SamplingParams
 
 MODEL = "fake-llama"

@@ -10,7 +10,7 @@ import pytest
 from raylm.cluster.batch.fs import check_output_location, resolve
 from raylm.cluster.batch.job import BatchJobConfig, parse_replicas, row_keys, run_batch_job
 from raylm.cluster.batch.output import BatchOutput
-from raylm.cluster.serve.config import LLMConfig
+from raylm.cluster.serve.deployment.config import LLMConfig
 
 
 def out_line(custom_id, status=200):

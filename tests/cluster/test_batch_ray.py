@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from raylm.cluster.batch.job import BatchJobConfig, run_batch_job
-from raylm.cluster.serve.config import LLMConfig
+from raylm.cluster.serve.deployment.config import LLMConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -95,7 +95,7 @@ def test_bad_values_exit_2_before_ray_starts(llama_path, capsys):
 
 def test_serve_http_flags_build_the_app_http_config(llama_path, monkeypatch):
     from raylm.cluster.cli import http_server_config
-    from raylm.cluster.serve.deployment_config import HTTPServerConfig
+    from raylm.cluster.serve.deployment.deployment_config import HTTPServerConfig
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     args = build_parser().parse_args([
@@ -302,7 +302,7 @@ def test_speculative_config_flag_reaches_the_serve_config(llama_path, monkeypatc
 
 
 def test_proxy_applies_only_to_a_local_instance(llama_path, monkeypatch, capsys):
-    from raylm.cluster.serve.local import local_serve_env
+    from raylm.cluster.serve.deployment.local import local_serve_env
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # refused before any connection
     assert main(["serve", llama_path, "--proxy", "haproxy"]) == 2
@@ -319,7 +319,7 @@ def test_pd_flags_build_both_sides_of_the_pd_app(llama_path, monkeypatch):
     """--prefill-replicas / --decode-replicas serve the PD app: each side is the model's
     config with its replica count and, if given, its own TP size; the app's config loads."""
     from raylm.cluster.cli import pd_app_args
-    from raylm.cluster.serve.pd_app import PDServingArgs
+    from raylm.cluster.serve.pd.pd_app import PDServingArgs
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     args = build_parser().parse_args([

@@ -21,12 +21,12 @@ import pytest
 from test_openai_fakes import FakeEngine, cancel_once_running, running_server
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.serve.lora_routes import LoRAModules
-from raylm.cluster.serve.pd_client import PDEngineClient
-from raylm.cluster.serve.pd_engines import DecodeEngine, uses_remote_prefill
-from raylm.cluster.serve.prepared import EMBEDDINGS
-from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.lora_routes import LoRAModules
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.prepared import EMBEDDINGS
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
+from raylm.cluster.serve.pd.pd_client import PDEngineClient
+from raylm.cluster.serve.pd.pd_engines import DecodeEngine, uses_remote_prefill
 from raylm.scheduler.pooling_params import PoolingParams
 from raylm.scheduler.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ def served(llama_path, lora_adapters):
     engine = AsyncLLM.from_engine_args(llama_path, max_model_len=MAX_MODEL_LEN,
                                        enable_lora=True, max_loras=1)
     loras = LoRAModules(MODEL, engine.input_processor.check_lora, {"first": lora_adapters[0]})
-    apps = [build_openai_api({MODEL: LocalBackend(s)}) for s in (
+    apps = [build_openai_api({MODEL: ModelBackend.local(s)}) for s in (
         OpenAIServing(engine, MODEL, loras=loras),
         OpenAIServing(engine, MODEL, pooling_type="mean"))]
     try:
@@ -271,7 +271,7 @@ def test_a_client_that_leaves_aborts_every_input(tokenizer):
 
 
 def test_admission_counts_inputs_and_no_vector_is_a_500(tokenizer):
-    from raylm.cluster.serve.errors import OpenAIError
+    from raylm.cluster.serve.openai_api.errors import OpenAIError
 
     serving = OpenAIServing(FakeEngine(tokenizer), MODEL, max_pending_requests=2)
     with pytest.raises(OpenAIError) as e:
@@ -284,7 +284,7 @@ def test_admission_counts_inputs_and_no_vector_is_a_500(tokenizer):
 
 
 def test_the_serve_replica_reads_pooling_type_from_engine_kwargs(tokenizer):
-    from raylm.cluster.serve.app import LLMServer
+    from raylm.cluster.serve.deployment.app import LLMServer
 
     config = {"model_loading_config": {"model_id": MODEL},
               "engine_kwargs": {"pooling_type": "mean"}}

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from raylm.cluster.cli import build_llm_config, build_parser
 from raylm.cluster.engine.engine_args import EngineArgs, cli_engine_kwargs, engine_arg_types
 from raylm.cluster.engine.llm import LLM
-from raylm.cluster.serve.config import ENGINE_ARGS_ELSEWHERE, EngineKwargs, LLMConfig
+from raylm.cluster.serve.deployment.config import ENGINE_ARGS_ELSEWHERE, EngineKwargs, LLMConfig
 from raylm.scheduler.config.engine_config import DTYPES
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from raylm.actors.gpu_assignment import check_whole_gpus, local_device_index
-from raylm.cluster.serve.app import llm_server_options
-from raylm.cluster.serve.config import LLMConfig
+from raylm.cluster.serve.deployment.app import llm_server_options
+from raylm.cluster.serve.deployment.config import LLMConfig
 
 MINIMAL = {"model_loading_config": {"model_id": "m", "model_source": "/models/m"}}
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from raylm.cluster.cli import build_llm_config, build_parser
-from raylm.cluster.serve.config import LLMConfig
+from raylm.cluster.serve.deployment.config import LLMConfig
 
 MINIMAL = {"model_loading_config": {"model_id": "m", "model_source": "/models/m"}}
 

@@ -19,7 +19,7 @@ from test_openai_fakes import FakeEngine, cancel_once_running
 
 from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.engine.llm import LLM
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
 from raylm.scheduler import intake
 from raylm.scheduler.request import InvalidRequestError
 from raylm.scheduler.sampling_params import SamplingParams

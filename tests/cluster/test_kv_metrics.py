@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from raylm.cluster.engine.engine_stats import kv_connector_stats
-from raylm.cluster.serve.metrics import ServingMetrics
-from raylm.cluster.serve.pd_client import merge_pd_stats
+from raylm.cluster.serve.deployment.metrics import ServingMetrics
+from raylm.cluster.serve.pd.pd_client import merge_pd_stats
 
 ENGINE = {
     "raylm:prompt_tokens": 10,

@@ -7,7 +7,7 @@ import asyncio
 
 from raylm import LLM
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.serve.app import kv_pool_blocks
+from raylm.cluster.serve.deployment.app import kv_pool_blocks
 
 
 def test_an_in_process_engine_reports_its_configured_pool(llama_path):

@@ -15,9 +15,9 @@ import pytest
 from test_openai_fakes import running_server
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.serve.lora_routes import LoRAModules
-from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.lora_routes import LoRAModules
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
 
 MODEL = "tiny"
 PROMPT = [17, 230, 41, 99, 5]
@@ -30,7 +30,7 @@ def server(llama_path, lora_adapters):
     kwargs = types.SimpleNamespace(enable_lora=True, allowed_lora_root=root,
                                    lora_modules=[f"first={lora_adapters[0]}"])
     loras = LoRAModules.from_engine_kwargs(kwargs, MODEL, engine)
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL, loras=loras))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL, loras=loras))})
     try:
         with running_server(app) as url:
             yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
@@ -188,7 +188,7 @@ def test_adapters_on_s3_by_uri_and_by_name_from_an_s3_root(llama_path, lora_adap
     kwargs = types.SimpleNamespace(enable_lora=True, allowed_lora_root=root + "/",
                                    lora_modules=[f"s3first={root}/a0"])
     loras = LoRAModules.from_engine_kwargs(kwargs, MODEL, engine)
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL, loras=loras))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL, loras=loras))})
     try:
         with running_server(app) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,

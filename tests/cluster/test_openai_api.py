@@ -15,8 +15,8 @@ from test_openai_fakes import (
     running_server,
 )
 
-from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
 from raylm.scheduler.sampling_params import SamplingParams
 
 MODEL = "fake-llama"
@@ -36,7 +36,7 @@ def engine(tokenizer):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL))})
     with running_server(app) as base:
         yield base
 
@@ -271,7 +271,7 @@ def test_metrics_names_and_labels(client, url):
 
 
 def test_api_key(engine):
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL))}, {MODEL: "sekret"})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL))}, {MODEL: "sekret"})
     with running_server(app) as base:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         r = httpx.post(f"{base}/v1/completions", json=body)
@@ -308,7 +308,7 @@ def _metric(text: str, name: str) -> float:
 
 def test_disconnect_aborts_the_request(tokenizer):
     slow = _slow_engine(tokenizer)
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(slow, MODEL))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(slow, MODEL))})
     with running_server(app) as base:
         body = {"model": MODEL, "prompt": "long one", "max_tokens": FOREVER, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body) as resp:
@@ -325,7 +325,7 @@ def test_disconnect_aborts_the_request(tokenizer):
 
 def test_overload_is_503_and_recovers(tokenizer):
     slow = _slow_engine(tokenizer)
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(slow, MODEL, max_pending_requests=2))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(slow, MODEL, max_pending_requests=2))})
     with running_server(app) as base:
         body = {"model": MODEL, "prompt": "busy", "max_tokens": FOREVER, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body) as a, \
@@ -346,7 +346,7 @@ def test_overload_is_503_and_recovers(tokenizer):
 
 def test_engine_death(tokenizer):
     doomed = _slow_engine(tokenizer)
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(doomed, MODEL))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(doomed, MODEL))})
     with running_server(app) as base:
         body = {"model": MODEL, "prompt": "doomed", "max_tokens": FOREVER}
         with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as resp:
@@ -366,7 +366,7 @@ def test_engine_death(tokenizer):
 def test_coalesce_joins_close_items_and_closes_the_source():
     import asyncio
 
-    from raylm.cluster.serve.app import coalesce
+    from raylm.cluster.serve.deployment.app import coalesce
 
     closed = []
 
@@ -422,7 +422,7 @@ def test_stream_of_many_prompts_with_n2_matches_non_stream(client):
 
 
 def test_errors_map_to_statuses():
-    from raylm.cluster.serve.errors import EngineOverloadedError, from_exception
+    from raylm.cluster.serve.openai_api.errors import EngineOverloadedError, from_exception
     from raylm.scheduler.core.executor_base import EngineDeadError
 
     class BackPressureError(Exception):  # Ray Serve's queue-full error, by name
@@ -456,8 +456,8 @@ def test_llm_server_streams_in_batches_of_the_configured_interval(tokenizer, int
     every SSE line alone; a long window sends the first line, then everything else as one."""
     import asyncio
 
-    from raylm.cluster.serve.app import LLMServer
-    from raylm.cluster.serve.serving import COMPLETIONS
+    from raylm.cluster.serve.deployment.app import LLMServer
+    from raylm.cluster.serve.handlers.serving import COMPLETIONS
 
     config = {"model_loading_config": {"model_id": MODEL},
               "experimental_configs": {"stream_batching_interval_ms": interval_ms}}

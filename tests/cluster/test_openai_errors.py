@@ -15,9 +15,9 @@ import pytest
 from test_openai_fakes import FakeEngine, running_server
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.serve.errors import from_exception
-from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.errors import from_exception
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.request import InvalidRequestError
 
@@ -35,7 +35,7 @@ def engine(llama_path):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    with running_server(build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL))})) \
+    with running_server(build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL))})) \
             as base:
         yield base
 
@@ -71,13 +71,13 @@ def test_engine_bug_is_a_logged_500_even_as_a_value_error(engine, url, stream, m
 
     monkeypatch.setattr(engine.input_processor, "make_requests", broken)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}
-    with caplog.at_level(logging.ERROR, logger="raylm.cluster.serve.errors"):
+    with caplog.at_level(logging.ERROR, logger="raylm.cluster.serve.openai_api.errors"):
         r = httpx.post(f"{url}/v1/completions", json=body)
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "InternalServerError" and err["code"] == 500
     assert "ValueError: slot_mapping has 3 entries for 4 tokens" in err["message"]
-    logged = [rec for rec in caplog.records if rec.name == "raylm.cluster.serve.errors"]
+    logged = [rec for rec in caplog.records if rec.name == "raylm.cluster.serve.openai_api.errors"]
     assert len(logged) == 1 and logged[0].exc_info is not None
     assert "slot_mapping has 3 entries" in str(logged[0].exc_info[1])
     monkeypatch.undo()

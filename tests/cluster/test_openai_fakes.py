@@ -179,11 +179,11 @@ def real_engine_client(path: str, model: str, **engine_kwargs):
     import openai
 
     from raylm.cluster.engine.async_llm import AsyncLLM
-    from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-    from raylm.cluster.serve.serving import OpenAIServing
+    from raylm.cluster.serve.handlers.serving import OpenAIServing
+    from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
 
     engine = AsyncLLM.from_engine_args(path, **engine_kwargs)
-    app = build_openai_api({model: LocalBackend(OpenAIServing(engine, model))})
+    app = build_openai_api({model: ModelBackend.local(OpenAIServing(engine, model))})
     try:
         with running_server(app) as base:
             yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,

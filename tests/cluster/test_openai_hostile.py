@@ -16,9 +16,9 @@ import openai
 import pytest
 from test_openai_fakes import FakeEngine, running_server
 
-from raylm.cluster.serve.deployment_config import HTTPServerConfig
-from raylm.cluster.serve.routes import REQUEST_BODIES, LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.deployment.deployment_config import HTTPServerConfig
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.routes import REQUEST_BODIES, ModelBackend, build_openai_api
 from raylm.scheduler.intake import RequestLimits
 
 MODEL = "fake-llama"
@@ -50,7 +50,7 @@ def engine(tokenizer):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL))}, {MODEL: KEY},
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL))}, {MODEL: KEY},
                            HTTPServerConfig(max_request_body_bytes=BODY_LIMIT, max_json_depth=16))
     with running_server(app) as base:
         yield base
@@ -60,7 +60,7 @@ def url(engine):
 def default_url(tokenizer):
     """A server with every default: no key, 16 MiB bodies, depth 64, the engine's limits."""
     engine = FakeEngine(tokenizer)
-    with running_server(build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL))})
+    with running_server(build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL))})
                         ) as base:
         yield base
 
@@ -272,7 +272,7 @@ def test_output_changing_fields_raylm_lacks_are_refused(url, engine, route, fiel
 
 
 def test_unknown_fields_are_accepted_and_logged(url, caplog):
-    with caplog.at_level(logging.INFO, logger="raylm.cluster.serve.serving"):
+    with caplog.at_level(logging.INFO, logger="raylm.cluster.serve.handlers.serving"):
         r = post(url, "/v1/completions", completion(store=True, metadata={"a": "b"},
                                                     brand_new_field=1, best_of=1))
     assert r.status_code == 200, r.text
@@ -301,8 +301,8 @@ def test_api_key_guards_every_route_but_health(url):
 
 
 def test_public_metrics_and_per_model_keys(engine):
-    backends = {MODEL: LocalBackend(OpenAIServing(engine, MODEL)),
-                "other": LocalBackend(OpenAIServing(engine, "other"))}
+    backends = {MODEL: ModelBackend.local(OpenAIServing(engine, MODEL)),
+                "other": ModelBackend.local(OpenAIServing(engine, "other"))}
     app = build_openai_api(backends, {MODEL: "k1", "other": "k2"},
                            HTTPServerConfig(public_metrics=True))
     with running_server(app) as base:
@@ -317,7 +317,7 @@ def test_public_metrics_and_per_model_keys(engine):
 def test_key_check_compares_every_key_by_digest(engine):
     from starlette.datastructures import Headers
 
-    from raylm.cluster.serve.routes import OpenAIRoutes
+    from raylm.cluster.serve.openai_api.routes import OpenAIRoutes
 
     routes = OpenAIRoutes({}, {"a": "k1", "b": "k2" * 1000})
     assert all(len(d) == 32 for d in routes._digests.values())  # fixed length: no length leak
@@ -359,7 +359,7 @@ def test_error_bodies_carry_no_paths_or_frames():
 def test_cors_is_off_by_default_and_follows_the_flags(url, engine):
     r = httpx.get(f"{url}/health", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL))}, {MODEL: KEY},
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL))}, {MODEL: KEY},
                            HTTPServerConfig(allowed_origins=["https://ui.example"],
                                             allowed_methods=["POST"],
                                             allowed_headers=["Authorization", "Content-Type"]))
@@ -416,7 +416,7 @@ def test_tokenize_detokenize_and_version(url, tokenizer):
 def test_replica_that_answers_http_takes_the_app_http_settings(tokenizer):
     """raylm serve's layout (ingress_in_replica): the replica's own app gets the app
     config's http_server and the model's api_key."""
-    from raylm.cluster.serve.app import LLMIngressServer
+    from raylm.cluster.serve.deployment.app import LLMIngressServer
 
     server = LLMIngressServer({"model_loading_config": {"model_id": MODEL}, "api_key": KEY},
                               engine_factory=lambda cfg: FakeEngine(tokenizer),

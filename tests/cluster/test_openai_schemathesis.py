@@ -14,8 +14,8 @@ from schemathesis.checks import not_a_server_error
 from test_openai_fakes import running_server
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
 
 MODEL = "fuzz-llama"
 KEY = "fuzz-key"
@@ -29,7 +29,7 @@ def base_url(llama_path):
                                        max_logprobs=5, grammar_compile_timeout_s=2.0)
     serving = OpenAIServing(engine, MODEL, max_pending_requests=64,
                             tool_call_parser="hermes", reasoning_parser="qwen3")
-    app = build_openai_api({MODEL: LocalBackend(serving)}, {MODEL: KEY})
+    app = build_openai_api({MODEL: ModelBackend.local(serving)}, {MODEL: KEY})
     try:
         with running_server(app) as base:
             yield base

@@ -18,8 +18,8 @@ import openai
 import pytest
 from test_openai_fakes import FakeEngine, real_engine_client, running_server
 
-from raylm.cluster.serve.routes import LocalBackend, build_openai_api
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api
 
 MODEL = "tiny-tools"
 WEATHER = {"type": "object", "properties": {
@@ -172,7 +172,7 @@ def tokenizer(llama_path):
 
 def _scripted_client(tokenizer, text: str, **serving):
     engine = ScriptedEngine(tokenizer, text)
-    app = build_openai_api({MODEL: LocalBackend(OpenAIServing(engine, MODEL, **serving))})
+    app = build_openai_api({MODEL: ModelBackend.local(OpenAIServing(engine, MODEL, **serving))})
     return running_server(app)
 
 

@@ -31,7 +31,7 @@ def _side(path: str, **engine_kwargs) -> dict:
 
 @pytest.fixture(scope="module")
 def base_url(ray_local, llama_path):
-    from raylm.cluster.serve.pd_app import build_pd_openai_app
+    from raylm.cluster.serve.pd.pd_app import build_pd_openai_app
 
     # A small token budget on the prefill side: a long prompt takes many steps there
     # (chunked prefill), long enough to kill the replica in the middle of it.

@@ -25,9 +25,9 @@ from raylm.actors.prefix_affinity import (
     PREFIX_MATCH,
     prompt_block_hashes,
 )
-from raylm.cluster.serve.router import PrefixAwareRouter
-from raylm.cluster.serve.router_prompt import PromptHasher
-from raylm.cluster.serve.router_stats import find_router_view
+from raylm.cluster.serve.deployment.router import PrefixAwareRouter
+from raylm.cluster.serve.deployment.router_prompt import PromptHasher
+from raylm.cluster.serve.deployment.router_stats import find_router_view
 
 BLOCK = 4
 
@@ -188,7 +188,7 @@ def test_prompt_hasher_renders_chats_and_tokenizes_text_as_the_replica_does(llam
 
 def test_config_and_cli_select_the_router_and_the_engine_signal_policy():
     from raylm.cluster.cli import build_llm_config, build_parser, serve_app_args
-    from raylm.cluster.serve.app import llm_server_options
+    from raylm.cluster.serve.deployment.app import llm_server_options
 
     args = build_parser().parse_args(
         ["serve", "demo-random", "--request-router", "prefix", "--max-replicas", "3",

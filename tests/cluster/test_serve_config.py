@@ -1,4 +1,4 @@
-"""The pydantic serving config (cluster/serve/config.py)."""
+"""The pydantic serving config (cluster/serve/deployment/config.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from raylm.cluster.serve.config import EngineKwargs, LLMConfig, OpenAIAppConfig, load_app_config
-from raylm.cluster.serve.deployment_config import (
+from raylm.cluster.serve.deployment.config import (
+    EngineKwargs,
+    LLMConfig,
+    OpenAIAppConfig,
+    load_app_config,
+)
+from raylm.cluster.serve.deployment.deployment_config import (
     AutoscalingConfig,
     DeploymentConfig,
     PlacementGroupConfig,
@@ -227,7 +232,7 @@ def test_engine_kwargs_are_engine_arguments():
 
 
 def test_model_source_resolution():
-    from raylm.cluster.serve.config import ModelLoadingConfig
+    from raylm.cluster.serve.deployment.config import ModelLoadingConfig
 
     real = ModelLoadingConfig(model_id="m", model_source="/models/m")
     assert not real.is_demo and real.resolve_model_source() == "/models/m"

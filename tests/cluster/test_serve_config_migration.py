@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from raylm.cluster.engine.engine_args import EngineArgs
 from raylm.cluster.engine.vllm_args import VLLM_ARGS
-from raylm.cluster.serve.config import LLMConfig, OpenAIAppConfig, load_app_config
+from raylm.cluster.serve.deployment.config import LLMConfig, OpenAIAppConfig, load_app_config
 
 RAYLM = "raylm.cluster:build_openai_app"
 # The shape of Ray's single-model example: a Hub model, an accelerator type, autoscaling,

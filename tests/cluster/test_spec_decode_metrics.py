@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from raylm.cluster.engine.engine_stats import spec_decode_stats
-from raylm.cluster.serve.metrics import ServingMetrics, render
+from raylm.cluster.serve.deployment.metrics import ServingMetrics, render
 from raylm.scheduler.spec_decode_stats import SpecDecodingCounters
 
 

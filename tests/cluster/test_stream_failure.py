@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from test_openai_fakes import running_server
 
-from raylm.cluster.serve.routes import build_openai_api
+from raylm.cluster.serve.openai_api.routes import build_openai_api
 
 
 class _DiesMidStream:

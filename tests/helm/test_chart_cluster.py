@@ -8,8 +8,8 @@ import json
 
 import yaml
 
-from raylm.cluster.serve.app import replica_bundles
-from raylm.cluster.serve.config import load_app_config
+from raylm.cluster.serve.deployment.app import replica_bundles
+from raylm.cluster.serve.deployment.config import load_app_config
 
 GPU_AND_CPU = {
     "llmConfig": {"accelerator_type": "A10G",

@@ -11,10 +11,10 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from raylm.cluster.serve.app import llm_server_options
-from raylm.cluster.serve.config import load_app_config
-from raylm.cluster.serve.metrics import ServingMetrics, render
-from raylm.cluster.serve.router_stats import RouterView
+from raylm.cluster.serve.deployment.app import llm_server_options
+from raylm.cluster.serve.deployment.config import load_app_config
+from raylm.cluster.serve.deployment.metrics import ServingMetrics, render
+from raylm.cluster.serve.deployment.router_stats import RouterView
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "raylm"
 DASHBOARD = CHART / "dashboards" / "raylm.json"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raylm.cluster.serve.config import load_app_config
+from raylm.cluster.serve.deployment.config import load_app_config
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "raylm"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from raylm.cluster.serve.app import replica_bundles, runs_model_in_replica
-from raylm.cluster.serve.config import EngineKwargs, load_app_config
+from raylm.cluster.serve.deployment.app import replica_bundles, runs_model_in_replica
+from raylm.cluster.serve.deployment.config import EngineKwargs, load_app_config
 
 
 def _llm_configs(svc: dict) -> list[dict]:

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from pydantic import Field, create_model
 
-from raylm.cluster.serve.config import EngineKwargs, LLMConfig, ModelLoadingConfig
-from raylm.cluster.serve.deployment_config import (
+from raylm.cluster.serve.deployment.config import EngineKwargs, LLMConfig, ModelLoadingConfig
+from raylm.cluster.serve.deployment.deployment_config import (
     AutoscalingConfig,
     DeploymentConfig,
     ExperimentalConfigs,

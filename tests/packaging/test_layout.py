@@ -31,10 +31,25 @@ MAP = {
     "runner/structured": "grammar backend and bitmasks on the device",
     "parallel": "torch.distributed: groups, sharded layers, PP transport, DP group",
     "actors": "every Ray actor: EngineCore, workers, executor, placement",
+    "actors/kv_transfer": "KV between engines over Ray: pulls from a peer's workers, RDT",
     "cluster": "the CLI",
     "cluster/engine": "LLM, LLMEngine, AsyncLLM, input and output processing",
-    "cluster/serve": "the OpenAI server on Ray Serve: protocol, routes, app, config",
+    "cluster/serve": "the OpenAI server on Ray Serve",
+    "cluster/serve/openai_api": "OpenAI's request and response shapes, errors, the HTTP routes",
+    "cluster/serve/handlers": "the OpenAI handlers over an engine client, LoRA as models",
+    "cluster/serve/tools": "tool-call and reasoning parsers",
+    "cluster/serve/deployment": "the Serve app, its config, routers, autoscaling, metrics",
+    "cluster/serve/pd": "the prefill/decode disaggregated app",
     "cluster/batch": "raylm batch on Ray Data",
+}
+# Product file names that repeat: each pair is one concept in two layers (a KV connector's
+# scheduler and worker sides; prompt logprobs booked by the scheduler, computed by the rank).
+SAME_CONCEPT_PAIRS = {
+    "base.py": {"scheduler/kv_transfer", "runner/kv_transfer"},
+    "factory.py": {"scheduler/kv_transfer", "runner/kv_transfer"},
+    "offloading.py": {"scheduler/kv_transfer", "runner/kv_transfer"},
+    "ray_pd.py": {"scheduler/kv_transfer", "runner/kv_transfer"},
+    "prompt_logprobs.py": {"scheduler", "runner/sample"},
 }
 ROOTS = {"api": "raylm", "scheduler": "raylm.scheduler", "runner": "raylm.runner",
          "parallel": "raylm.parallel", "actors": "raylm.actors", "cluster": "raylm.cluster"}
@@ -134,6 +149,16 @@ def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     loops.append(sorted(component))
     return loops
+
+
+def test_product_file_names_repeat_only_as_listed_pairs():
+    folders: dict[str, set[str]] = {}
+    for f in FOLDERS:
+        for p in (REPO / f).rglob("*.py"):
+            if p.name != "__init__.py" and "__pycache__" not in p.parts:
+                folders.setdefault(p.name, set()).add(str(p.parent.relative_to(REPO)))
+    repeated = {name: where for name, where in folders.items() if len(where) > 1}
+    assert repeated == SAME_CONCEPT_PAIRS
 
 
 def test_loop_finder_sees_a_lazy_loop():

@@ -23,7 +23,7 @@ from raylm.parallel.layers import (  # noqa: E402
     RowParallelLinear,
 )
 from raylm.runner.lora import triton_ops  # noqa: E402
-from raylm.runner.lora.layers import LoRAContext, LoRALinear  # noqa: E402
+from raylm.runner.lora.lora_linear import LoRAContext, LoRALinear  # noqa: E402
 from raylm.runner.lora.mapping import LoRAMapping, TritonBuffers, torch_segments  # noqa: E402
 
 if type(triton_ops._shrink_kernel).__name__ != "InterpretedFunction":

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 from conftest import hf_greedy
+from engine_drive import run_until_idle
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
@@ -225,7 +226,7 @@ def test_back_to_back_stages_match_transformers(llama_path, three_layer_path, pp
                                                             ignore_eos=True),
                                  frozenset(), config.model_config.max_model_len, sampling_seed=i))
     tokens: dict[str, list[int]] = {}
-    for out in core.run_until_idle():
+    for out in run_until_idle(core):
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert core.scheduler.counters.num_preemptions > 0
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
@@ -251,7 +252,7 @@ def _run_engine(config, executor, prompts, params) -> dict[str, list[int]]:
         core.add_request(Request(f"r{i}", p, sp, frozenset(), config.model_config.max_model_len,
                                  sampling_seed=1000 + i))
     tokens: dict[str, list[int]] = {}
-    for out in core.run_until_idle():
+    for out in run_until_idle(core):
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     core.shutdown()
     return tokens
@@ -340,7 +341,7 @@ def test_speculation_with_async_pp_matches_transformers(loopy_llama_path, tmp_pa
             core.add_request(Request(f"r{i}", p, sp, frozenset(),
                                      config.model_config.max_model_len, sampling_seed=i))
         tokens: dict[str, list[int]] = {}
-        for out in core.run_until_idle():
+        for out in run_until_idle(core):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         metrics = core.get_metrics()
         runs[async_scheduling] = tokens

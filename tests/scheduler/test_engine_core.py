@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from engine_drive import run_until_idle
 from sched_fake_executor import (
     FakeExecutor,
     collect,
@@ -47,7 +48,7 @@ def _run(async_scheduling: bool, num_blocks: int, mode: str = "lazy", **kw):
             outputs += out.outputs
     for r in reqs[5:]:
         engine.add_request(r)
-    outputs += engine.run_until_idle()
+    outputs += run_until_idle(engine)
     return reqs, outputs, engine, executor
 
 
@@ -133,13 +134,13 @@ def test_abort_racing_the_final_token(async_scheduling):
         outputs += out.outputs
         assert len(executor.pending) == 1  # a's final token is in flight
     engine.abort_requests(["a"])
-    outputs += engine.run_until_idle()
+    outputs += run_until_idle(engine)
     tokens, finals = collect(outputs)
     assert [o.finish_reason for o in finals["a"]] == [FinishReason.ABORT]
     assert len(tokens["a"]) == 1
     assert [o.finish_reason for o in finals["b"]] == [FinishReason.LENGTH]
     engine.abort_requests(["a", "b", "unknown"])  # after the end: no second final output
-    assert engine.run_until_idle() == []
+    assert run_until_idle(engine) == []
     engine.scheduler.check_integrity(no_steps_in_flight=True)
     assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 64
 
@@ -153,7 +154,7 @@ def test_abort_from_another_thread():
         engine.add_request(r)
     aborter = threading.Timer(0.02, engine.abort_requests, args=(["r1", "r4"],))
     aborter.start()
-    outputs = engine.run_until_idle()
+    outputs = run_until_idle(engine)
     aborter.join()
     tokens, finals = collect(outputs)
     for r in reqs:
@@ -169,7 +170,7 @@ def test_executor_failure_aborts_everything_and_raises():
     for i in range(3):
         engine.add_request(make_request(f"r{i}", 6, max_tokens=10))
     with pytest.raises(EngineDeadError, match="fake device fault at step 3") as info:
-        engine.run_until_idle()
+        run_until_idle(engine)
     finals = info.value.outputs.outputs
     assert sorted(o.request_id for o in finals) == ["r0", "r1", "r2"]
     assert all(o.finish_reason == FinishReason.ABORT for o in finals)
@@ -188,7 +189,7 @@ def test_add_request_validation():
     engine.add_request(make_request("ok", 20, max_tokens=12))
     with pytest.raises(ValueError, match="'ok' is already in use"):
         engine.add_request(make_request("ok", 3))
-    tokens, finals = collect(engine.run_until_idle())
+    tokens, finals = collect(run_until_idle(engine))
     assert len(tokens["ok"]) == 12
 
 
@@ -199,7 +200,7 @@ def test_idle_engine_checks_integrity(monkeypatch):
     monkeypatch.setattr(engine.scheduler, "check_integrity",
                         lambda **kw: (calls.append(kw), original(**kw)))
     engine.add_request(make_request("a", 5, max_tokens=3))
-    engine.run_until_idle()
+    run_until_idle(engine)
     assert calls and calls[-1] == {"no_steps_in_flight": True}
 
 
@@ -216,7 +217,7 @@ def test_blocking_executor_result_is_wrapped():
     engine = EngineCore(make_config(async_scheduling=True), _BlockingExecutor())
     r = make_request("a", 6, max_tokens=5)
     engine.add_request(r)
-    tokens, finals = collect(engine.run_until_idle())
+    tokens, finals = collect(run_until_idle(engine))
     assert tokens["a"] == expected_stream(r)
 
 
@@ -261,4 +262,4 @@ def test_no_progress_is_an_error_not_a_spin(async_scheduling):
     engine = EngineCore(config, _MuteExecutor())
     engine.add_request(make_request("a", 6, max_tokens=5, max_model_len=32))
     with pytest.raises(RuntimeError, match="made no progress with nothing in flight"):
-        engine.run_until_idle(max_steps=200)
+        run_until_idle(engine, max_steps=200)

@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from engine_drive import run_until_idle
 from sched_fake_executor import FakeExecutor, expected_stream, make_config, make_request
 from sched_fake_kv import FakeKVWorker
 from test_kv_failed_loads import _run
@@ -53,17 +54,17 @@ def _usage(engine: EngineCore) -> float:
 def test_producer_holds_blocks_until_released():
     engine, worker = _producer()
     engine.add_request(_remote_decode("p0"))
-    finals = [o for o in engine.run_until_idle() if o.finished]
+    finals = [o for o in run_until_idle(engine) if o.finished]
     params = finals[0].kv_transfer_params
     assert params["do_remote_prefill"] and params["remote_request_id"] == "p0"
     assert params["remote_engine_id"] == engine.config.kv_transfer_config.engine_id
     assert worker.sends["p0"] and _usage(engine) > 0  # the workers may serve reads
     engine.scheduler.check_integrity(no_steps_in_flight=True)
     engine.release_kv(["p0"])
-    engine.run_until_idle()  # the release frees; a step tells the workers to stop serving
+    run_until_idle(engine)  # the release frees; a step tells the workers to stop serving
     assert _usage(engine) == 0 and "p0" not in worker.sends
     engine.release_kv(["p0", "unknown"])  # a second release is a no-op
-    engine.run_until_idle()
+    run_until_idle(engine)
 
 
 def test_aborted_producer_request_is_freed_at_once():
@@ -71,7 +72,7 @@ def test_aborted_producer_request_is_freed_at_once():
     engine.add_request(_remote_decode("p1", prompt_len=40))
     engine.step_fn()
     engine.abort_requests(["p1"])
-    finals = [o for o in engine.run_until_idle() if o.finished]
+    finals = [o for o in run_until_idle(engine) if o.finished]
     assert finals[0].kv_transfer_params is None
     assert _usage(engine) == 0
 
@@ -79,10 +80,10 @@ def test_aborted_producer_request_is_freed_at_once():
 def test_unreleased_blocks_expire():
     engine, worker = _producer(abort_timeout_s=0.05)
     engine.add_request(_remote_decode("p2"))
-    engine.run_until_idle()
+    run_until_idle(engine)
     assert _usage(engine) > 0
     time.sleep(0.1)
-    engine.run_until_idle()
+    run_until_idle(engine)
     assert _usage(engine) == 0
     assert engine.get_metrics()["raylm:kv_transfer_num_kv_expired_reqs"] == 1
 
@@ -130,7 +131,7 @@ def test_abort_while_waiting_for_remote_kv_frees_once_the_pull_lands():
     engine.abort_requests(["dx"])
     engine.step_fn()
     assert "dx" in engine.scheduler.kv_transfer.delayed_free and _usage(engine) > 0
-    engine.run_until_idle()
+    run_until_idle(engine)
     assert not engine.scheduler.kv_transfer.delayed_free and _usage(engine) == 0
 
 

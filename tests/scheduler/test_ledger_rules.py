@@ -4,6 +4,7 @@ each driven step by step through the Scheduler against the fake runner."""
 from __future__ import annotations
 
 import pytest
+from engine_drive import run_until_idle
 from sched_fake_executor import (
     EOS,
     FakeExecutor,
@@ -25,7 +26,7 @@ from raylm.scheduler.scheduler import Scheduler
 def _run(engine: EngineCore, requests) -> list:
     for r in requests:
         engine.add_request(r)
-    return engine.run_until_idle()
+    return run_until_idle(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

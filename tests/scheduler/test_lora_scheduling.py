@@ -9,6 +9,7 @@ import random
 from dataclasses import replace
 
 import pytest
+from engine_drive import run_until_idle
 from sched_fake_executor import (
     FakeExecutor,
     collect,
@@ -53,7 +54,7 @@ def test_a_step_holds_at_most_max_loras_adapters_and_nothing_is_lost(async_sched
         lora_of[r.request_id] = lora
         requests.append(r)
         engine.add_request(r)
-    tokens, _ = collect(engine.run_until_idle())
+    tokens, _ = collect(run_until_idle(engine))
     for r in requests:
         assert tokens[r.request_id] == expected_stream(r)
     per_step = [{lora_of[rid].lora_int_id for rid in so.num_scheduled_tokens
@@ -99,7 +100,7 @@ def test_a_request_passed_over_too_long_holds_other_adapters_back():
             assert not any(rid.startswith("a") for rid in running), running  # a drained
     assert first_b_step is not None and MAX_LORA_SKIPS < first_b_step < MAX_LORA_SKIPS + 12
     assert b1.num_lora_skips > MAX_LORA_SKIPS
-    collect(engine.run_until_idle())
+    collect(run_until_idle(engine))
     engine.scheduler.check_integrity(no_steps_in_flight=True)
 
 

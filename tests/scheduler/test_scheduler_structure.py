@@ -11,7 +11,7 @@ def test_scheduler_owns_its_collaborators():
 
     from raylm.scheduler.async_scheduler import AsyncScheduler
     from raylm.scheduler.scheduler_update import StepSettler
-    from raylm.scheduler.structured.scheduling import StructuredOutputScheduling
+    from raylm.scheduler.structured.structured_output_scheduling import StructuredOutputScheduling
 
     sched = AsyncScheduler(make_config(async_scheduling=True), 16)
     assert isinstance(sched.step_settler, StepSettler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_drive import run_until_idle
 from sched_fake_executor import (
     EOS,
     FakeExecutor,
@@ -95,7 +96,7 @@ def test_engine_stop_conditions(async_scheduling):
     }
     for r in reqs.values():
         engine.add_request(r)
-    tokens, finals = collect(engine.run_until_idle())
+    tokens, finals = collect(run_until_idle(engine))
 
     assert tokens["eos"] == expected_stream(reqs["eos"], 3)[:4]
     f = _only_final(finals, "eos")
@@ -125,7 +126,7 @@ def test_engine_stops_at_max_model_len(async_scheduling):
     engine, executor = _engine(async_scheduling, max_model_len=32)
     r = make_request("m", 20, max_tokens=None, max_model_len=32)
     engine.add_request(r)
-    tokens, finals = collect(engine.run_until_idle())
+    tokens, finals = collect(run_until_idle(engine))
     assert r.max_tokens == 12
     assert tokens["m"] == expected_stream(r)
     assert _only_final(finals, "m").finish_reason == FinishReason.LENGTH

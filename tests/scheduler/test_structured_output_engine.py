@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import Future
 
 import pytest
+from engine_drive import run_until_idle
 from sched_fake_executor import FakeExecutor, collect, expected_stream, make_config, make_request
 
 from raylm.scheduler.core.engine_core import EngineCore
@@ -135,7 +136,7 @@ def test_compile_off_loop_then_constrained_tokens(async_scheduling):
     assert all(r.is_finished() for r in free)
     assert all(r.status == RequestStatus.WAITING_FOR_FSM for r in held)
     gate.set()
-    outputs += engine.run_until_idle()
+    outputs += run_until_idle(engine)
     tokens, finals = collect(outputs)
     for r in free + held[:2]:
         assert tokens[r.request_id] == expected_stream(r), r.request_id

@@ -10,8 +10,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from raylm.cluster.engine.outputs import Logprob, SampleLogprobs
-from raylm.cluster.serve.chat_protocol import ChatCompletionTool, ChatMessage, ToolCall
-from raylm.cluster.serve.protocol import OpenAIBaseModel, TokenId
+from raylm.cluster.serve.openai_api.chat_protocol import ChatCompletionTool, ChatMessage, ToolCall
+from raylm.cluster.serve.openai_api.protocol import OpenAIBaseModel, TokenId
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from raylm.cluster.serve.protocol import (
+from raylm.cluster.serve.openai_api.protocol import (
     Count,
     OpenAIBaseModel,
     _SamplingRequest,

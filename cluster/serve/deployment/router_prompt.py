@@ -19,9 +19,9 @@ from typing import Any
 
 from raylm.actors.prefix_affinity import prompt_block_hashes
 from raylm.cluster.engine.chat_utils import apply_chat_template
-from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
-from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, COMPLETIONS
-from raylm.cluster.serve.protocol import CompletionRequest
+from raylm.cluster.serve.openai_api.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.openai_api.prepared import CHAT_COMPLETIONS, COMPLETIONS
+from raylm.cluster.serve.openai_api.protocol import CompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class PromptHasher:
                  tokenizer: Any = None) -> None:
         """``llm_config``: the model's LLMConfig as a dict; ``tokenizer``: one to use at
         once (tests) instead of loading the model's in a thread."""
-        from raylm.cluster.serve.config import LLMConfig
+        from raylm.cluster.serve.deployment.config import LLMConfig
 
         config = LLMConfig.model_validate(dict(llm_config))
         ek = config.engine_kwargs

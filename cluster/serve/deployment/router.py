@@ -2,7 +2,7 @@
 config; docs/architecture.md §14).
 
 ``PrefixAwareRouter`` ("prefix"): every request's prompt is hashed in KV blocks
-(cluster/serve/router_prompt.py) and matched against a mirror of what each replica was sent
+(cluster/serve/deployment/router_prompt.py) and matched against a mirror of what each replica was sent
 (actors/prefix_affinity.py); the rule there picks: least loaded when the replicas' queues
 differ by more than ``imbalance_threshold``, else the longest match, else a replica that
 holds the request's LoRA adapter (Serve multiplexing of adapters), else the most free KV.
@@ -12,7 +12,7 @@ new replicas to the mirror (empty) and removes drained or dead ones, and every r
 ``record_routing_stats`` (its KV pool size and usage) arrives with it.
 
 ``Pow2Router`` ("pow2"): Serve's power of two choices, unchanged, plus the replica stats
-and decision counts for ``/metrics`` that both routers publish (cluster/serve/router_stats.py).
+and decision counts for ``/metrics`` that both routers publish (cluster/serve/deployment/router_stats.py).
 
 The router lives where the deployment's handle is: the ingress replica. The mirror is that
 router's own (no shared actor, so routing makes no extra Ray call); several ingress
@@ -38,8 +38,8 @@ from raylm.actors.prefix_affinity import (
     Candidate,
     PrefixIndex,
 )
-from raylm.cluster.serve.router_prompt import PromptHasher
-from raylm.cluster.serve.router_stats import RouterView, router_view
+from raylm.cluster.serve.deployment.router_prompt import PromptHasher
+from raylm.cluster.serve.deployment.router_stats import RouterView, router_view
 
 # Requests whose hashes and decision wait for on_request_routed; a request cancelled
 # before it is routed never gets there, so the oldest go past this many.

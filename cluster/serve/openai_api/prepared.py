@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.engine.processor import ValidatedPrompt
-from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
-from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
-from raylm.cluster.serve.protocol import CompletionRequest
+from raylm.cluster.serve.openai_api.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.openai_api.embedding_protocol import EmbeddingRequest
+from raylm.cluster.serve.openai_api.protocol import CompletionRequest
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

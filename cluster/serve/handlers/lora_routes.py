@@ -9,7 +9,7 @@ from ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
 path). With a root, a request naming an adapter not loaded yet loads ``root/<name>`` when
 that is a PEFT folder (Ray Serve LLM's ``dynamic_lora_loading_path``, vLLM's filesystem
 resolver): every replica can serve every adapter of the root, and the prefix router keeps
-an adapter's requests on the replica that loaded it (cluster/serve/router.py). Each load gets an id of its own, so a name loaded again after an unload never
+an adapter's requests on the replica that loaded it (cluster/serve/deployment/router.py). Each load gets an id of its own, so a name loaded again after an unload never
 meets the old weights in an engine cache. An unknown adapter is a 404; a path outside
 the root, an adapter the engine cannot run, a name loaded twice are 400s.
 
@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from raylm.cluster.serve.errors import bad_request, not_found
-from raylm.cluster.serve.protocol import OpenAIBaseModel
-from raylm.cluster.serve.response_protocol import ModelCard
+from raylm.cluster.serve.openai_api.errors import bad_request, not_found
+from raylm.cluster.serve.openai_api.protocol import OpenAIBaseModel
+from raylm.cluster.serve.openai_api.response_protocol import ModelCard
 from raylm.runner.loading import remote_files
 from raylm.runner.lora.peft import CONFIG_FILE
 from raylm.scheduler.lora import LoRARequest

@@ -2,7 +2,7 @@
 which routes by ``model`` and ends a dead replica's streams with an error event. With
 ``ingress_in_replica`` (one model; `raylm serve` sets it) the replica answers HTTP itself:
 one process fewer per streamed chunk (docs/architecture.md §2). The ingress's handle picks
-a model's replica with the deployment's request router (cluster/serve/router.py, §14).
+a model's replica with the deployment's request router (cluster/serve/deployment/router.py, §14).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raylm.cluster.engine.engine_protocol import EngineClient, KVPoolSized
-from raylm.cluster.serve.autoscaling_policy import autoscaling_stats
-from raylm.cluster.serve.config import LLMConfig, OpenAIAppConfig, load_app_config
-from raylm.cluster.serve.deployment_config import HTTPServerConfig
-from raylm.cluster.serve.metrics import routing_stats
-from raylm.cluster.serve.router_stats import find_router_view, with_router_view
-from raylm.cluster.serve.routes import build_openai_api, serve_stream
-from raylm.cluster.serve.serving import OpenAIServing
+from raylm.cluster.serve.deployment.autoscaling_policy import autoscaling_stats
+from raylm.cluster.serve.deployment.config import LLMConfig, OpenAIAppConfig, load_app_config
+from raylm.cluster.serve.deployment.deployment_config import HTTPServerConfig
+from raylm.cluster.serve.deployment.metrics import routing_stats
+from raylm.cluster.serve.deployment.router_stats import find_router_view, with_router_view
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api.routes import ModelBackend, build_openai_api, serve_stream
 
 if TYPE_CHECKING:
     from ray.serve.deployment import Deployment
@@ -163,25 +163,6 @@ def shutdown_engine(engine: _ShutsDown | None) -> None:
             logger.warning("engine shutdown failed: %r", e)
 
 
-class _ReplicaBackend:
-    """The LLMServer of this very replica as an ``routes.ModelBackend``."""
-
-    def __init__(self, server: LLMServer):
-        self._server = server
-
-    def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        return self._server.handle(route, body)
-
-    async def model_card(self) -> dict[str, Any]:
-        return self._server.model_card()
-
-    async def check_health(self) -> None:
-        await self._server.check_health()
-
-    async def metrics(self) -> list[Any]:
-        return self._server.metrics()
-
-
 class LLMIngressServer(LLMServer):
     """One model's replica answering HTTP itself: the app's only deployment with
     ``ingress_in_replica`` (no ingress hop, no handle between the HTTP route and the engine;
@@ -195,35 +176,34 @@ class LLMIngressServer(LLMServer):
 
     def __serve_build_asgi_app__(self) -> Any:
         model_id = self.llm_config.model_id
-        return build_openai_api({model_id: _ReplicaBackend(self)},
+        backend = ModelBackend.local(self.serving, stream=self.handle)
+        return build_openai_api({model_id: backend},
                                 {model_id: self.llm_config.api_key}, self.http_server)
 
 
-class _HandleBackend:
-    """An LLMServer deployment seen through its DeploymentHandle (see routes.ModelBackend)."""
+def handle_backend(handle: Any, model_id: str) -> ModelBackend:
+    """An LLMServer deployment seen through its DeploymentHandle."""
+    streaming = handle.options(stream=True)
 
-    def __init__(self, handle: Any, model_id: str):
-        self._handle = handle
-        self._streaming = handle.options(stream=True)
-        self._model_id = model_id
+    async def model_card() -> dict[str, Any]:
+        return await handle.model_card.remote()
 
-    def stream(self, route: str, body: dict[str, Any]) -> Any:
-        return self._streaming.handle.remote(route, body)
+    async def check_health() -> None:
+        await handle.check_health.remote()
 
-    async def model_card(self) -> dict[str, Any]:
-        return await self._handle.model_card.remote()
-
-    async def check_health(self) -> None:
-        await self._handle.check_health.remote()
-
-    async def metrics(self) -> list[Any]:
+    async def metrics() -> list[Any]:
         """One replica's series; with the router's view of every replica (it has routed
         a request), the engine's series are every replica's, labelled ``replica``."""
-        replica_id, families = await self._handle.replica_metrics.remote()
-        view = find_router_view(self._handle.app_name, self._handle.deployment_name)
+        replica_id, families = await handle.replica_metrics.remote()
+        view = find_router_view(handle.app_name, handle.deployment_name)
         if view is None:
             return families
-        return with_router_view(families, view, self._model_id, replica_id)
+        return with_router_view(families, view, model_id, replica_id)
+
+    def stream(route: str, body: dict[str, Any]) -> Any:
+        return streaming.handle.remote(route, body)
+
+    return ModelBackend(stream, model_card, check_health, metrics)
 
 
 class OpenAIIngress:
@@ -231,7 +211,7 @@ class OpenAIIngress:
 
     def __init__(self, llm_handles: dict[str, Any], api_keys: dict[str, str | None],
                  http_server: dict[str, Any] | None = None):
-        self._backends = {name: _HandleBackend(h, name) for name, h in llm_handles.items()}
+        self._backends = {name: handle_backend(h, name) for name, h in llm_handles.items()}
         self._api_keys = api_keys
         self._http_server = HTTPServerConfig.model_validate(http_server or {})
 
@@ -266,7 +246,7 @@ def replica_bundles(llm_config: LLMConfig) -> list[dict[str, float]]:
 
 
 def request_router_config(llm_config: LLMConfig) -> Any:
-    """Serve's RequestRouterConfig of the model's deployment (cluster/serve/router.py)."""
+    """Serve's RequestRouterConfig of the model's deployment (cluster/serve/deployment/router.py)."""
     from ray.serve.config import RequestRouterConfig
 
     rr = llm_config.deployment_config.request_router
@@ -278,7 +258,7 @@ def request_router_config(llm_config: LLMConfig) -> Any:
     cls = {"prefix": "PrefixAwareRouter", "pow2": "Pow2Router"}[rr.policy]
     # Ray annotates its __init__'s **kwargs as dict values: pass them as one typed dict.
     options: dict[str, Any] = {
-        "request_router_class": f"raylm.cluster.serve.router:{cls}",
+        "request_router_class": f"raylm.cluster.serve.deployment.router:{cls}",
         "request_router_kwargs": kwargs, "request_routing_stats_period_s": rr.stats_period_s}
     return RequestRouterConfig(**options)
 

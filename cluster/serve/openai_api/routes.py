@@ -1,8 +1,8 @@
 """The OpenAI HTTP surface (FastAPI), written against model backends; no Ray in here.
 
 In Ray Serve a backend wraps the DeploymentHandle of an ``LLMServer`` replica
-(``raylm.cluster.serve.app``); in tests and in-process it is a ``LocalBackend`` around an
-``OpenAIServing``. A backend's ``stream(route, body)`` yields, first, either
+(``raylm.cluster.serve.deployment.app``); in the replica itself, in tests and in-process it is
+``ModelBackend.local`` around an ``OpenAIServing``. A backend's ``stream(route, body)`` yields, first, either
 ``("json", status, body)`` (a whole response or an error) or the first SSE line, then the
 remaining SSE lines. That first item decides the HTTP status before any byte is sent.
 
@@ -23,9 +23,10 @@ import hashlib
 import hmac
 import json
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,37 +37,64 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from raylm import __version__
-from raylm.cluster.serve import metrics as metrics_mod
-from raylm.cluster.serve import prepared
-from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
-from raylm.cluster.serve.deployment_config import HTTPServerConfig
-from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
-from raylm.cluster.serve.errors import OpenAIError, error_body, from_exception, pydantic_message
-from raylm.cluster.serve.lora_routes import (
+from raylm.cluster.serve.deployment import metrics as metrics_mod
+from raylm.cluster.serve.deployment.deployment_config import HTTPServerConfig
+from raylm.cluster.serve.handlers.lora_routes import (
     ADAPTERS_KEY,
     LOAD_LORA,
     UNLOAD_LORA,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
-from raylm.cluster.serve.protocol import CompletionRequest
-from raylm.cluster.serve.response_protocol import (
+from raylm.cluster.serve.handlers.responses import DONE as SSE_DONE
+from raylm.cluster.serve.handlers.serving import OpenAIServing
+from raylm.cluster.serve.openai_api import prepared
+from raylm.cluster.serve.openai_api.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.openai_api.embedding_protocol import EmbeddingRequest
+from raylm.cluster.serve.openai_api.errors import (
+    OpenAIError,
+    error_body,
+    from_exception,
+    pydantic_message,
+)
+from raylm.cluster.serve.openai_api.protocol import CompletionRequest
+from raylm.cluster.serve.openai_api.response_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from raylm.cluster.serve.responses import DONE as SSE_DONE
-from raylm.cluster.serve.serving import OpenAIServing
 
 # Routes that answer without an API key: a load balancer's health probe.
 OPEN_PATHS = frozenset({"/health"})
 
 
-class ModelBackend(Protocol):
-    def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]: ...
-    async def model_card(self) -> dict[str, Any]: ...
-    async def check_health(self) -> None: ...
-    async def metrics(self) -> list[Any]: ...
+@dataclass(frozen=True)
+class ModelBackend:
+    """How the routes reach one model: four calls, which are all that differs between a
+    model served in this process (``local``) and one behind a Serve DeploymentHandle
+    (``raylm.cluster.serve.deployment.app.handle_backend``)."""
+
+    stream: Callable[[str, dict[str, Any]], Any]  # the item stream described above
+    model_card: Callable[[], Awaitable[dict[str, Any]]]
+    check_health: Callable[[], Awaitable[None]]
+    metrics: Callable[[], Awaitable[list[Any]]]  # Prometheus metric families
+
+    @classmethod
+    def local(cls, serving: OpenAIServing,
+              stream: Callable[[str, dict[str, Any]], Any] | None = None) -> ModelBackend:
+        """``serving`` in this process; ``stream`` replaces ``serve_stream`` over it (a
+        replica's coalesces the SSE lines)."""
+
+        async def model_card() -> dict[str, Any]:
+            return serving.model_card()
+
+        async def metrics() -> list[Any]:
+            return serving.metrics.families()
+
+        def default_stream(route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+            return serve_stream(serving, route, body)
+
+        return cls(stream or default_stream, model_card, serving.check_health, metrics)
 
 
 async def serve_stream(serving: OpenAIServing, route: str, body: Any
@@ -84,25 +112,6 @@ async def serve_stream(serving: OpenAIServing, route: str, body: Any
     async with aclosing(result) as lines:
         async for line in lines:
             yield line
-
-
-class LocalBackend:
-    """A backend in this process (tests, and anything that owns its engine directly)."""
-
-    def __init__(self, serving: OpenAIServing):
-        self.serving = serving
-
-    def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        return serve_stream(self.serving, route, body)
-
-    async def model_card(self) -> dict[str, Any]:
-        return self.serving.model_card()
-
-    async def check_health(self) -> None:
-        await self.serving.check_health()
-
-    async def metrics(self) -> list[Any]:
-        return self.serving.metrics.families()
 
 
 def _error(err: OpenAIError) -> JSONResponse:

@@ -23,7 +23,7 @@ from typing import Any
 
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import InputProcessor, ValidatedPrompt
-from raylm.cluster.serve.pd_engines import uses_remote_prefill
+from raylm.cluster.serve.pd.pd_engines import uses_remote_prefill
 from raylm.scheduler.config.engine_config import ModelConfig
 
 logger = logging.getLogger(__name__)

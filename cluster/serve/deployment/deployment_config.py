@@ -22,8 +22,8 @@ from raylm.scheduler.config.engine_config import PlacementStrategy
 # Every config model forbids unknown keys: a typo fails with its dotted path.
 STRICT = ConfigDict(extra="forbid", frozen=True)
 
-# Ray Serve's custom autoscaling policy for "engine_signals" (cluster/serve/autoscaling_policy.py).
-ENGINE_SIGNAL_POLICY = "raylm.cluster.serve.autoscaling_policy:EngineSignalPolicy"
+# Ray Serve's custom autoscaling policy for "engine_signals" (cluster/serve/deployment/autoscaling_policy.py).
+ENGINE_SIGNAL_POLICY = "raylm.cluster.serve.deployment.autoscaling_policy:EngineSignalPolicy"
 # raylm's keys of autoscaling_config that go to that policy, not to Serve.
 _POLICY_KEYS = ("scale_on", "target_num_requests_waiting", "target_kv_cache_usage")
 
@@ -82,7 +82,7 @@ class AutoscalingConfig(BaseModel):
 
 
 class RequestRouterConfig(BaseModel):
-    """How the model's replicas share requests (cluster/serve/router.py): ``pow2``, Ray
+    """How the model's replicas share requests (cluster/serve/deployment/router.py): ``pow2``, Ray
     Serve's power of two choices, or ``prefix``, prefix-cache affinity with load first. A
     string is the policy alone (``request_router: prefix``)."""
 

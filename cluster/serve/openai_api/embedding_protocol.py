@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import field_validator
 
-from raylm.cluster.serve.protocol import OpenAIBaseModel, TokenId, as_prompts
+from raylm.cluster.serve.openai_api.protocol import OpenAIBaseModel, TokenId, as_prompts
 from raylm.scheduler.pooling_params import PoolingParams
 from raylm.scheduler.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from raylm.cluster.serve.metrics import (
+from raylm.cluster.serve.deployment.metrics import (
     ENGINE_SERIES,
     MetricFamily,
     engine_families,

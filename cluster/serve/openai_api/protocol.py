@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from raylm.cluster.serve.structured_outputs import (
+from raylm.cluster.serve.openai_api.structured_outputs import (
     ResponseFormat,
     StructuredOutputsRequest,
     to_structured_outputs_params,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from raylm.runner.lora.layers import LoRAContext, LoRALinear
+from raylm.runner.lora.lora_linear import LoRAContext, LoRALinear
 from raylm.runner.lora.mapping import NO_SLOT, LoRAMapping, TritonBuffers, torch_segments
 from raylm.runner.lora.weights import LoadedAdapter, load_adapter
 from raylm.scheduler.config.engine_config import EngineConfig

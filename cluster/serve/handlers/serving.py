@@ -4,7 +4,7 @@ run, format.
 One code path for the HTTP server and for batch runs; a call returns a response dict or an
 async iterator of SSE lines. Every prompt goes once through the engine client's intake
 (``input_processor.process``) before anything runs; what fails there is a 400
-(``raylm.cluster.serve.errors``). A structured-output spec (the request's, or the grammar
+(``raylm.cluster.serve.openai_api.errors``). A structured-output spec (the request's, or the grammar
 of a required or named tool call) is compiled first, off the event loop and within
 ``grammar_compile_timeout_s``, so the intake then finds it checked and no request waits
 for another's grammar. Streams are primed (their first output awaited) before returning,
@@ -31,18 +31,9 @@ from raylm.cluster.engine.chat_utils import apply_chat_template
 from raylm.cluster.engine.engine_protocol import EngineClient
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import check_text
-from raylm.cluster.serve import responses as openai_responses
-from raylm.cluster.serve.chat_protocol import ChatCompletionRequest
-from raylm.cluster.serve.embedding_protocol import EmbeddingRequest, embedding_response
-from raylm.cluster.serve.errors import (
-    OpenAIError,
-    bad_request,
-    from_exception,
-    not_found,
-    overloaded,
-    pydantic_message,
-)
-from raylm.cluster.serve.lora_routes import (
+from raylm.cluster.serve.deployment.metrics import ServingMetrics
+from raylm.cluster.serve.handlers import responses as openai_responses
+from raylm.cluster.serve.handlers.lora_routes import (
     ADAPTERS_KEY,
     LOAD_LORA,
     UNLOAD_LORA,
@@ -50,8 +41,17 @@ from raylm.cluster.serve.lora_routes import (
     LoRAModules,
     UnloadLoRAAdapterRequest,
 )
-from raylm.cluster.serve.metrics import ServingMetrics
-from raylm.cluster.serve.prepared import (
+from raylm.cluster.serve.openai_api.chat_protocol import ChatCompletionRequest
+from raylm.cluster.serve.openai_api.embedding_protocol import EmbeddingRequest, embedding_response
+from raylm.cluster.serve.openai_api.errors import (
+    OpenAIError,
+    bad_request,
+    from_exception,
+    not_found,
+    overloaded,
+    pydantic_message,
+)
+from raylm.cluster.serve.openai_api.prepared import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     DETOKENIZE,
@@ -60,13 +60,13 @@ from raylm.cluster.serve.prepared import (
     EngineRequest,
     PreparedRequest,
 )
-from raylm.cluster.serve.protocol import (
+from raylm.cluster.serve.openai_api.protocol import (
     CompletionRequest,
     ignored_fields,
     random_id,
     refused_fields,
 )
-from raylm.cluster.serve.response_protocol import (
+from raylm.cluster.serve.openai_api.response_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -74,7 +74,7 @@ from raylm.cluster.serve.response_protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from raylm.cluster.serve.tool_parsers import ChatOutputParser
+from raylm.cluster.serve.tools.tool_parsers import ChatOutputParser
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.lora import LoRARequest
 from raylm.scheduler.pooling_params import PoolingParams
@@ -88,7 +88,7 @@ class OpenAIServing:
     """Serves one model. ``max_pending_requests`` bounds the sequences in flight (running
     plus queued, n counted per request); beyond it requests get 503 at once.
     ``tool_call_parser`` and ``reasoning_parser`` (vLLM's names) say how the model writes
-    tool calls and reasoning (``raylm.cluster.serve.tool_parsers``); ``pooling_type``
+    tool calls and reasoning (``raylm.cluster.serve.tools.tool_parsers``); ``pooling_type``
     how /v1/embeddings pools a prompt's hidden states ("last" or "mean")."""
 
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,

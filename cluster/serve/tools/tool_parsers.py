@@ -18,7 +18,7 @@ Where the calls come from depends on ``tool_choice`` (``ChatCompletionRequest.to
   separated by ``;``, with ``name`` and ``parameters``, optionally after
   ``<|python_tag|>``). Text that does not parse stays content.
 
-A reasoning parser (``raylm.cluster.serve.reasoning``) runs first; tools are parsed from
+A reasoning parser (``raylm.cluster.serve.tools.reasoning``) runs first; tools are parsed from
 the answer after the reasoning.
 """
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from raylm.cluster.serve.protocol import random_id
-from raylm.cluster.serve.reasoning import Piece, ReasoningSplitter, partial_tag_length
+from raylm.cluster.serve.openai_api.protocol import random_id
+from raylm.cluster.serve.tools.reasoning import Piece, ReasoningSplitter, partial_tag_length
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
-from raylm.cluster.serve.chat_protocol import ChatCompletionRequest, ToolCall
-from raylm.cluster.serve.embedding_protocol import EmbeddingRequest
-from raylm.cluster.serve.errors import from_exception
-from raylm.cluster.serve.prepared import CHAT_COMPLETIONS, PreparedRequest
-from raylm.cluster.serve.protocol import CompletionRequest
-from raylm.cluster.serve.response_protocol import (
+from raylm.cluster.serve.openai_api.chat_protocol import ChatCompletionRequest, ToolCall
+from raylm.cluster.serve.openai_api.embedding_protocol import EmbeddingRequest
+from raylm.cluster.serve.openai_api.errors import from_exception
+from raylm.cluster.serve.openai_api.prepared import CHAT_COMPLETIONS, PreparedRequest
+from raylm.cluster.serve.openai_api.protocol import CompletionRequest
+from raylm.cluster.serve.openai_api.response_protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
@@ -33,7 +33,7 @@ from raylm.cluster.serve.response_protocol import (
     chat_logprobs,
     completion_logprobs,
 )
-from raylm.cluster.serve.tool_parsers import ChatOutputParser, merge_deltas
+from raylm.cluster.serve.tools.tool_parsers import ChatOutputParser, merge_deltas
 
 DONE = "data: [DONE]\n\n"
 Streams = list[tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]]

@@ -8,7 +8,7 @@ ways (``kv_connector_extra_config["transport"]``, read by the consumer; a produc
 both):
 - ``"object_store"``: ``read_kv`` returns numpy arrays through Ray's object store
   (zero-copy on the reading node, then one copy into the cache);
-- ``"rdt"``: Ray Direct Transport (``raylm.actors.kv_rdt``): ``read_kv_tensors`` returns
+- ``"rdt"``: Ray Direct Transport (``raylm.actors.kv_transfer.kv_rdt``): ``read_kv_tensors`` returns
   torch tensors that Ray sends out of band, over a Gloo (CPU) or NCCL (CUDA on both
   sides) pair made between the two ranks on the consumer's first pull from that rank.
 """
@@ -52,7 +52,7 @@ class RayKVTransport:
         self._pairs: dict[str, tuple[str, Any, bool]] = {}
         self._pair_lock = threading.Lock()
         if transport == RDT:
-            from raylm.actors import kv_rdt
+            from raylm.actors.kv_transfer import kv_rdt
 
             kv_rdt.register()
             self._me = ray.get_runtime_context().current_actor
@@ -92,7 +92,7 @@ class RayKVTransport:
     # ---- rdt ---------------------------------------------------------------------------
     def _fetch_rdt(self, worker: Any, request_id: str, first_block: int, head_lo: int,
                    head_hi: int, timeout_s: float) -> dict[str, Any]:
-        from raylm.actors import kv_rdt
+        from raylm.actors.kv_transfer import kv_rdt
 
         on_device = self._pair_with(worker, timeout_s)
         # The tensors stay on the producer until this rank's take_kv receives them.
@@ -112,7 +112,7 @@ class RayKVTransport:
     def _pair_with(self, worker: Any, timeout_s: float) -> bool:
         """Make this rank's pair with the producer rank on first use; whether the KV stays
         on the device (NCCL, CUDA on both sides) rather than going through host memory."""
-        from raylm.actors import kv_rdt
+        from raylm.actors.kv_transfer import kv_rdt
         from raylm.parallel.rendezvous import StoreRendezvous
 
         peer = worker._actor_id.hex()
@@ -144,7 +144,7 @@ class RayKVTransport:
         with self._pair_lock:
             known = self._pairs.pop(worker._actor_id.hex(), None)
         if known is not None:
-            from raylm.actors import kv_rdt
+            from raylm.actors.kv_transfer import kv_rdt
 
             kv_rdt.leave_pair(known[0])
 
@@ -154,7 +154,7 @@ class RayKVTransport:
             pairs, self._pairs = list(self._pairs.values()), {}
         if not pairs:
             return
-        from raylm.actors import kv_rdt
+        from raylm.actors.kv_transfer import kv_rdt
 
         for name, worker, _ in pairs:
             kv_rdt.leave_pair(name)

@@ -31,7 +31,7 @@ from raylm.cluster.engine.engine_args import (
     engine_arg_types,
 )
 from raylm.cluster.engine.vllm_args import drop_accepted, vllm_refusals
-from raylm.cluster.serve.deployment_config import (
+from raylm.cluster.serve.deployment.deployment_config import (
     STRICT,
     AutoscalingConfig,
     DeploymentConfig,
@@ -39,7 +39,7 @@ from raylm.cluster.serve.deployment_config import (
     HTTPServerConfig,
     PlacementGroupConfig,
 )
-from raylm.cluster.serve.ray_llm_migration import migrate_ray_llm_config
+from raylm.cluster.serve.deployment.ray_llm_migration import migrate_ray_llm_config
 from raylm.scheduler.config.engine_config import ExecutorBackend, dp_rank_bundles, stage_bundles
 
 __all__ = [

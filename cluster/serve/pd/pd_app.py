@@ -7,7 +7,7 @@ From a Serve config::
 
     applications:
     - name: raylm-pd
-      import_path: raylm.cluster.serve.pd_app:build_pd_openai_app
+      import_path: raylm.cluster.serve.pd.pd_app:build_pd_openai_app
       args:
         prefill_config: {model_loading_config: {...}, engine_kwargs: {...},
                          deployment_config: {num_replicas: 1}}
@@ -32,16 +32,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import ValidatedPrompt
-from raylm.cluster.serve.app import (
+from raylm.cluster.serve.deployment.app import (
     LLMIngressServer,
     deployment_of,
     llm_server_options,
     shutdown_engine,
 )
-from raylm.cluster.serve.config import LLMConfig
-from raylm.cluster.serve.deployment_config import DeploymentConfig
-from raylm.cluster.serve.pd_client import PDEngineClient
-from raylm.cluster.serve.pd_engines import DECODE_KV, PREFILL_KV, DecodeEngine, PrefillEngine
+from raylm.cluster.serve.deployment.config import LLMConfig
+from raylm.cluster.serve.deployment.deployment_config import DeploymentConfig
+from raylm.cluster.serve.pd.pd_client import PDEngineClient
+from raylm.cluster.serve.pd.pd_engines import DECODE_KV, PREFILL_KV, DecodeEngine, PrefillEngine
 
 
 class PDServingArgs(BaseModel):
@@ -212,6 +212,6 @@ def build_pd_app(args: PDServingArgs | dict[str, Any]) -> Any:
 
 
 def build_pd_openai_app(args: Any) -> Any:
-    """The Serve app builder (``import_path: raylm.cluster.serve.pd_app:build_pd_openai_app``):
+    """The Serve app builder (``import_path: raylm.cluster.serve.pd.pd_app:build_pd_openai_app``):
     ``args`` is ``{"prefill_config": <LLMConfig>, "decode_config": <LLMConfig>}``."""
     return build_pd_app(args)
