@@ -1,10 +1,10 @@
 """Pictures of the benchmarks' results, for docs/performance.md.
 
-    python bench/serve.py --vllm-python /opt/vllm-venv/bin/python \\
+    python bench/serve.py --vllm-python "$VLLM_PYTHON" \\
         --concurrency 1,4,16,64 --plot docs/img/serve
         -> docs/img/serve_concurrency.png, docs/img/serve_ttft.png
     python bench/throughput.py --workloads mixed200,mixed200-bf16,fixed6m,fixed120m,smollm2 \\
-        --engines "raylm async" --vllm-python /opt/vllm-venv/bin/python \\
+        --engines "raylm async" --vllm-python "$VLLM_PYTHON" \\
         --plot docs/img/throughput.png
 
 The scripts call these functions with plain data (tuples, lists, dicts), so a plot can be

@@ -1,6 +1,6 @@
 """Serving speed: `raylm serve` beside `vllm serve`, one client, the same workloads.
 
-    python bench/serve.py [--vllm-python /opt/vllm-venv/bin/python] [--model PATH]
+    python bench/serve.py [--vllm-python "$VLLM_PYTHON"] [--model PATH]
                           [--workloads fixed,mixed] [--servers raylm,vllm]
                           [--stream-batching-interval-ms MS]
                           [--concurrency 1,4,16,64] [--plot docs/img/serve]

@@ -1,7 +1,7 @@
 """Offline throughput: raylm vs Hugging Face static batching (and vLLM's CPU build).
 
     python bench/throughput.py [--workloads fixed6m,fixed120m,mixed64,mixed200,mixed200-bf16]
-                               [--vllm-python /opt/vllm-venv/bin/python]
+                               [--vllm-python "$VLLM_PYTHON"]
                                [--plot docs/img/throughput.png]
 
 Workloads (random-weight Llama checkpoints written locally, greedy, ignore_eos, float32
