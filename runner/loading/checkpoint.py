@@ -34,7 +34,8 @@ _WORDS = (
 @dataclass(frozen=True)
 class CheckpointSpec:
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "MistralForCausalLM", "Qwen3MoeForCausalLM"] = "LlamaForCausalLM"
+                          "MistralForCausalLM", "Qwen3MoeForCausalLM",
+                          "Gemma3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -57,6 +58,9 @@ class CheckpointSpec:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE layers with a dense MLP
+    # Gemma 3: every this-many-th layer global, the others sliding (sliding_window)
+    sliding_window_pattern: int = 6
+    final_logit_softcapping: float | None = None
 
 
 # Named sizes used by the demo CLI and the benchmarks.
@@ -146,7 +150,15 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         kwargs.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
                       moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True,
                       mlp_only_layers=list(spec.mlp_only_layers))
-    if spec.architecture == "MistralForCausalLM":
+    if spec.architecture == "Gemma3ForCausalLM":
+        kwargs.pop("rope_theta")  # per layer kind: rope_parameters' defaults
+        head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+        kwargs.update(sliding_window=spec.sliding_window or 4096,
+                      query_pre_attn_scalar=head_dim,
+                      final_logit_softcapping=spec.final_logit_softcapping,
+                      layer_types=["sliding_attention" if (i + 1) % spec.sliding_window_pattern
+                                   else "full_attention" for i in range(spec.num_hidden_layers)])
+    elif spec.architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.sliding_window is not None:
         if spec.architecture == "LlamaForCausalLM":
@@ -164,6 +176,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.MistralConfig(**kwargs)
     elif spec.architecture == "Qwen3MoeForCausalLM":
         config = transformers.Qwen3MoeConfig(**kwargs)
+    elif spec.architecture == "Gemma3ForCausalLM":
+        config = transformers.Gemma3TextConfig(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

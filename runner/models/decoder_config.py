@@ -1,10 +1,12 @@
-"""The decoder shape read from a Hugging Face config.json, for the Llama family."""
+"""The decoder shape read from a Hugging Face config.json, for the Llama family (Gemma 3's
+additions: runner/models/gemma_config.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylm.runner.models.gemma_config import GemmaTraits, gemma3_traits
 from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
 
@@ -34,17 +36,20 @@ class DecoderConfig:
     num_experts_per_tok: int
     moe_intermediate_size: int
     norm_topk_prob: bool
+    # Gemma 3 (None for the others): its norms, scales, activation and two RoPE tables
+    gemma: GemmaTraits | None = field(compare=False, repr=False)
     hf_config: dict[str, Any] = field(compare=False, repr=False)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
         arch = resolve_architecture(hf.get("architectures") or [])
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu').")
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // heads
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        gemma = gemma3_traits(hf, head_dim) if arch == "Gemma3ForCausalLM" else None
+        act = hf.get("hidden_act", "silu")
+        if gemma is None and act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu').")
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -54,20 +59,21 @@ class DecoderConfig:
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma is not None)),
             qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
             o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             layer_windows=tuple(layer_windows(arch, hf)),
             moe_layers=tuple(_moe_layers(arch, hf)),
             num_experts=_num_experts(hf),
             num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            gemma=gemma,
             hf_config=hf,
         )
 

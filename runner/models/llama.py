@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3) over one flattened mixed batch.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Gemma 3) over one flattened
+mixed batch.
 
 ``forward(input_ids [T], positions [T], attn_metadata)`` runs every scheduled token of every
 request at once (prefills, chunks and decodes together). With pipeline parallelism the
@@ -75,6 +76,36 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: computed in float32 and scaled by ``1 + weight`` before the cast
+    back (transformers' Gemma3RMSNorm); the residual add fused in front as ``RMSNorm``."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).type_as(x)
+        return out if residual is None else (out, x)
+
+
+Norm = RMSNorm | GemmaRMSNorm
+
+
+def make_norm(cfg: DecoderConfig, size: int, dtype: torch.dtype, device: torch.device,
+              ops: FusedOps = EAGER_OPS) -> Norm:
+    if cfg.gemma is not None:
+        return GemmaRMSNorm(size, cfg.rms_norm_eps, dtype, device)
+    return RMSNorm(size, cfg.rms_norm_eps, dtype, device, ops)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
@@ -83,10 +114,12 @@ class LlamaMLP(nn.Module):
                                                        cfg.mlp_bias, ctx=ctx, params_dtype=dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, ctx=ctx,
                                            params_dtype=dtype)
+        self.gelu_tanh = cfg.gemma is not None  # Gemma's gelu_pytorch_tanh, else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class LlamaAttention(nn.Module):
@@ -104,12 +137,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm: Norm | None = None
+        self.k_norm: Norm | None = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ctx.device, ops)
-        self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=d ** -0.5,
+            self.q_norm = make_norm(cfg, d, dtype, ctx.device, ops)
+            self.k_norm = make_norm(cfg, d, dtype, ctx.device, ops)
+        scale = cfg.gemma.attn_scale if cfg.gemma is not None else d ** -0.5
+        self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=scale,
                               sliding_window=sliding_window)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
@@ -130,11 +164,17 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: FusedOps = EAGER_OPS, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device,
-                                       ops)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
         self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
-                                                ctx.device, ops)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with
+        # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
+        self.pre_feedforward_layernorm: Norm | None = None
+        self.post_feedforward_layernorm: Norm | None = None
+        if cfg.gemma is not None:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device)
+        self.rope = cfg.gemma.layer_rope[layer] if cfg.gemma is not None else 0
         self.mlp: LlamaMLP | SparseMoeBlock = LlamaMLP(cfg, ctx, dtype)
         if cfg.moe_layers[layer]:
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
@@ -149,8 +189,12 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(cos_sin, hidden_states, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
 class LlamaModel(nn.Module):
@@ -164,29 +208,38 @@ class LlamaModel(nn.Module):
         if ctx.is_first_pp_rank:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
                                                        params_dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_position, dtype,
-                                          ctx.device)
+        # One RoPE table per kind of layer (Gemma 3: the global layers', the sliding ones').
+        rope_configs = cfg.gemma.rope_params if cfg.gemma is not None else (cfg.hf_config,)
+        self.rotary_embs = nn.ModuleList(
+            RotaryEmbedding(hf, cfg.head_dim, max_position, dtype, ctx.device)
+            for hf in rope_configs)
+        # Gemma scales the embedding by sqrt(hidden), cast to the weights' dtype as HF does.
+        self.embed_scale = (torch.tensor(cfg.gemma.embed_scale).to(dtype).item()
+                            if cfg.gemma is not None else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, ctx, dtype, ops, i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm: RMSNorm | PPMissingLayer = PPMissingLayer()
+        self.norm: Norm | PPMissingLayer = PPMissingLayer()
         if ctx.is_last_pp_rank:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ctx.device, ops)
+            self.norm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
                 intermediate_tensors: IntermediateTensors | None = None):
         if self.ctx.is_first_pp_rank:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
         else:
             if intermediate_tensors is None:
                 raise ValueError("a non-first pipeline stage needs intermediate_tensors.")
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
-        cos_sin = self.rotary_emb.cos_sin(positions)
+        cos_sins = [cast(RotaryEmbedding, r).cos_sin(positions) for r in self.rotary_embs]
         for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual, attn_metadata)
+            hidden_states, residual = layer(cos_sins[cast(LlamaDecoderLayer, layer).rope],
+                                            hidden_states, residual, attn_metadata)
         if not self.ctx.is_last_pp_rank:
             assert residual is not None  # every stage has a layer (get_pp_layer_range)
             return IntermediateTensors(hidden_states, residual)
@@ -243,7 +296,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         if not isinstance(head, ParallelLMHead):
             raise RuntimeError("only the last pipeline stage has the LM head to compute logits.")
-        return head.compute_logits(hidden_states).float()
+        logits = head.compute_logits(hidden_states).float()
+        cap = self.config.gemma.final_logit_softcapping if self.config.gemma else None
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def needs_weight(self, name: str) -> bool:
         """Whether this rank loads the checkpoint tensor ``name`` (its stage's layers, the

@@ -3,7 +3,9 @@ transformers reads it.
 
 Mistral puts its ``sliding_window`` on every layer (Qwen3-MoE too, with
 ``use_sliding_window``); Qwen2/Qwen3 on the layers their
-``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types`` say.
+``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types`` say;
+Gemma 3 on its ``sliding_attention`` layers (``layer_types``, else every layer but each
+``sliding_window_pattern``-th).
 A token of a windowed layer sees its last ``sliding_window`` keys, itself included
 (transformers' window). A layer kind raylm does not know is refused, naming the field.
 """
@@ -19,10 +21,24 @@ LAYER_KINDS = ("full_attention", "sliding_attention")
 DEFAULT_WINDOW = 4096  # transformers' default sliding_window for these families
 
 
+def gemma3_layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """Gemma 3's ``layer_types``, or transformers' default from ``sliding_window_pattern``
+    (every pattern-th layer global)."""
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        return list(layer_types)
+    pattern = int(hf_config.get("sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(int(hf_config.get("num_hidden_layers", 0)))]
+
+
 def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | None]:
     """Per layer: its window in tokens, or None for full attention. ValueError for a
     ``layer_types`` entry that is no attention kind raylm knows."""
     num_layers = int(hf_config.get("num_hidden_layers", 0))
+    if architecture == "Gemma3ForCausalLM":
+        return _by_kind(gemma3_layer_types(hf_config),
+                        hf_config.get("sliding_window", DEFAULT_WINDOW), num_layers)
     if architecture == "MistralForCausalLM":
         window = hf_config.get("sliding_window", DEFAULT_WINDOW)
         return [_checked(window)] * num_layers
@@ -41,6 +57,10 @@ def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | No
                                   QWEN_DEFAULT_MAX_WINDOW_LAYERS[architecture]))
         layer_types = ["sliding_attention" if window is not None and i >= first
                        else "full_attention" for i in range(num_layers)]
+    return _by_kind(layer_types, window, num_layers)
+
+
+def _by_kind(layer_types: list[str], window: Any, num_layers: int) -> list[int | None]:
     unknown = sorted({t for t in layer_types if t not in LAYER_KINDS})
     if unknown:
         raise ValueError(f"layer_types {unknown} is not supported: raylm knows the layer kinds "

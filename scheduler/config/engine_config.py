@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 # Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window) and Qwen3-MoE (q/k norm,
 # sparse expert MLPs) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Qwen3MoeForCausalLM")
+                           "MistralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).

@@ -123,6 +123,11 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     # intermediate dimension, one all-reduce per layer), a dense layer between.
     pytest.param(dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
                       mlp_only_layers=(1,), seed=32), id="qwen3-moe"),
+    # Gemma 3: two sliding layers on stage 0 with their RoPE base, the global one on stage 1;
+    # the scaled embedding on the first stage, the soft-capped logits on the last.
+    pytest.param(dict(architecture="Gemma3ForCausalLM", num_hidden_layers=3, sliding_window=5,
+                      sliding_window_pattern=3, head_dim=16, final_logit_softcapping=30.0,
+                      seed=33), id="gemma3"),
 ])
 def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
