@@ -50,10 +50,8 @@ from raylm.scheduler.structured.params import StructuredOutputsParams
 
 # Most whitespace characters in a row between JSON tokens (xgrammar 0.2.9's
 # ``max_whitespace_cnt``): a newline and 5 spaces, the indentation of pretty-printed JSON
-# two levels deep at 2 spaces a level (one at 4). A random-weight model spends every blank
-# it is allowed: with no bound 12 of 32 requests of the tests' POINTS schema ran out of
-# max_tokens=200 on whitespace, with 8 five did, with 6 none (tests/cluster/
-# test_openai_structured.py).
+# two levels deep at 2 spaces a level (one at 4). Unbounded, a random-weight model spends
+# its max_tokens on blanks (docs/performance.md, Structured outputs, has the counts).
 JSON_MAX_WHITESPACE = 6
 # The schema of OpenAI's JSON mode (``response_format: {"type": "json_object"}``).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
