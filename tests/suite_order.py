@@ -34,6 +34,7 @@ SLOW_FIRST = (
     "tests/runner/test_fused_ops.py",
     "tests/cluster/test_triton_engine.py",
     "tests/cluster/test_openai_tools.py",
+    "tests/cluster/test_gemma3_270m.py",
 )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 # GGUF architecture -> Hugging Face architecture raylm's models implement.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # Tensor types dequantized with the gguf package's numpy kernels.
 SUPPORTED_GGUF_TYPES = frozenset({
     "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -29,6 +29,11 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's norms: one after attention, the pre-MLP norm llama.cpp calls ffn_norm, one after
+# the MLP. llama.cpp stores every Gemma norm weight plus one (its norms scale by the weight).
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -99,6 +104,15 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     config["attention_bias"] = arch != "qwen2" and "blk.0.attn_q.bias" in names
+    if arch == "gemma3":
+        # What transformers' GGUF loader builds: the file's window and RoPE base, the rest
+        # Gemma3TextConfig's defaults (llama.cpp's too: every sixth layer global, a local
+        # RoPE base of 10000, query_pre_attn_scalar 256).
+        config.update(model_type="gemma3_text", hidden_act="gelu_pytorch_tanh",
+                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                      sliding_window=int(_field(reader, "gemma3.attention.sliding_window",
+                                                4096)),
+                      sliding_window_pattern=6, rope_local_base_freq=10000.0)
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -107,12 +121,13 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     return config
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, gemma3: bool = False) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _GEMMA3_LAYER_NAMES if gemma3 else _LAYER_NAMES
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -135,8 +150,9 @@ def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
 
     reader = _reader(path)
     llama = hf_config.get("model_type") == "llama"
+    gemma3 = hf_config.get("model_type") == "gemma3_text"
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, gemma3)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} of {path!r} matches no "
                              f"{hf_config['architectures'][0]} weight.")
@@ -148,6 +164,8 @@ def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
             w = _unpermute(w, hf_config["num_attention_heads"])
         elif llama and name.endswith("k_proj.weight"):
             w = _unpermute(w, hf_config["num_key_value_heads"])
+        elif gemma3 and name.endswith("norm.weight"):
+            w = w - 1.0
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32 tensors map the file
             w = np.array(w, copy=True)
         yield name, torch.from_numpy(w)

@@ -136,3 +136,33 @@ def test_dequantized_weights_keep_the_serving_dtype(gguf_path):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf_path(tmp_path_factory) -> str:
+    """A random Gemma 3 (two sliding layers, then a global one) as llama.cpp writes it."""
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("gemma3-gguf")
+    spec = CheckpointSpec(architecture="Gemma3ForCausalLM", num_hidden_layers=3,
+                          sliding_window=5, sliding_window_pattern=3, head_dim=16, seed=41)
+    hf_dir = write_random_checkpoint(str(root / "hf"), spec)
+    os.makedirs(root / "gguf")
+    return write_gguf_from_hf(hf_dir, str(root / "gguf" / "tiny-gemma3.Q8_0.gguf"), "Q8_0")
+
+
+def test_a_gemma3_gguf_file_matches_transformers_on_it(gemma3_gguf_path, hf_oracle):
+    """The norms stored plus one, llama.cpp's norm names, the window from the metadata and
+    transformers' Gemma 3 defaults for what the file does not say (every sixth layer global:
+    with 3 layers, all three slide)."""
+    config = read_gguf_config(gemma3_gguf_path)
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["sliding_window"] == 5
+    weights = dict(iterate_gguf_weights(gemma3_gguf_path, config))
+    assert "model.layers.0.pre_feedforward_layernorm.weight" in weights
+    prompts = [list(range(3, 40)), [42, 7]]
+    with LLM(gemma3_gguf_path, block_size=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    oracle = hf_oracle(gemma3_gguf_path)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, 12)
