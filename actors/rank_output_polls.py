@@ -65,7 +65,7 @@ class RankOutputPolls:
         loop = asyncio.get_running_loop()
         for p in self._polls.values():
             if p.future is None or p.future.get_loop() is not loop:
-                p.future = p.ref.as_future()
+                p.future = asyncio.wrap_future(p.ref.future())
         futures = {rank: p.future for rank, p in self._polls.items() if p.future is not None}
         done, _ = await asyncio.wait(futures.values(), timeout=self.answer_timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)

@@ -56,7 +56,7 @@ class RemoteEngineCalls:
     async def _call_async(self, ref: Any, what: str) -> Any:
         """``_call`` of one ref, awaited on the running event loop."""
         try:
-            return await asyncio.wait_for(ref.as_future(), self.call_timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.call_timeout_s)
         except TimeoutError:
             error = EngineDeadError(f"{self._who} did not answer {what} within "
                                     f"{self.call_timeout_s:.0f} s")
