@@ -52,6 +52,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}
         self._output_task: asyncio.Task | None = None
+        self._closed = False  # shut down: the output task moves nowhere
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -126,6 +127,8 @@ class AsyncLLM:
         has requests waiting, if any."""
         here = asyncio.get_running_loop()
         self._output_task = None
+        if self._closed:
+            return
         with self._lock:
             loops = {loop for loop, _ in self._queues.values() if loop is not here}
         for loop in loops:
@@ -235,6 +238,7 @@ class AsyncLLM:
         return self.core.num_kv_blocks
 
     def shutdown(self) -> None:
+        self._closed = True
         task = self._output_task
         if task is not None and not task.done():
             try:
