@@ -27,10 +27,7 @@ from raylm.actors.step_channel import StepServer
 from raylm.scheduler.config.engine_config import EngineConfig
 
 if TYPE_CHECKING:
-    import torch
-
     from raylm.parallel.context import ParallelContext
-    from raylm.runner.kv_transfer.base import KVConnectorWorker
     from raylm.runner.kv_transfer.ray_pd import RayKVConnectorWorker
     from raylm.runner.worker import Worker
 
@@ -50,11 +47,6 @@ CONTROL = "control"
 KV = "kv"
 KV_IN = "kv_in"
 SHUTDOWN_WAIT_S = 5.0  # for the torch thread to finish its step before tearing down
-
-
-def kv_cache_device(connector: KVConnectorWorker) -> torch.device:
-    """Where the connector's KV caches live (they exist once initialize_kv_cache ran)."""
-    return connector.kv_caches[0][0].device
 
 
 # Ray's typed overload of remote() lacks these actor options (they exist at runtime).
@@ -149,7 +141,7 @@ class WorkerActor:
             connector = self._kv_connector()
             # Decode ranks pull through it; its caches exist once initialize_kv_cache ran.
             connector.transport = RayKVTransport(
-                connector.config.pd_transport, device=lambda: kv_cache_device(connector))
+                connector.config.pd_transport, device=lambda: connector.cache_device)
 
     def _ready_worker(self) -> Worker:
         if self.worker is None:
@@ -223,7 +215,7 @@ class WorkerActor:
 
     @ray.method(concurrency_group=KV)
     def kv_device(self) -> str:
-        return str(kv_cache_device(self._kv_connector()).type)
+        return str(self._kv_connector().cache_device.type)
 
     @ray.method(concurrency_group=KV)
     def join_kv_pair(self, name: str, host: str, port: int, backend: str,
@@ -233,7 +225,7 @@ class WorkerActor:
 
         from raylm.actors.kv_transfer import kv_rdt
 
-        device = (kv_cache_device(self._kv_connector()) if backend == "nccl"
+        device = (self._kv_connector().cache_device if backend == "nccl"
                   else torch.device("cpu"))
         kv_rdt.join_pair(name, host, port, kv_rdt.SRC, backend, timeout_s, device,
                          ray.util.get_node_ip_address())

@@ -48,6 +48,13 @@ class KVConnectorWorker:
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
         self.kv_caches = kv_caches
 
+    @property
+    def cache_device(self) -> torch.device:
+        """Where the KV caches live (registered by initialize_kv_cache)."""
+        if not self.kv_caches:
+            raise RuntimeError("the KV caches are not registered yet.")
+        return self.kv_caches[0][0].device
+
     # ---- per step --------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:
         if isinstance(metadata, FaultInjectionMetadata):
@@ -103,7 +110,7 @@ class KVConnectorWorker:
             self._failed.update(bad)
 
     def write_garbage(self, block_ids: list[int], layers: range | None = None) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0][0].device)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.cache_device)
         for i in layers if layers is not None else range(len(self.kv_caches)):
             for cache in self.kv_caches[i]:
                 cache.index_fill_(0, index, 1e3)
