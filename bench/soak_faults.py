@@ -52,9 +52,24 @@ CLUSTER_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_t
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port above Ray's worker ports (10002-19999) and below the kernel's ephemeral
+    range: a port bind(0) hands out is an ephemeral one, which any process's outgoing
+    connection (a Ray worker's, in a suite running beside this) may take before the soak's
+    listener binds it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-{low}")
 
 
 def engine_kwargs(tp: int, num_kv_blocks: int, max_num_seqs: int) -> dict[str, Any]:
