@@ -27,9 +27,8 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from raylm.cluster.engine.engine_args import EngineArgs
-from raylm.cluster.engine.engine_setup import EngineSetup
+from raylm.cluster.engine.engine_setup import EngineClientBase
 from raylm.cluster.engine.engine_stats import engine_stats
-from raylm.cluster.engine.output_processor import OutputProcessor
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import ValidatedPrompt
 from raylm.scheduler.core.executor_base import EngineDeadError
@@ -37,17 +36,11 @@ from raylm.scheduler.core.executor_base import EngineDeadError
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClientBase):
     def __init__(self, engine_args: EngineArgs,
                  model_resolver: Callable[[], str] | None = None) -> None:
-        """``model_resolver``: see ``EngineSetup.build``."""
-        setup = EngineSetup.build(engine_args, model_resolver)
-        self.engine_config = setup.engine_config
-        self.model_config = setup.model_config
-        self.tokenizer = setup.tokenizer
-        self.input_processor = setup.input_processor
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.core = setup.core
+        """``model_resolver``: see ``EngineClientBase``."""
+        super().__init__(engine_args, model_resolver)
         # The output processor and the queues, each request's with the loop it awaits on.
         self._lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _Queue]] = {}

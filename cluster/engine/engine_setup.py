@@ -1,45 +1,42 @@
 """What both engine clients build from EngineArgs: the engine config, the tokenizer, the
-intake, and the EngineCore client (in this process, or Ray actors)."""
+intake, the output processor and the EngineCore client (in this process, or Ray actors)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from raylm.cluster.engine.engine_args import EngineArgs
+from raylm.cluster.engine.output_processor import OutputProcessor
 from raylm.cluster.engine.processor import InputProcessor
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig, ModelConfig
 from raylm.scheduler.core.engine_core_loop import EngineCoreClient
 
 
-@dataclass(frozen=True)
-class EngineSetup:
-    engine_config: EngineConfig
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase
-    input_processor: InputProcessor
-    core: EngineCoreClient
+class EngineClientBase:
+    """What both engine clients (LLMEngine, AsyncLLM) hold: the engine config, the
+    tokenizer, the intake, an output processor and the EngineCore client."""
 
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.engine_config.model_config
-
-    @classmethod
-    def build(cls, engine_args: EngineArgs,
-              model_resolver: Callable[[], str] | None = None) -> EngineSetup:
+    def __init__(self, engine_args: EngineArgs,
+                 model_resolver: Callable[[], str] | None = None) -> None:
         """``model_resolver``: finds the checkpoint on each node that loads it (see
         ``ModelConfig.model_resolver``); ``engine_args.model`` is this process's copy."""
         config = engine_args.create_engine_config()
         if model_resolver is not None:
             config = replace(config, model_config=replace(
                 config.model_config, model_resolver=model_resolver))
-        model_config = config.model_config
-        tokenizer = load_tokenizer(model_config.tokenizer or model_config.model)
-        intake = InputProcessor(model_config, tokenizer, engine_args.request_limits(),
-                                config.lora_config)
-        return cls(config, tokenizer, intake, make_engine_core_client(config))
+        self.engine_args = engine_args
+        self.engine_config = config
+        self.model_config: ModelConfig = config.model_config
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer or self.model_config.model)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
+                                              engine_args.request_limits(),
+                                              config.lora_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.core = make_engine_core_client(config)
 
 
 def make_engine_core_client(config: EngineConfig) -> EngineCoreClient:

@@ -11,25 +11,17 @@ from collections.abc import Callable
 from typing import Any
 
 from raylm.cluster.engine.engine_args import EngineArgs
-from raylm.cluster.engine.engine_setup import EngineSetup
-from raylm.cluster.engine.output_processor import OutputProcessor
+from raylm.cluster.engine.engine_setup import EngineClientBase
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.engine.processor import PromptType, ValidatedPrompt
 from raylm.scheduler.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class LLMEngine(EngineClientBase):
     def __init__(self, engine_args: EngineArgs,
                  model_resolver: Callable[[], str] | None = None) -> None:
-        """``model_resolver``: see ``EngineSetup.build``."""
-        setup = EngineSetup.build(engine_args, model_resolver)
-        self.engine_args = engine_args
-        self.engine_config = setup.engine_config
-        self.model_config = setup.model_config
-        self.tokenizer = setup.tokenizer
-        self.input_processor = setup.input_processor
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.core = setup.core
+        """``model_resolver``: see ``EngineClientBase``."""
+        super().__init__(engine_args, model_resolver)
 
     def add_request(self, request_id: str, prompt: PromptType | ValidatedPrompt,
                     params: SamplingParams | None = None) -> None:
