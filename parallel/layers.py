@@ -11,7 +11,7 @@ adapter products to its local output, before a row-parallel all-reduce).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +40,51 @@ class LazyWeight(Protocol):
         ...
 
 
-# What a weight_loader receives: a tensor read whole (GGUF's dequantized ones), or a lazy one.
-Weight = torch.Tensor | LazyWeight
+@runtime_checkable
+class QuantizedShard(Protocol):
+    """A checkpoint weight kept quantized (runner/quantization/group_quantized.py): it
+    narrows like a tensor, and a layer keeps it for the runner to pack after loading."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def bits(self) -> int: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedShard: ...
+
+    def pad_rows(self, rows: int) -> QuantizedShard:
+        """Zero rows appended up to ``rows`` (a vocabulary shard's padding)."""
+        ...
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+
+class QuantizedMatmul(Protocol):
+    """A layer's quantized weight as the runner packed it (runner/quantization)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, in x's dtype."""
+        ...
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of W, dequantized (an embedding lookup)."""
+        ...
+
+
+# What a weight_loader receives: a tensor read whole (GGUF's dequantized ones), a lazy one,
+# or one kept quantized.
+Weight = torch.Tensor | LazyWeight | QuantizedShard
 
 
 def read_whole(weight: Weight) -> torch.Tensor:
-    """All of a checkpoint tensor: a ``torch.Tensor`` as it is, a lazy one read now."""
+    """All of a checkpoint tensor: a ``torch.Tensor`` as it is, a lazy one read now, a
+    quantized one dequantized."""
+    if isinstance(weight, QuantizedShard):
+        return weight.dequantize()
     return weight if isinstance(weight, torch.Tensor) else weight.read()
 
 
@@ -123,16 +162,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class PackedLinearWeight:
-    """Mixin for a layer whose ``weight`` a CPU linear may read packed. The dense weight
-    stays (loaders, TP checks and a tied embedding read it); the packed copy is made once
-    the weights are loaded (``process_weights_after_loading``)."""
+class QuantizableWeight:
+    """Mixin for a layer whose ``weight`` may arrive quantized. Its loaders keep quantized
+    shards in ``quantized_parts`` (row offset, shard) instead of writing the dense
+    parameter; after loading, the runner packs them into ``quantized``
+    (runner/quantization/quantize_model.py) and the dense parameter becomes a zero-stride
+    placeholder of the same shape (LoRA and TP checks read its shape and dtype)."""
 
     weight: nn.Parameter
+    quantized: QuantizedMatmul | None = None
+
+    @property
+    def quantized_parts(self) -> list[tuple[int, QuantizedShard]]:
+        parts: list[tuple[int, QuantizedShard]] = self.__dict__.setdefault(
+            "_quantized_parts", [])
+        return parts
+
+    def _place(self, target: torch.Tensor, row_offset: int, shard: torch.Tensor | QuantizedShard,
+               what: str) -> None:
+        """``shard`` into ``target`` (rows ``row_offset``.. of the weight): copied, or kept
+        quantized."""
+        _check_shape(target, shard, what)
+        if isinstance(shard, QuantizedShard):
+            self.quantized_parts.append((row_offset, shard))
+        else:
+            target.copy_(shard)
+
+
+class PackedLinearWeight(QuantizableWeight):
+    """Mixin for a layer whose ``weight`` a CPU linear may read packed. The dense weight
+    stays (loaders, TP checks and a tied embedding read it); the packed copy is made once
+    the weights are loaded (``process_weights_after_loading``), unless the weight runs
+    quantized."""
+
     packed_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_cpu_linear_weight(self.weight)
+        if self.quantized is None:
+            self.packed_weight = pack_cpu_linear_weight(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias): quantized, packed, or dense."""
+        if self.quantized is not None:
+            out = self.quantized(x)
+            return out if bias is None else out + bias
+        return linear(x, self.weight, bias, self.packed_weight)
 
 
 def process_weights_after_loading(model: nn.Module, pack_cpu_linears: bool) -> None:
@@ -144,7 +218,7 @@ def process_weights_after_loading(model: nn.Module, pack_cpu_linears: bool) -> N
             module.process_weights_after_loading()
 
 
-def _check_shape(param: torch.Tensor, shard: torch.Tensor, name: str) -> None:
+def _check_shape(param: torch.Tensor, shard: torch.Tensor | QuantizedShard, name: str) -> None:
     if tuple(param.shape) != tuple(shard.shape):
         raise ValueError(
             f"{name}: checkpoint shard has shape {tuple(shard.shape)}, "
@@ -190,11 +264,14 @@ class ColumnParallelLinear(PackedLinearWeight, nn.Module):
                       shard_id: object = None) -> None:
         size = param.shape[0]
         shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
-        _check_shape(param, shard, type(self).__name__)
-        param.data.copy_(shard)
+        if param is self.weight:
+            self._place(param.data, 0, shard, type(self).__name__)
+        else:
+            _check_shape(param, shard, type(self).__name__)
+            param.data.copy_(read_whole(shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.packed_weight)
+        out = self.matmul(x, self.bias)
         if self.lora is not None:
             self.lora.apply(x, out)
         return tp_all_gather(out, self.ctx) if self.gather_output else out
@@ -218,7 +295,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         beats one wide matmul whose output is then read through strided chunks. Elsewhere,
         a packed CPU weight included (one oneDNN matmul is as fast as two), one fused
         matmul split into views."""
-        if x.device.type != "cpu" or self.packed_weight is not None or self.lora is not None:
+        if (x.device.type != "cpu" or self.packed_weight is not None or self.lora is not None
+                or self.quantized is not None):
             return list(self(x).split(self.output_sizes_per_partition, dim=-1))
         weights = self.weight.split(self.output_sizes_per_partition, dim=0)
         biases = (self.bias.split(self.output_sizes_per_partition, dim=0)
@@ -234,9 +312,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
         shard = loaded_weight.narrow(0, self.ctx.tp_rank * size, size)
-        target = param.data.narrow(0, offset, size)
-        _check_shape(target, shard, f"gate_up shard {shard_id}")
-        target.copy_(shard)
+        self._place(param.data.narrow(0, offset, size), offset, shard,
+                    f"gate_up shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -279,9 +356,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id != "q":
             shard_index //= self.num_kv_head_replicas
         shard = loaded_weight.narrow(0, shard_index * size, size)
-        target = param.data.narrow(0, offset, size)
-        _check_shape(target, shard, f"qkv shard {shard_id}")
-        target.copy_(shard)
+        self._place(param.data.narrow(0, offset, size), offset, shard, f"qkv shard {shard_id}")
 
 
 class RowParallelLinear(PackedLinearWeight, nn.Module):
@@ -307,14 +382,15 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
                       shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: replicated
             shard = read_whole(loaded_weight)
-        else:
-            size = param.shape[1]
-            shard = loaded_weight.narrow(1, self.ctx.tp_rank * size, size)
-        _check_shape(param, shard, type(self).__name__)
-        param.data.copy_(shard)
+            _check_shape(param, shard, type(self).__name__)
+            param.data.copy_(shard)
+            return
+        size = param.shape[1]
+        self._place(param.data, 0, loaded_weight.narrow(1, self.ctx.tp_rank * size, size),
+                    type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, packed_weight=self.packed_weight)
+        out = self.matmul(x)
         if self.lora is not None:  # this rank's share, summed by the all-reduce
             self.lora.apply(x, out)
         if self.reduce_results:
@@ -324,7 +400,7 @@ class RowParallelLinear(PackedLinearWeight, nn.Module):
         return out
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantizableWeight, nn.Module):
     """Embedding with the vocabulary split over TP ranks (each holds ceil(vocab/tp) rows,
     zero-padded). Ids outside this rank's range look up zeros; the all-reduce sums the
     one rank that owns each id."""
@@ -349,16 +425,24 @@ class VocabParallelEmbedding(nn.Module):
                              f"vocab_size is {self.num_embeddings}.")
         n = self.vocab_end_index - self.vocab_start_index
         shard = loaded_weight.narrow(0, self.vocab_start_index, n)
+        if isinstance(shard, QuantizedShard):
+            self._place(param.data, 0, shard.pad_rows(param.shape[0]), type(self).__name__)
+            return
         _check_shape(param.data[:n], shard, type(self).__name__)
         param.data[:n].copy_(shard)
         param.data[n:].zero_()
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index) * in_range
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out.masked_fill_(~in_range.unsqueeze(-1), 0)
         return tp_all_reduce(out, self.ctx)
 
@@ -368,7 +452,7 @@ class ParallelLMHead(PackedLinearWeight, VocabParallelEmbedding):
     logits on every TP rank (all-gather), so every rank samples the same token."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, packed_weight=self.packed_weight)
+        logits = self.matmul(hidden_states)
         logits = tp_all_gather(logits, self.ctx, dim=-1)
         return logits[..., : self.num_embeddings]
 

@@ -29,6 +29,7 @@ from raylm.scheduler.config.engine_config import (
     ModelConfig,
     ParallelConfig,
     PlacementStrategy,
+    Quantization,
     SchedulerConfig,
 )
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
@@ -81,6 +82,9 @@ class EngineArgs:
     compile_fused_ops: bool | None = _arg(
         None, "the residual add + RMSNorm and rotary embedding compiled into one kernel each "
               "with torch.compile (default: on CUDA unless enforce_eager; off on CPU)")
+    quantization: Quantization | None = _arg(
+        None, "weights of a GGUF file: kept quantized on CPU by default (gguf), or "
+              "dequantized to dtype at load (none)")
     gpu_memory_utilization: float = _arg(0.9, "share of device memory the engine may use",
                                          bounds={"exclusiveMinimum": 0, "maximum": 1})
     seed: int = _arg(0, "engine seed: the seeds of unseeded requests derive from it",
@@ -247,7 +251,8 @@ class EngineArgs:
             model=gguf_path or self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len or 0, seed=self.seed,
             enforce_eager=self.enforce_eager, compile_fused_ops=self.compile_fused_ops,
-            served_model_name=self.served_model_name, hf_config=hf_config or {},
+            quantization=self.quantization, served_model_name=self.served_model_name,
+            hf_config=hf_config or {},
         )
 
     def create_cache_config(self) -> CacheConfig:

@@ -50,8 +50,6 @@ VLLM_ARGS: dict[str, ForeignArg] = {
                                                     "tokenizer (tokenizer_mode auto)"),
     "kv_cache_dtype": ForeignArg(_is("auto", None), "raylm keeps the KV cache in the model's "
                                                     "dtype (kv_cache_dtype auto)"),
-    "quantization": ForeignArg(_is(None, "gguf"), "raylm runs unquantized Hugging Face "
-                                                  "checkpoints, and dequantizes GGUF files"),
     "load_format": ForeignArg(_is("auto", "safetensors", "gguf"),
                               "raylm loads safetensors folders and GGUF files"),
     "task": ForeignArg(_is("auto", "generate"), "raylm serves text generation only"),

@@ -140,13 +140,16 @@ def _unpermute(w: Any, n_head: int) -> Any:
 
 
 def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
-                         wanted: Callable[[str], bool] | None = None
-                         ) -> Iterator[tuple[str, Any]]:
+                         wanted: Callable[[str], bool] | None = None,
+                         keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, float32 tensor) for each tensor ``wanted`` accepts; the others are
-    neither read nor dequantized."""
+    neither read nor dequantized. With ``keep_quantized``, a 2-D tensor in a group format
+    (runner/quantization/gguf_blocks.py) comes as a GroupQuantized instead."""
     import numpy as np
     import torch
     from gguf.quants import dequantize
+
+    from raylm.runner.quantization.gguf_blocks import GROUP_FORMATS, decode_tensor
 
     reader = _reader(path)
     llama = hf_config.get("model_type") == "llama"
@@ -159,6 +162,16 @@ def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
         if wanted is not None and not wanted(name):
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        if keep_quantized and len(shape) == 2 and t.tensor_type.name in GROUP_FORMATS:
+            q = decode_tensor(t)
+            heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(
+                name.split(".")[-2]) if llama else None
+            if heads is not None:  # the same row permutation, applied to whole rows
+                rows = np.arange(shape[0]).reshape(shape[0], 1)
+                q = q.select_rows(torch.from_numpy(
+                    np.ascontiguousarray(_unpermute(rows, hf_config[heads])[:, 0])))
+            yield name, q
+            continue
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if llama and name.endswith("q_proj.weight"):
             w = _unpermute(w, hf_config["num_attention_heads"])

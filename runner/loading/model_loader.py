@@ -24,6 +24,9 @@ from raylm.runner.loading.gguf_checkpoint import find_gguf_file, iterate_gguf_we
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
+from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
+from raylm.runner.quantization.group_quantized import GroupQuantized
+from raylm.runner.quantization.quantize_model import log_weight_paths, pack_quantized_weights
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import DTYPES, ModelConfig
 
@@ -191,15 +194,37 @@ def iterate_weights(model_dir: str, wanted: Callable[[str], bool] | None = None,
                     yield name, tensor
 
 
-def _count_whole(weights: Iterable[tuple[str, torch.Tensor]], stats: WeightReadStats | None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights`` (real tensors, already read whole), each counted in ``stats``."""
+def _count_whole(weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+                 stats: WeightReadStats | None
+                 ) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """``weights`` (real tensors, already read whole, or kept quantized), each counted in
+    ``stats``."""
     for name, tensor in weights:
         if stats is not None:
+            size = tensor.nbytes() if isinstance(tensor, GroupQuantized) else _nbytes(tensor)
             stats.tensors += 1
-            stats.bytes_loaded += _nbytes(tensor)
-            stats.bytes_read += _nbytes(tensor)
+            stats.bytes_loaded += size
+            stats.bytes_read += size
         yield name, tensor
+
+
+def keeps_gguf_quantized(quantization: str | None, device: torch.device) -> bool:
+    """Whether a GGUF checkpoint's group-format weights stay quantized: by default on CPU
+    where the kernel builds; ``quantization="none"`` dequantizes them at load. On CUDA they
+    are dequantized (no CUDA kernel yet): asking for "gguf" there is refused."""
+    if quantization == "none":
+        return False
+    if device.type != "cpu":
+        if quantization == "gguf":
+            raise ValueError(f"quantization='gguf' runs on CPU only; {device} would "
+                             "dequantize the weights (pass quantization='none').")
+        return False
+    if load_quantized_linear_kernel():
+        return True
+    if quantization == "gguf":
+        raise ValueError("quantization='gguf': the quantized-linear kernel could not be "
+                         "built on this machine (see the warning above).")
+    return False
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext,
@@ -219,14 +244,18 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext,
     stats = stats if stats is not None else WeightReadStats()
     gguf_path = find_gguf_file(model_config.model)
     if gguf_path is not None:
+        keep = keeps_gguf_quantized(model_config.quantization, ctx.device)
         model.load_weights(_count_whole(iterate_gguf_weights(
-            gguf_path, model_config.hf_config, wanted=model.needs_weight), stats))
+            gguf_path, model_config.hf_config, wanted=model.needs_weight,
+            keep_quantized=keep), stats))
     else:
         model.load_weights(iterate_weights(model_config.model, wanted=model.needs_weight,
                                            stats=stats))
     logger.info("tp rank %d/%d, pp rank %d/%d: read %.1f MiB of weights for %d tensors "
                 "(%.1f MiB whole)", ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size,
                 stats.bytes_read / 2**20, stats.tensors, stats.bytes_loaded / 2**20)
+    log_weight_paths(pack_quantized_weights(model), f"tp rank {ctx.tp_rank}, pp rank "
+                     f"{ctx.pp_rank}")
     process_weights_after_loading(model, envs.cpu_pack_linears())
     if ctx.device.type == "cpu":
         load_cpu_attention_kernel()  # built now (first use on this machine), not mid-step

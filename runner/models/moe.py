@@ -20,6 +20,7 @@ from raylm.parallel.layers import (
     Weight,
     divide,
     new_param,
+    read_whole,
     replicated_weight_loader,
     set_weight_loader,
 )
@@ -69,7 +70,7 @@ class SparseMoeBlock(nn.Module):
         if tuple(shard.shape) != tuple(target.shape):
             raise ValueError(f"expert {expert} {proj}: checkpoint shard has shape "
                              f"{tuple(shard.shape)}, parameter expects {tuple(target.shape)}.")
-        target.copy_(shard)
+        target.copy_(read_whole(shard))  # experts run dense (a quantized one dequantized)
         self._loaded.add((expert, proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

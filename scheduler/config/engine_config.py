@@ -32,6 +32,10 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 DTYPES: tuple[str, ...] = get_args(DType)
+# None: the checkpoint's own (a GGUF file's group formats stay quantized on CPU); "gguf":
+# insist on it; "none": dequantize at load (runner/loading/model_loader.py).
+Quantization = Literal["gguf", "none"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ExecutorBackend = Literal["uni", "ray"]
 EXECUTOR_BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -71,6 +75,7 @@ class ModelConfig:
     # The residual add + RMSNorm and rotary embedding through torch.compile (one fused
     # kernel each); None: on CUDA unless enforce_eager, off on CPU (runner/models/fused_ops.py).
     compile_fused_ops: bool | None = None
+    quantization: Quantization | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # Called on every node that loads the weights (each rank, in its own process) and
     # returns that node's checkpoint folder: a node-local cache or download. None: ``model``
@@ -82,6 +87,9 @@ class ModelConfig:
         # The checks that need no checkpoint come first: the Serve config runs them early.
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise _bad("quantization", self.quantization,
+                       f"must be one of {QUANTIZATIONS} or None (the checkpoint's own)")
         if self.max_model_len < 0:
             raise _bad("max_model_len", self.max_model_len, "must be positive (0: the model's)")
         if self.seed < 0:

@@ -25,7 +25,8 @@ NON_DEFAULTS = {
     "tokenizer": "/tok", "served_model_name": "mine", "dtype": "bfloat16",
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8,
     "enable_prefix_caching": False, "num_kv_blocks": 40, "kv_cache_memory_bytes": 1 << 20,
-    "enforce_eager": True, "compile_fused_ops": True, "gpu_memory_utilization": 0.5,
+    "enforce_eager": True, "compile_fused_ops": True, "quantization": "none",
+    "gpu_memory_utilization": 0.5,
     "seed": 7, "async_scheduling": False,
     "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "data_parallel_size": 2,
     "distributed_executor_backend": "ray", "placement_group_strategy": "SPREAD",
@@ -71,6 +72,7 @@ def test_async_false_forces_sync_and_pp_batches(llama_path):
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"placement_group_strategy": "RANDOM"}, "placement_group_strategy"),
+    ({"quantization": "awq"}, "quantization"),
 ])
 def test_bad_engine_args_name_the_value(llama_path, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -200,7 +200,6 @@ def test_vllm_arguments_raylm_already_honours_are_accepted(kwargs):
 @pytest.mark.parametrize("kwargs, reason", [
     ({"enable_chunked_prefill": False}, "always chunks long prompts"),
     ({"kv_cache_dtype": "fp8"}, "model's dtype"),
-    ({"quantization": "awq"}, "unquantized"),
     ({"enable_expert_parallel": True}, "dense models"),
     ({"task": "embed"}, "text generation only"),
     ({"enable_auto_tool_choice": True}, "needs tool_call_parser"),

@@ -25,6 +25,7 @@ MAP = {
     "runner/loading": "checkpoints: safetensors, GGUF, the default model",
     "runner/kv_transfer": "KV connectors, worker side: host pool, pulls, fault injection",
     "runner/models": "model definitions",
+    "runner/quantization": "quantized weights: GGUF blocks, packing, the C++ linear kernel",
     "runner/lora": "LoRA adapters: PEFT files, device slots, host cache, torch and Triton products",
     "runner/sample": "sampler, seeded noise, rejection sampling, prompt logprobs",
     "runner/spec_decode": "speculative decoding: drafters and verification",

@@ -127,13 +127,14 @@ def test_unsupported_architecture_and_quant_type_are_named(tmp_path):
 
 
 def test_dequantized_weights_keep_the_serving_dtype(gguf_path):
-    llm = LLM(gguf_path, dtype="bfloat16", async_scheduling=False)
+    llm = LLM(gguf_path, dtype="bfloat16", async_scheduling=False, quantization="none")
     try:
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
         model = llm.llm_engine.core.engine_core.executor.worker.model_runner.model
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert all(getattr(m, "quantized", None) is None for m in model.modules())
     finally:
         llm.shutdown()
 

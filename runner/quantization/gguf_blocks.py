@@ -1,0 +1,86 @@
+"""GGUF's block formats decoded into codes, scales and zeros per group of 32 (never into
+floats): Q4_0, Q4_1 and Q4_K as 4-bit codes, Q8_0 as 8-bit; other types have no group form
+here and are dequantized by the loader.
+
+Block layouts (llama.cpp's ggml-common.h): Q4_0 = fp16 d, 16 bytes of nibbles (element i
+in the low nibble of byte i, element i+16 in the high), w = d (q - 8); Q4_1 = fp16 d, fp16
+m, the same nibbles, w = d q + m; Q8_0 = fp16 d, 32 int8, w = d q; Q4_K = a super-block of
+256: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (each
+64 elements: the low nibbles of 32 bytes, then their high nibbles), w = d sc q - dmin m.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from raylm.runner.quantization.group_quantized import GroupQuantized
+
+GROUP_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[B, 12] packed bytes -> ([B, 8] scales, [B, 8] mins), 6 bits each."""
+    s = scales.astype(np.uint8)
+    sc = np.empty((s.shape[0], 8), np.uint8)
+    mn = np.empty((s.shape[0], 8), np.uint8)
+    sc[:, :4] = s[:, 0:4] & 63
+    mn[:, :4] = s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GroupQuantized:
+    """The [N, K] weight in ``data`` (GGUF's raw bytes, [N, bytes per row]) as codes with
+    a scale and zero per group of 32."""
+    n, k = shape
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
+    g = k // 32
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        width = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+        blocks = raw.reshape(n, g, width)
+        d = _f16(blocks[..., 0:2]).reshape(n, g)
+        if kind == "Q8_0":
+            codes = blocks[..., 2:].view(np.int8).reshape(n, k)
+            zero = np.zeros_like(d)
+            bits = 8
+        else:
+            head = 4 if kind == "Q4_1" else 2
+            codes = _nibbles(blocks[..., head:]).reshape(n, k)
+            zero = _f16(blocks[..., 2:4]).reshape(n, g) if kind == "Q4_1" else -8.0 * d
+            bits = 4
+        return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)),
+                              torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(zero)),
+                              bits, kind)
+    if kind == "Q4_K":
+        super_blocks = raw.reshape(n * (k // 256), 144)
+        d = _f16(super_blocks[:, 0:2])
+        dmin = _f16(super_blocks[:, 2:4])
+        sc, mn = _q4_k_scales(super_blocks[:, 4:16])
+        qs = super_blocks[:, 16:].reshape(-1, 4, 32)
+        nibbles = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, k)  # per 64: low, high
+        scale = (d * sc).reshape(n, g)
+        zero = (-(dmin * mn)).reshape(n, g)
+        return GroupQuantized(torch.from_numpy(np.ascontiguousarray(nibbles)),
+                              torch.from_numpy(np.ascontiguousarray(scale)),
+                              torch.from_numpy(np.ascontiguousarray(zero)), 4, kind)
+    raise ValueError(f"GGUF type {kind!r} has no group form; one of {sorted(GROUP_FORMATS)}.")
+
+
+def decode_tensor(tensor: Any) -> GroupQuantized:
+    """A gguf ReaderTensor of a group format, decoded (``tensor.shape`` is innermost
+    first, as GGUF lists dims)."""
+    k, n = (int(x) for x in tensor.shape)
+    return decode_group_blocks(tensor.tensor_type.name, tensor.data, (n, k))

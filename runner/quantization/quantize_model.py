@@ -1,0 +1,73 @@
+"""After a model's weights are loaded: its quantized shards packed for the kernel.
+
+A layer whose quantized shards cover its whole weight runs quantized; one whose weight
+arrived partly dense (a merged q/k/v with v in a type that has no group form, as in
+llama.cpp's Q4_K_M mixes) has its shards dequantized into the dense weight and runs dense.
+A tied LM head on the embedding's stage shares the embedding's packed weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from raylm.parallel.layers import QuantizableWeight, QuantizedShard
+from raylm.runner.quantization.group_quantized import GroupQuantized, concat_rows
+from raylm.runner.quantization.packed_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+
+def _as_group(shard: QuantizedShard) -> GroupQuantized:
+    if not isinstance(shard, GroupQuantized):
+        raise TypeError(f"a quantized shard of type {type(shard).__name__} has no packer.")
+    return shard
+
+
+def _covers(parts: list[tuple[int, QuantizedShard]], rows: int) -> bool:
+    end = 0
+    for offset, shard in parts:
+        if offset != end:
+            return False
+        end += shard.shape[0]
+    return end == rows
+
+
+def pack_quantized_weights(model: nn.Module) -> Counter[str]:
+    """Pack every layer's quantized shards; what each layer runs, counted by path (for the
+    startup log: ``"Q4_1 4-bit kernel"``, ``"dense (partly Q6_K)"``, ...)."""
+    paths: Counter[str] = Counter()
+    packed: dict[int, PackedLinear] = {}  # by id of the dense parameter (tied weights)
+    for module in model.modules():
+        if not isinstance(module, QuantizableWeight):
+            continue
+        weight = module.weight
+        parts = sorted(module.quantized_parts, key=lambda p: p[0])
+        module.quantized_parts.clear()
+        if not parts:
+            if id(weight) in packed:
+                module.quantized = packed[id(weight)]
+                paths[f"{packed[id(weight)].kind} {packed[id(weight)].bits}-bit kernel"] += 1
+            continue
+        if _covers(parts, weight.shape[0]):
+            linear = PackedLinear(concat_rows([_as_group(s) for _, s in parts]))
+            module.quantized = linear
+            packed[id(weight)] = linear
+            # The dense parameter is never read again but for its shape and dtype.
+            weight.data = torch.empty((), dtype=weight.dtype,
+                                      device=weight.device).expand(weight.shape)
+            paths[f"{linear.kind} {linear.bits}-bit kernel"] += 1
+            continue
+        for offset, shard in parts:
+            weight.data.narrow(0, offset, shard.shape[0]).copy_(shard.dequantize(weight.dtype))
+        paths["dense (partly " + "+".join(sorted({s.kind for _, s in parts})) + ")"] += 1
+    return paths
+
+
+def log_weight_paths(paths: Counter[str], where: str) -> None:
+    if paths:
+        logger.info("%s: quantized weights run as %s", where,
+                    ", ".join(f"{n} x {path}" for path, n in sorted(paths.items())))
