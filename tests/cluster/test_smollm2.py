@@ -104,14 +104,17 @@ def reference(smollm2, prompts) -> Reference:
                      [r["gaps"] for r in runs])
 
 
-def _assert_equal_to_reference(ref: Reference, outs: list[Any], label: str) -> None:
-    """Equal tokens, except as the near-tie rule in the module docstring allows."""
+def _assert_equal_to_reference(ref: Reference, outs: list[Any], label: str) -> int:
+    """Equal tokens, except as the near-tie rule in the module docstring allows; how many
+    prompts took a near-tie runner-up."""
     assert len(outs) == len(ref.tokens)
+    near_ties = 0
     for i, out in enumerate(outs):
         got, want = list(out.outputs[0].token_ids), ref.tokens[i]
         assert len(got) == MAX_TOKENS, (label, i, len(got))
         if got == want:
             continue
+        near_ties += 1
         pos = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
         gap = ref.gaps[i][pos]
         assert gap < NEAR_TIE and got[pos] == ref.runner_up[i][pos], (
@@ -121,6 +124,7 @@ def _assert_equal_to_reference(ref: Reference, outs: list[Any], label: str) -> N
         warnings.warn(f"{label}: prompt {i} took transformers' runner-up at token {pos}, a "
                       f"near-tie (top-2 logit gap {gap:.3e}); tokens after it not compared",
                       stacklevel=2)
+    return near_ties
 
 
 def test_near_tie_rule():
@@ -143,6 +147,22 @@ def test_near_tie_rule():
                    want[:11] + [111] + want[12:]):  # the runner-up, but no near-tie there
         with pytest.raises(AssertionError, match="top-2 logit gap"):
             _assert_equal_to_reference(ref, out(tokens), "diverged")
+
+
+def test_the_gguf_file_kept_quantized_matches_transformers(smollm2, prompts, reference):
+    """The file the folder was converted from, run as it is (Q4_1 linears, a Q8_0 embedding
+    tied to the LM head, through the quantized kernel), in float32: greedy tokens equal
+    transformers' on the dequantized weights, but at near-ties, which are counted."""
+    gguf = os.path.join(os.path.dirname(smollm2), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    with LLM(gguf, dtype="float32", **MODES["async"]) as llm:
+        model = llm.llm_engine.core.engine_core.executor.worker.model_runner.model
+        kinds = Counter(f"{m.quantized.kind}" for m in model.modules()
+                        if getattr(m, "quantized", None) is not None)
+        assert kinds == {"Q4_1": 30 * 4, "Q8_0": 2}, kinds  # the linears; embedding, LM head
+        outs = _greedy(llm, prompts)
+    near_ties = _assert_equal_to_reference(reference, outs, "GGUF kept quantized")
+    print(f"GGUF kept quantized: {near_ties} of {len(prompts)} prompts diverged, each at a "
+          "near-tie")
 
 
 def _check_prompt_logprobs(oracle, prompt: list[int], out) -> None:
