@@ -12,14 +12,25 @@ SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 linears, a Q8_0 embedding tied to the LM h
 decode: batch 1, greedy, 128 tokens from a 20-token prompt, the median of 3 runs after a
 warm-up, each engine in a fresh process with its threads on both cores: raylm's offline
 ``LLM`` quantized (the default) and dequantized (``quantization="none"``) in the default
-dtype (bfloat16 where the CPU has AMX/AVX512-BF16), and ``llama_cpp.Llama`` (n_threads = the
-cores). Memory: the process's peak RSS, and for raylm the bytes its weights hold (packed
-codes and scales, and the dense tensors) against the float32 footprint.
+dtype (bfloat16 where the CPU has AMX/AVX512-BF16), with a 64 MiB KV cache, and
+``llama_cpp.Llama`` (n_ctx 512, n_threads = the cores). Memory: the process's peak RSS, and
+for raylm the bytes its weights hold (packed codes and scales, and the dense tensors)
+against the float32 footprint.
 
 serve: ``raylm serve FILE`` and ``python -m llama_cpp.server`` on 127.0.0.1, one OpenAI
-client (streaming /v1/completions, 64 requests of 64-token text prompts x 128 greedy output
-tokens, EOS kept off by ``logit_bias``), at each --streams level of requests in flight.
-Output tokens are counted from each response's usage.
+client (/v1/completions, not streamed: llama_cpp.server streams no usage), 64 requests of
+48-word text prompts, greedy, up to 128 output tokens, at each --streams level of requests
+in flight. EOS ends a request as it would for a user (llama_cpp.server has no ignore_eos,
+and ``logit_bias`` costs it a pass in Python over the vocabulary per token), so output
+tokens are counted from each response's usage; both engines run the same weights greedily.
+llama_cpp.server serves one request at a time. RSS: the server's process tree (raylm's
+includes Ray's and Serve's processes).
+
+On an Intel CPU with AMX, llama.cpp 0.3.36 built natively crashes in its AMX matmul
+(``ggml_backend_amx_mul_mat``, SIGSEGV on the first prompt); the figures in
+docs/performance.md use a build without AMX: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"``.
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ from serve import Server, _free_port  # noqa: E402
 
 PROMPT_IDS = list(range(100, 120))
 DECODE_TOKENS = 128
+# KV cache sizes, so that resident memory compares the engines, not their default caches:
+# batch-1 decode holds 512 tokens (llama.cpp's n_ctx below); the server 32 x 256 tokens.
+DECODE_KV_BYTES, SERVE_KV_BYTES = 64 << 20, 256 << 20
 SERVE_REQUESTS, SERVE_PROMPT_WORDS, SERVE_TOKENS = 64, 48, 128
 MODEL_ID = "bench"
 
@@ -91,7 +105,7 @@ def run_one(args: argparse.Namespace, mode: str) -> dict:
     from raylm import LLM, SamplingParams
 
     llm = LLM(args.model, quantization="none" if mode == "dequantized" else None,
-              async_scheduling=True, max_model_len=512)
+              async_scheduling=True, max_model_len=512, kv_cache_memory_bytes=DECODE_KV_BYTES)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     prompt = {"prompt_token_ids": PROMPT_IDS}
     rate = median_rate(DECODE_TOKENS, 4, lambda: llm.generate([prompt], params,
@@ -122,7 +136,7 @@ def _prompts() -> list[str]:
             for _ in range(SERVE_REQUESTS)]
 
 
-async def _load(port: int, prompts: list[str], streams: int, eos: int) -> dict:
+async def _load(port: int, prompts: list[str], streams: int) -> dict:
     import openai
 
     limit = asyncio.Semaphore(streams)
@@ -131,13 +145,9 @@ async def _load(port: int, prompts: list[str], streams: int, eos: int) -> dict:
     async def one(client, prompt: str) -> None:
         nonlocal tokens
         async with limit:
-            stream = await client.completions.create(
-                model=MODEL_ID, prompt=prompt, max_tokens=SERVE_TOKENS, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-                logit_bias={str(eos): -100})
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    tokens += chunk.usage.completion_tokens
+            out = await client.completions.create(
+                model=MODEL_ID, prompt=prompt, max_tokens=SERVE_TOKENS, temperature=0)
+            tokens += out.usage.completion_tokens
 
     async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench",
                                   max_retries=0, timeout=1800) as client:
@@ -164,14 +174,15 @@ def _rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def serve_one(name: str, cmd: list[str], port: int, streams: list[int], eos: int) -> list[dict]:
-    log = os.path.join(tempfile.gettempdir(), f"quant-{name}.log")
-    server = Server(cmd, port, dict(os.environ), log)
+def serve_one(name: str, cmd: list[str], port: int, streams: list[int],
+              health_path: str = "/health") -> list[dict]:
+    log = os.path.join(tempfile.gettempdir(), f"quant-{name.replace(' ', '-')}.log")
+    server = Server(cmd, port, dict(os.environ), log, health_path)
     try:
         server.wait_ready()
         rows = []
         for s in streams:
-            r = asyncio.run(_load(port, _prompts(), s, eos))
+            r = asyncio.run(_load(port, _prompts(), s))
             rows.append({"server": name, "streams": s, **r, "rss_mb": _rss_mb(server.proc.pid)})
             print(f"  {name} at {s} streams: {r['tok_s']:.1f} tok/s", flush=True)
         return rows
@@ -224,30 +235,31 @@ def main() -> None:
               f"same 128 tokens quantized and dequantized: "
               f"{q['tokens'] == rows['dequantized']['tokens']}")
     if "serve" in parts:
-        from raylm.runner.loading.gguf_checkpoint import load_gguf_tokenizer
-
-        eos = load_gguf_tokenizer(args.model).eos_token_id
         streams = [int(s) for s in args.streams.split(",")]
         results = []
-        port = _free_port()
-        results += serve_one("raylm", [sys.executable, "-m", "raylm.cluster.cli", "serve",
-                                       args.model, "--port", str(port), "--served-model-name",
-                                       MODEL_ID, "--max-num-seqs", str(max(streams)),
-                                       "--max-model-len", "512"], port, streams, eos)
+        for name, extra in (("raylm", []), ("raylm dequantized", ["--quantization", "none"])):
+            port = _free_port()
+            results += serve_one(name, [sys.executable, "-m", "raylm.cluster.cli", "serve",
+                                        args.model, "--port", str(port),
+                                        "--served-model-name", MODEL_ID, "--max-num-seqs",
+                                        str(max(streams)), "--max-model-len", "512",
+                                        "--kv-cache-memory-bytes", str(SERVE_KV_BYTES),
+                                        *extra], port, streams)
         if args.llama_python:
             port = _free_port()
             results += serve_one("llama.cpp", [
                 args.llama_python, "-m", "llama_cpp.server", "--model", args.model,
                 "--model_alias", MODEL_ID, "--host", "127.0.0.1", "--port", str(port),
-                "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096"], port, streams, eos)
+                "--n_threads", str(os.cpu_count() or 1), "--n_ctx", str(32 * 256)], port, streams,
+                "/v1/models")
         ref = {r["streams"]: r["tok_s"] for r in results if r["server"] == "llama.cpp"}
-        print(f"\nserved, {SERVE_REQUESTS} requests x {SERVE_TOKENS} tokens:")
-        print("| server | streams | output tok/s | vs llama.cpp | RSS MB |")
-        print("|---|---|---|---|---|")
+        print(f"\nserved, {SERVE_REQUESTS} requests, up to {SERVE_TOKENS} tokens each:")
+        print("| server | streams | output tok/s | output tokens | vs llama.cpp | RSS MB |")
+        print("|---|---|---|---|---|---|")
         for r in results:
             vs = f"{r['tok_s'] / ref[r['streams']]:.2f}x" if r["streams"] in ref else "-"
-            print(f"| {r['server']} | {r['streams']} | {r['tok_s']:.1f} | {vs} | "
-                  f"{r['rss_mb']:.0f} |")
+            print(f"| {r['server']} | {r['streams']} | {r['tok_s']:.1f} | "
+                  f"{r['output_tokens']} | {vs} | {r['rss_mb']:.0f} |")
 
 
 if __name__ == "__main__":

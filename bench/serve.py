@@ -102,8 +102,10 @@ def vllm_command(python: str, model: str, port: int) -> list[str]:
 class Server:
     """A server command line in its own process group, up once /health answers."""
 
-    def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: str):
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: str,
+                 health_path: str = "/health"):
         self.port = port
+        self.health_path = health_path
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -114,7 +116,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.health_path}",
+                                            timeout=2):
                     return
             except OSError:
                 time.sleep(1)

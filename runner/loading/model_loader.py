@@ -24,8 +24,8 @@ from raylm.runner.loading.gguf_checkpoint import find_gguf_file, iterate_gguf_we
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
-from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 from raylm.runner.quantization.group_quantized import GroupQuantized
+from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 from raylm.runner.quantization.quantize_model import log_weight_paths, pack_quantized_weights
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import DTYPES, ModelConfig

@@ -8,15 +8,15 @@ import functools
 
 import torch
 
-from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
+from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 
 TILE = 16
-# Up to this many rows the fused kernel runs (weights decoded in cache, memory-bound); above
-# it the weight is decoded into a dense scratch matrix, a chunk of output features at a
-# time, for the dense matmul (oneDNN/AMX), which then outruns the fused kernel.
+# Up to this many rows the fused kernel runs; above it W^T is decoded a chunk of output
+# features at a time for the dense matmul, which then outruns the fused kernel (measured
+# on the default model's shapes, bench/quant.py's machine: at 32 float32 rows the two tie).
 FUSED_MAX_ROWS = 32
-# With AMX, bfloat16 rows above this many run on its tiles.
+# With AMX, bfloat16 rows above this many run on its tiles (at 4 rows fused and AMX tie).
 FUSED_MAX_ROWS_BF16 = 4
 _DENSE_CHUNK_BYTES = 1 << 20  # a decoded chunk stays in L2 while the matmul reads it
 
@@ -53,22 +53,30 @@ class PackedLinear:
         self.scales = both.reshape(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
         self.out_features, self.in_features, self.bits = n, k, weight.bits
         self.kind = weight.kind
+        # The operators' resolved overloads (a call skips the overload lookup).
+        self._linear = torch.ops.raylm_quant.linear.default
+        self._linear_amx = torch.ops.raylm_quant.linear_amx.default if _has_amx() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step calls this once per linear: the common case (a contiguous 2-D
+        # float32 or bfloat16 x) goes straight to the operator.
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()
+        lead = None
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            x = x.reshape(-1, self.in_features)
+        if not x.is_contiguous():
+            x = x.contiguous()
         rows = x.shape[0]
-        if x.dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 and _has_amx():
-            out = torch.ops.raylm_quant.linear_amx(x, self.codes, self.scales,
-                                                   self.out_features, self.bits)
+        if (rows > FUSED_MAX_ROWS_BF16 and x.dtype == torch.bfloat16
+                and self._linear_amx is not None):
+            out = self._linear_amx(x, self.codes, self.scales, self.out_features, self.bits)
         elif rows <= FUSED_MAX_ROWS:
-            out = torch.ops.raylm_quant.linear(x, self.codes, self.scales, self.out_features,
-                                               self.bits)
+            out = self._linear(x, self.codes, self.scales, self.out_features, self.bits)
         else:
             out = self._dense(x)
-        return out.reshape(*lead, self.out_features)
+        return out if lead is None else out.reshape(*lead, self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         chunks = []

@@ -89,11 +89,32 @@ async def coalesce(items: AsyncGenerator[Any, None], interval_s: float
         await it.aclose()
 
 
+def _show_startup_logs_in_replica() -> None:
+    """In a Serve replica, raylm's INFO lines (the weights read, which path each quantized
+    layer runs, the KV cache) go to the replica's stderr, which Ray forwards to the
+    driver's console; a replica's Python logging shows warnings only otherwise."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.get_replica_context()
+    except RayServeException:  # not in a Serve replica (tests, the offline API)
+        return
+    raylm_logger = logging.getLogger("raylm")
+    if not raylm_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        raylm_logger.addHandler(handler)
+        raylm_logger.setLevel(logging.INFO)
+        raylm_logger.propagate = False
+
+
 class LLMServer:
     """One replica serving one model."""
 
     def __init__(self, llm_config: LLMConfig | dict[str, Any],
                  engine_factory: EngineFactory | None = None):
+        _show_startup_logs_in_replica()
         self.llm_config = (llm_config if isinstance(llm_config, LLMConfig)
                            else LLMConfig.model_validate(llm_config))
         self.engine = (engine_factory or default_engine_factory)(self.llm_config)
