@@ -141,15 +141,17 @@ def _unpermute(w: Any, n_head: int) -> Any:
 
 def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
                          wanted: Callable[[str], bool] | None = None,
-                         keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+                         keep_quantized: bool = False, read_counter: list[int] | None = None
+                         ) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, float32 tensor) for each tensor ``wanted`` accepts; the others are
     neither read nor dequantized. With ``keep_quantized``, a 2-D tensor in a group format
-    (runner/quantization/gguf_blocks.py) comes as a GroupQuantized instead."""
+    (runner/quantization/gguf_blocks.py) comes unread, as a LazyGGUFBlocks: the loaders
+    narrow it, and only their part is read (``read_counter[0]`` adds the bytes)."""
     import numpy as np
     import torch
     from gguf.quants import dequantize
 
-    from raylm.runner.quantization.gguf_blocks import GROUP_FORMATS, decode_tensor
+    from raylm.runner.quantization.gguf_blocks import GROUP_FORMATS, lazy_tensor
 
     reader = _reader(path)
     llama = hf_config.get("model_type") == "llama"
@@ -163,7 +165,7 @@ def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         if keep_quantized and len(shape) == 2 and t.tensor_type.name in GROUP_FORMATS:
-            q = decode_tensor(t)
+            q = lazy_tensor(t, read_counter)
             heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(
                 name.split(".")[-2]) if llama else None
             if heads is not None:  # the same row permutation, applied to whole rows

@@ -24,10 +24,13 @@ from raylm.runner.loading.gguf_checkpoint import find_gguf_file, iterate_gguf_we
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
+from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
+from raylm.runner.quantization.gptq_awq import combine_quantized_linears
 from raylm.runner.quantization.group_quantized import GroupQuantized
 from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 from raylm.runner.quantization.quantize_model import log_weight_paths, pack_quantized_weights
 from raylm.scheduler.config import envs
+from raylm.scheduler.config.checkpoint_quantization import checkpoint_quantization
 from raylm.scheduler.config.engine_config import DTYPES, ModelConfig
 
 if TYPE_CHECKING:
@@ -95,7 +98,8 @@ def safetensors_files(model_dir: str) -> list[str]:
 class WeightReadStats:
     """What one load read from the checkpoint, for logs and tests: ``bytes_read`` counts
     the tensor data taken out of the files (a ``LazyTensor.narrow`` its slice, a whole
-    read the tensor; a GGUF tensor its dequantized whole), ``bytes_loaded`` the whole size
+    read the tensor; a GGUF tensor its dequantized whole, one kept quantized the blocks
+    its rank narrows out), ``bytes_loaded`` the whole size
     of every tensor handed to the model (what reading each whole would cost)."""
 
     bytes_read: int = 0
@@ -194,37 +198,45 @@ def iterate_weights(model_dir: str, wanted: Callable[[str], bool] | None = None,
                     yield name, tensor
 
 
-def _count_whole(weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+def _count_whole(weights: Iterable[tuple[str, torch.Tensor | LazyGGUFBlocks]],
                  stats: WeightReadStats | None
-                 ) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
-    """``weights`` (real tensors, already read whole, or kept quantized), each counted in
-    ``stats``."""
+                 ) -> Iterator[tuple[str, torch.Tensor | LazyGGUFBlocks]]:
+    """``weights`` (real tensors, already read whole, or quantized ones not read yet), each
+    counted in ``stats`` (a quantized one's bytes read are counted as they are read)."""
     for name, tensor in weights:
         if stats is not None:
-            size = tensor.nbytes() if isinstance(tensor, GroupQuantized) else _nbytes(tensor)
             stats.tensors += 1
-            stats.bytes_loaded += size
-            stats.bytes_read += size
+            if isinstance(tensor, LazyGGUFBlocks):
+                stats.bytes_loaded += tensor.nbytes()
+            else:
+                stats.bytes_loaded += _nbytes(tensor)
+                stats.bytes_read += _nbytes(tensor)
         yield name, tensor
 
 
-def keeps_gguf_quantized(quantization: str | None, device: torch.device) -> bool:
-    """Whether a GGUF checkpoint's group-format weights stay quantized: by default on CPU
-    where the kernel builds; ``quantization="none"`` dequantizes them at load. On CUDA they
-    are dequantized (no CUDA kernel yet): asking for "gguf" there is refused."""
+def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
+    """Whether a quantized checkpoint's weights (a GGUF file's group formats, GPTQ, AWQ)
+    stay quantized: by default on CPU where the kernel builds; ``quantization="none"``
+    dequantizes them at load. On CUDA they are dequantized (no CUDA kernel yet): asking
+    for a method there is refused."""
     if quantization == "none":
         return False
     if device.type != "cpu":
-        if quantization == "gguf":
-            raise ValueError(f"quantization='gguf' runs on CPU only; {device} would "
-                             "dequantize the weights (pass quantization='none').")
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} runs on CPU only; {device} "
+                             "would dequantize the weights (pass quantization='none').")
         return False
     if load_quantized_linear_kernel():
         return True
-    if quantization == "gguf":
-        raise ValueError("quantization='gguf': the quantized-linear kernel could not be "
-                         "built on this machine (see the warning above).")
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r}: the quantized-linear kernel could "
+                         "not be built on this machine (see the warning above).")
     return False
+
+
+def _dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        yield name, tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext,
@@ -243,19 +255,26 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext,
     model = model_cls(cfg, ctx, dtype, max_position, ops)
     stats = stats if stats is not None else WeightReadStats()
     gguf_path = find_gguf_file(model_config.model)
+    quantized_read = [0]  # bytes of quantized tensors read, as the loaders narrow them
     if gguf_path is not None:
-        keep = keeps_gguf_quantized(model_config.quantization, ctx.device)
+        keep = keeps_quantized(model_config.quantization, ctx.device)
         model.load_weights(_count_whole(iterate_gguf_weights(
             gguf_path, model_config.hf_config, wanted=model.needs_weight,
-            keep_quantized=keep), stats))
+            keep_quantized=keep, read_counter=quantized_read), stats))
     else:
-        model.load_weights(iterate_weights(model_config.model, wanted=model.needs_weight,
-                                           stats=stats))
+        weights: Iterable[tuple[str, Any]] = combine_quantized_linears(
+            iterate_weights(model_config.model, wanted=model.needs_weight, stats=stats),
+            model_config.hf_config)
+        if checkpoint_quantization(model_config.hf_config) and not keeps_quantized(
+                model_config.quantization, ctx.device):
+            weights = _dequantized(weights)
+        model.load_weights(weights)
+    paths = pack_quantized_weights(model)  # reads what the loaders kept quantized
+    stats.bytes_read += quantized_read[0]
     logger.info("tp rank %d/%d, pp rank %d/%d: read %.1f MiB of weights for %d tensors "
                 "(%.1f MiB whole)", ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size,
                 stats.bytes_read / 2**20, stats.tensors, stats.bytes_loaded / 2**20)
-    log_weight_paths(pack_quantized_weights(model), f"tp rank {ctx.tp_rank}, pp rank "
-                     f"{ctx.pp_rank}")
+    log_weight_paths(paths, f"tp rank {ctx.tp_rank}, pp rank {ctx.pp_rank}")
     process_weights_after_loading(model, envs.cpu_pack_linears())
     if ctx.device.type == "cpu":
         load_cpu_attention_kernel()  # built now (first use on this machine), not mid-step

@@ -79,8 +79,83 @@ def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> 
     raise ValueError(f"GGUF type {kind!r} has no group form; one of {sorted(GROUP_FORMATS)}.")
 
 
-def decode_tensor(tensor: Any) -> GroupQuantized:
-    """A gguf ReaderTensor of a group format, decoded (``tensor.shape`` is innermost
-    first, as GGUF lists dims)."""
+def lazy_tensor(tensor: Any, counter: list[int] | None = None) -> LazyGGUFBlocks:
+    """A gguf ReaderTensor of a group format, to be read and decoded as narrowed
+    (``tensor.shape`` is innermost first, as GGUF lists dims)."""
     k, n = (int(x) for x in tensor.shape)
-    return decode_group_blocks(tensor.tensor_type.name, tensor.data, (n, k))
+    return LazyGGUFBlocks(tensor.data, tensor.tensor_type.name, (n, k), counter=counter)
+
+
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+
+
+class LazyGGUFBlocks:
+    """A GGUF tensor of a group format, not read yet: the rows and columns a TP rank's
+    loader narrows out are all that ``decode`` reads from the memory-mapped file (whole
+    blocks: a column range that cuts a Q4_K super-block of 256 reads the super-blocks it
+    touches). ``read_bytes`` counts what the decodes read."""
+
+    def __init__(self, data: np.ndarray, kind: str, shape: tuple[int, int],
+                 rows: np.ndarray | None = None, columns: tuple[int, int] | None = None,
+                 counter: list[int] | None = None) -> None:
+        if kind not in _BLOCK:
+            raise ValueError(f"GGUF type {kind!r} has no group form; one of "
+                             f"{sorted(GROUP_FORMATS)}.")
+        self.data, self.kind, self.file_shape = data, kind, shape
+        self.rows = np.arange(shape[0]) if rows is None else rows
+        self.columns = (0, shape[1]) if columns is None else columns
+        self.read_bytes = counter if counter is not None else [0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.rows), self.columns[1] - self.columns[0]))
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.kind == "Q8_0" else 4
+
+    def dim(self) -> int:
+        return 2
+
+    def _with(self, rows: np.ndarray, columns: tuple[int, int]) -> LazyGGUFBlocks:
+        return LazyGGUFBlocks(self.data, self.kind, self.file_shape, rows, columns,
+                              self.read_bytes)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyGGUFBlocks:
+        if dim == 0:
+            return self._with(self.rows[start:start + length], self.columns)
+        if start % 32 or length % 32:
+            raise ValueError(f"a {self.kind} weight splits its input features in groups of "
+                             f"32; columns [{start}, {start + length}) cut one.")
+        first = self.columns[0] + start
+        return self._with(self.rows, (first, first + length))
+
+    def select_rows(self, index: torch.Tensor) -> LazyGGUFBlocks:
+        return self._with(self.rows[index.numpy()], self.columns)
+
+    def decode(self) -> GroupQuantized:
+        """Read and decode the selected rows and columns."""
+        width, nbytes = _BLOCK[self.kind]
+        first, last = self.columns[0] // width, -(-self.columns[1] // width)
+        raw = np.asarray(self.data).reshape(self.file_shape[0], -1)
+        raw = raw[self.rows, first * nbytes:last * nbytes]
+        self.read_bytes[0] += raw.size
+        blocks = decode_group_blocks(self.kind, raw, (len(self.rows), (last - first) * width))
+        cut = self.columns[0] - first * width
+        if cut or blocks.shape[1] != self.shape[1]:
+            blocks = blocks.narrow(1, cut, self.shape[1])
+        return blocks
+
+    def pad_rows(self, rows: int) -> GroupQuantized:
+        return self.decode().pad_rows(rows)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.decode().dequantize(dtype)
+
+    def read(self) -> torch.Tensor:
+        return self.dequantize()
+
+    def nbytes(self) -> int:
+        """Bytes the whole tensor holds in the file."""
+        width, nbytes = _BLOCK[self.kind]
+        return self.file_shape[0] * self.file_shape[1] // width * nbytes

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.layers import QuantizableWeight, QuantizedShard
+from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.group_quantized import GroupQuantized, concat_rows
 from raylm.runner.quantization.packed_linear import PackedLinear
 
@@ -22,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def _as_group(shard: QuantizedShard) -> GroupQuantized:
+    """The shard decoded (a lazy GGUF one is read now)."""
+    if isinstance(shard, LazyGGUFBlocks):
+        return shard.decode()
     if not isinstance(shard, GroupQuantized):
         raise TypeError(f"a quantized shard of type {type(shard).__name__} has no packer.")
     return shard

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from raylm.scheduler.config.attention_layout import check_attention_layout
+from raylm.scheduler.config.checkpoint_quantization import (
+    CHECKPOINT_METHODS,
+    checkpoint_quantization,
+)
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
@@ -32,9 +36,10 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 DTYPES: tuple[str, ...] = get_args(DType)
-# None: the checkpoint's own (a GGUF file's group formats stay quantized on CPU); "gguf":
-# insist on it; "none": dequantize at load (runner/loading/model_loader.py).
-Quantization = Literal["gguf", "none"]
+# None: the checkpoint's own (a GGUF file's group formats, a GPTQ or AWQ checkpoint stay
+# quantized on CPU); "gguf", "gptq", "awq": insist on it; "none": dequantize at load
+# (runner/loading/model_loader.py).
+Quantization = Literal["gguf", "gptq", "awq", "none"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ExecutorBackend = Literal["uni", "ray"]
 EXECUTOR_BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
@@ -103,6 +108,10 @@ class ModelConfig:
                 object.__setattr__(self, "hf_config", json.load(f))
         arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
         check_attention_layout(arch, self.hf_config)
+        method = checkpoint_quantization(self.hf_config)
+        if self.quantization in CHECKPOINT_METHODS and self.quantization != method:
+            raise _bad("quantization", self.quantization,
+                       f"does not match the checkpoint's quantization_config ({method})")
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
         if self.max_model_len == 0:
             object.__setattr__(self, "max_model_len", limit)

@@ -72,6 +72,7 @@ def test_async_false_forces_sync_and_pp_batches(llama_path):
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"placement_group_strategy": "RANDOM"}, "placement_group_strategy"),
+    ({"quantization": "fp8"}, "quantization"),
     ({"quantization": "awq"}, "quantization"),
 ])
 def test_bad_engine_args_name_the_value(llama_path, kwargs, match):

@@ -123,14 +123,24 @@ def _quantized_layers(model) -> dict[str, QuantizableWeight]:
 
 
 def test_each_tp_rank_keeps_its_slice_quantized(q4_gguf):
-    """TP=2: every linear, the embedding and the LM head run quantized, and each rank's
-    packed weight decodes to its slice of the whole dequantized weight."""
+    """TP=2: every linear, the embedding and the LM head run quantized, each rank's packed
+    weight decodes to its slice of the whole dequantized weight, and each rank reads half
+    of every quantized tensor's bytes from the file (the norms whole)."""
+    from gguf import GGUFReader
+
+    from raylm.runner.loading.model_loader import WeightReadStats
+
+    tensors = GGUFReader(q4_gguf).tensors
+    quantized_bytes = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q4_0")
+    norm_bytes = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "F32")
     config = dict(model=q4_gguf, dtype="float32", hf_config=read_gguf_config(q4_gguf))
     whole = get_model(ModelConfig(**config, quantization="none"), _ctx(0, 1))
     assert not _quantized_layers(whole)
     dense = dict(whole.named_parameters())
     for rank in (0, 1):
-        model = get_model(ModelConfig(**config), _ctx(rank, 2))
+        stats = WeightReadStats()
+        model = get_model(ModelConfig(**config), _ctx(rank, 2), stats)
+        assert stats.bytes_read == quantized_bytes // 2 + norm_bytes
         layers = _quantized_layers(model)
         assert len(layers) == 2 * 4 + 2  # qkv, o, gate_up, down per layer; embedding; head
         for name, layer in layers.items():
@@ -168,6 +178,8 @@ def test_a_q4_gguf_file_runs_quantized_equal_to_transformers_on_it(q4_gguf, hf_o
 
 
 def test_quantization_names_a_bad_value(q4_gguf):
-    with pytest.raises(ValueError, match="quantization must be one of.*got 'awq'"):
-        ModelConfig(model=q4_gguf, hf_config=read_gguf_config(q4_gguf),
-                    quantization="awq")  # type: ignore[arg-type]
+    config = read_gguf_config(q4_gguf)
+    with pytest.raises(ValueError, match="quantization must be one of.*got 'fp8'"):
+        ModelConfig(model=q4_gguf, hf_config=config, quantization="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        ModelConfig(model=q4_gguf, hf_config=config, quantization="awq")
