@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from raylm.actors.actor_logging import show_raylm_info_logs
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPSyncGroup
 from raylm.parallel.rendezvous import StoreRendezvous
 from raylm.scheduler.config.engine_config import EngineConfig, ExecutorBackend, ParallelConfig
@@ -74,6 +75,7 @@ class EngineCoreActor:
         """``bundle_offset``: the first of this rank's worker bundles in ``placement_group``;
         ``num_threads``: torch threads of a model run in this actor; ``coordinator``: the
         DPCoordinator (d > 1)."""
+        show_raylm_info_logs()
         dp_size = config.parallel_config.data_parallel_size
         check_rank("dp_rank", dp_rank, dp_size)
         self.config = config

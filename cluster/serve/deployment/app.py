@@ -13,6 +13,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from raylm.actors.actor_logging import show_raylm_info_logs
 from raylm.cluster.engine.engine_protocol import EngineClient, KVPoolSized
 from raylm.cluster.serve.deployment.autoscaling_policy import autoscaling_stats
 from raylm.cluster.serve.deployment.config import LLMConfig, OpenAIAppConfig, load_app_config
@@ -90,9 +91,7 @@ async def coalesce(items: AsyncGenerator[Any, None], interval_s: float
 
 
 def _show_startup_logs_in_replica() -> None:
-    """In a Serve replica, raylm's INFO lines (the weights read, which path each quantized
-    layer runs, the KV cache) go to the replica's stderr, which Ray forwards to the
-    driver's console; a replica's Python logging shows warnings only otherwise."""
+    """In a Serve replica, raylm's INFO lines go to the replica's stderr (actor_logging)."""
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
@@ -100,13 +99,7 @@ def _show_startup_logs_in_replica() -> None:
         serve.get_replica_context()
     except RayServeException:  # not in a Serve replica (tests, the offline API)
         return
-    raylm_logger = logging.getLogger("raylm")
-    if not raylm_logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        raylm_logger.addHandler(handler)
-        raylm_logger.setLevel(logging.INFO)
-        raylm_logger.propagate = False
+    show_raylm_info_logs()
 
 
 class LLMServer:
