@@ -114,9 +114,6 @@ class LazyGGUFBlocks:
     def bits(self) -> int:
         return 8 if self.kind == "Q8_0" else 4
 
-    def dim(self) -> int:
-        return 2
-
     def _with(self, rows: np.ndarray, columns: tuple[int, int]) -> LazyGGUFBlocks:
         return LazyGGUFBlocks(self.data, self.kind, self.file_shape, rows, columns,
                               self.read_bytes)
@@ -151,9 +148,6 @@ class LazyGGUFBlocks:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode().dequantize(dtype)
-
-    def read(self) -> torch.Tensor:
-        return self.dequantize()
 
     def nbytes(self) -> int:
         """Bytes the whole tensor holds in the file."""

@@ -39,9 +39,6 @@ class GroupQuantized:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
-    def dim(self) -> int:
-        return 2
-
     def narrow(self, dim: int, start: int, length: int) -> GroupQuantized:
         if dim == 0:
             return GroupQuantized(self.codes.narrow(0, start, length),
@@ -65,11 +62,6 @@ class GroupQuantized:
                               torch.cat([self.zero, self.zero.new_zeros(extra, self.zero.shape[1])]),
                               self.bits, self.kind)
 
-    def select_rows(self, index: torch.Tensor) -> GroupQuantized:
-        """Rows in the order ``index`` gives (a row permutation)."""
-        return GroupQuantized(self.codes[index], self.scale[index], self.zero[index],
-                              self.bits, self.kind)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K]: scale * code + zero in float32, then ``dtype``."""
         n, k = self.codes.shape
@@ -77,19 +69,10 @@ class GroupQuantized:
         w = codes * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)
         return w.reshape(n, k).to(dtype)
 
-    def read(self) -> torch.Tensor:
-        return self.dequantize()
-
-    def nbytes(self) -> int:
-        """Bytes the packed form holds: the codes at ``bits`` each, two float32 per group."""
-        n, k = self.codes.shape
-        return n * k * self.bits // 8 + self.scale.numel() * 8
-
 
 def concat_rows(parts: list[GroupQuantized]) -> GroupQuantized:
     """Row blocks stacked (a merged q/k/v or gate/up weight); they must agree on bits."""
-    kinds = {p.bits for p in parts}
-    if len(kinds) != 1:
+    if len({p.bits for p in parts}) != 1:
         raise ValueError(f"a merged weight mixes {sorted(p.kind for p in parts)}.")
     return GroupQuantized(torch.cat([p.codes for p in parts]),
                           torch.cat([p.scale for p in parts]),

@@ -1,8 +1,9 @@
 """After a model's weights are loaded: its quantized shards packed for the kernel.
 
-A layer whose quantized shards cover its whole weight runs quantized; one whose weight
-arrived partly dense (a merged q/k/v with v in a type that has no group form, as in
-llama.cpp's Q4_K_M mixes) has its shards dequantized into the dense weight and runs dense.
+A layer whose quantized shards cover its whole weight with one code width runs quantized;
+one whose weight arrived partly dense (a merged q/k/v with v in a type that has no group
+form, as in llama.cpp's Q4_K_M mixes) or mixes 4- and 8-bit parts has its shards
+dequantized into the dense weight and runs dense.
 A tied LM head on the embedding's stage shares the embedding's packed weight.
 """
 
@@ -56,7 +57,7 @@ def pack_quantized_weights(model: nn.Module) -> Counter[str]:
                 module.quantized = packed[id(weight)]
                 paths[f"{packed[id(weight)].kind} {packed[id(weight)].bits}-bit kernel"] += 1
             continue
-        if _covers(parts, weight.shape[0]):
+        if _covers(parts, weight.shape[0]) and len({s.bits for _, s in parts}) == 1:
             linear = PackedLinear(concat_rows([_as_group(s) for _, s in parts]))
             module.quantized = linear
             packed[id(weight)] = linear

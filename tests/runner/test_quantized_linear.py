@@ -183,3 +183,25 @@ def test_quantization_names_a_bad_value(q4_gguf):
         ModelConfig(model=q4_gguf, hf_config=config, quantization="fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         ModelConfig(model=q4_gguf, hf_config=config, quantization="awq")
+
+
+@pytest.mark.parametrize("second, quantized", [("4-bit", True), ("8-bit", False),
+                                               ("dense", False)])
+def test_a_merged_weight_runs_quantized_only_when_its_parts_agree(second, quantized):
+    """gate 4-bit with up 4-bit runs quantized; with up 8-bit or dense (a Q4_K_M-style mix)
+    the layer runs dense, its weight the parts dequantized."""
+    from raylm.parallel.layers import MergedColumnParallelLinear
+    from raylm.runner.quantization.quantize_model import pack_quantized_weights
+
+    gate = _random_group(32, 64, 4, seed=1)
+    up = {"4-bit": _random_group(32, 64, 4, seed=2), "8-bit": _random_group(32, 64, 8, seed=3),
+          "dense": _random_group(32, 64, 4, seed=4).dequantize()}[second]
+    layer = MergedColumnParallelLinear(64, [32, 32], False, ctx=_ctx(0, 1),
+                                       params_dtype=torch.float32)
+    layer.weight_loader(layer.weight, gate, 0)
+    layer.weight_loader(layer.weight, up, 1)
+    pack_quantized_weights(layer)
+    want = torch.cat([gate.dequantize(), up if isinstance(up, torch.Tensor) else up.dequantize()])
+    assert (layer.quantized is not None) == quantized
+    got = layer.quantized.dequantize() if quantized else layer.weight
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
