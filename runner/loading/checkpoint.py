@@ -35,6 +35,7 @@ _WORDS = (
 class CheckpointSpec:
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "MistralForCausalLM", "Qwen3MoeForCausalLM",
+                          "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                           "Gemma3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
@@ -53,11 +54,15 @@ class CheckpointSpec:
     # max_window_layers on (use_sliding_window). None: full attention everywhere.
     sliding_window: int | None = None
     max_window_layers: int = 0
-    # Qwen3-MoE: experts per layer, each token's top k, an expert's intermediate size
+    # Mixtures of experts: experts per layer, each token's top k, an expert's intermediate
+    # size (Mixtral's is intermediate_size), whether the top k are renormalised (Mixtral's
+    # always are)
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
-    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE layers with a dense MLP
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE layers with a dense MLP
+    shared_expert_intermediate_size: int = 48  # Qwen2-MoE's shared expert
     # Gemma 3: every this-many-th layer global, the others sliding (sliding_window)
     sliding_window_pattern: int = 6
     final_logit_softcapping: float | None = None
@@ -146,10 +151,17 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = spec.rope_scaling
-    if spec.architecture == "Qwen3MoeForCausalLM":
+    if spec.architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"):
         kwargs.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-                      moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True,
+                      norm_topk_prob=spec.norm_topk_prob)
+    if spec.architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        kwargs.update(moe_intermediate_size=spec.moe_intermediate_size,
                       mlp_only_layers=list(spec.mlp_only_layers))
+    if spec.architecture == "Qwen2MoeForCausalLM":
+        kwargs["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
+    if spec.architecture == "MixtralForCausalLM":
+        kwargs.update(num_local_experts=spec.num_experts,
+                      num_experts_per_tok=spec.num_experts_per_tok)
     if spec.architecture == "Gemma3ForCausalLM":
         kwargs.pop("rope_theta")  # per layer kind: rope_parameters' defaults
         head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
@@ -158,11 +170,11 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
                       final_logit_softcapping=spec.final_logit_softcapping,
                       layer_types=["sliding_attention" if (i + 1) % spec.sliding_window_pattern
                                    else "full_attention" for i in range(spec.num_hidden_layers)])
-    elif spec.architecture == "MistralForCausalLM":
+    elif spec.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.sliding_window is not None:
-        if spec.architecture == "LlamaForCausalLM":
-            raise ValueError("a Llama checkpoint has no sliding window.")
+        if spec.architecture in ("LlamaForCausalLM", "OlmoeForCausalLM"):
+            raise ValueError(f"a {spec.architecture} checkpoint has no sliding window.")
         kwargs.update(use_sliding_window=True, sliding_window=spec.sliding_window,
                       max_window_layers=spec.max_window_layers)
     config: transformers.PretrainedConfig
@@ -176,6 +188,12 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.MistralConfig(**kwargs)
     elif spec.architecture == "Qwen3MoeForCausalLM":
         config = transformers.Qwen3MoeConfig(**kwargs)
+    elif spec.architecture == "Qwen2MoeForCausalLM":
+        config = transformers.Qwen2MoeConfig(**kwargs)
+    elif spec.architecture == "MixtralForCausalLM":
+        config = transformers.MixtralConfig(**kwargs)
+    elif spec.architecture == "OlmoeForCausalLM":
+        config = transformers.OlmoeConfig(**kwargs)
     elif spec.architecture == "Gemma3ForCausalLM":
         config = transformers.Gemma3TextConfig(**kwargs)
     else:

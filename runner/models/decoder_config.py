@@ -4,11 +4,16 @@ additions: runner/models/gemma_config.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from raylm.runner.models.gemma_config import GemmaTraits, gemma3_traits
 from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
+from raylm.scheduler.config.moe_layout import moe_layers, moe_traits
+
+QKNorm = Literal["none", "head", "projection"]
+_QK_NORM: dict[str, QKNorm] = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head",
+                               "Gemma3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
 
 
 @dataclass(frozen=True)
@@ -27,15 +32,19 @@ class DecoderConfig:
     qkv_bias: bool  # Qwen2: always; Llama/Qwen3: attention_bias
     o_bias: bool  # Llama/Qwen3: attention_bias; Qwen2: never
     mlp_bias: bool  # Llama's mlp_bias
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    # RMSNorm of q and k before RoPE: "head" over each head (Qwen3), "projection" over the
+    # whole q and k projections (OLMoE), "none"
+    qk_norm: QKNorm
     # Per layer: its sliding window (a token sees its last W keys, itself included), or None
     layer_windows: tuple[int | None, ...]
-    # Mixture of experts (Qwen3-MoE): per layer whether its MLP is the sparse block
+    # Mixture of experts: per layer whether its MLP is the sparse block
     moe_layers: tuple[bool, ...]
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
     norm_topk_prob: bool
+    # Qwen2-MoE: a dense shared expert beside the routed ones, scaled by a sigmoid gate (0: none)
+    shared_expert_intermediate_size: int
     # Gemma 3 (None for the others): its norms, scales, activation and two RoPE tables
     gemma: GemmaTraits | None = field(compare=False, repr=False)
     hf_config: dict[str, Any] = field(compare=False, repr=False)
@@ -51,6 +60,10 @@ class DecoderConfig:
         if gemma is None and act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu').")
         attention_bias = bool(hf.get("attention_bias", False))
+        moe = moe_traits(arch, hf)
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        # Qwen2 always has q/k/v biases; Qwen2-MoE as its qkv_bias says (transformers 5)
+        qkv_bias = bool(hf.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else qwen2
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -63,33 +76,18 @@ class DecoderConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma is not None)),
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
+            qkv_bias=qkv_bias or (not qwen2 and attention_bias),
+            o_bias=False if qwen2 else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=_QK_NORM.get(arch, "none"),
             layer_windows=tuple(layer_windows(arch, hf)),
-            moe_layers=tuple(_moe_layers(arch, hf)),
-            num_experts=_num_experts(hf),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=tuple(moe_layers(arch, hf)),
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.intermediate_size,
+            norm_topk_prob=moe.norm_topk_prob,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
             gemma=gemma,
             hf_config=hf,
         )
 
-
-def _moe_layers(arch: str, hf: dict[str, Any]) -> list[bool]:
-    """Which layers' MLP is the sparse expert block, as transformers' Qwen3-MoE decides:
-    every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
-    num_layers = int(hf["num_hidden_layers"])
-    if arch != "Qwen3MoeForCausalLM" or not _num_experts(hf):
-        return [False] * num_layers
-    step = int(hf.get("decoder_sparse_step", 1))
-    dense = set(hf.get("mlp_only_layers") or [])
-    return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-
-
-def _num_experts(hf: dict[str, Any]) -> int:
-    """``num_experts`` (the hub's Qwen3-MoE configs) or ``num_local_experts`` (what
-    transformers 5 writes)."""
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Gemma 3) over one flattened
-mixed batch.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Gemma 3, and the mixtures of experts
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) over one flattened mixed batch.
 
 ``forward(input_ids [T], positions [T], attn_metadata)`` runs every scheduled token of every
 request at once (prefills, chunks and decodes together). With pipeline parallelism the
@@ -35,6 +35,7 @@ from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
 from raylm.runner.models.moe import SparseMoeBlock
+from raylm.runner.models.projection_norm import ProjectionRMSNorm
 from raylm.runner.rotary import RotaryEmbedding
 
 
@@ -137,11 +138,18 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.q_norm: Norm | None = None
-        self.k_norm: Norm | None = None
-        if cfg.qk_norm:
+        self.q_norm: Norm | ProjectionRMSNorm | None = None
+        self.k_norm: Norm | ProjectionRMSNorm | None = None
+        self.norm_projection = cfg.qk_norm == "projection"
+        if cfg.qk_norm == "head":
             self.q_norm = make_norm(cfg, d, dtype, ctx.device, ops)
             self.k_norm = make_norm(cfg, d, dtype, ctx.device, ops)
+        elif self.norm_projection:
+            kv_shard = ctx.tp_rank // self.qkv_proj.num_kv_head_replicas
+            self.q_norm = ProjectionRMSNorm(self.q_size, ctx.tp_rank, cfg.rms_norm_eps, ctx,
+                                            dtype)
+            self.k_norm = ProjectionRMSNorm(self.kv_size, kv_shard, cfg.rms_norm_eps, ctx,
+                                            dtype)
         scale = cfg.gemma.attn_scale if cfg.gemma is not None else d ** -0.5
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=scale,
                               sliding_window=sliding_window)
@@ -150,11 +158,14 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.norm_projection:  # OLMoE: over the whole projection, before the heads
+            assert self.q_norm is not None and self.k_norm is not None  # set together
+            q, k = self.q_norm(q), self.k_norm(k)
         num_tokens = hidden_states.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # set together
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary(*cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
@@ -179,7 +190,8 @@ class LlamaDecoderLayer(nn.Module):
         if cfg.moe_layers[layer]:
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.num_experts, cfg.num_experts_per_tok,
-                                      cfg.norm_topk_prob, ctx, dtype)
+                                      cfg.norm_topk_prob, ctx, dtype,
+                                      cfg.shared_expert_intermediate_size)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
@@ -249,9 +261,23 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-# model.layers.{layer}.mlp.experts.{expert}.{gate,up,down}_proj.weight (Qwen3-MoE)
+# model.layers.{layer}.mlp.experts.{expert}.{gate,up,down}_proj.weight (Qwen-MoE, OLMoE)
 _EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
                             r"(gate_proj|up_proj|down_proj)\.weight")
+# Mixtral's names for the same: block_sparse_moe.{gate, experts.{e}.w1 (gate), w3 (up),
+# w2 (down)}
+_MIXTRAL_WEIGHT = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate\.weight|"
+                             r"experts\.\d+\.)(?:(w1)|(w2)|(w3))?(\.weight)?")
+_MIXTRAL_PROJ = ("gate_proj", "down_proj", "up_proj")
+
+
+def canonical_weight_name(name: str) -> str:
+    """The checkpoint tensor's name in the Qwen-MoE spelling the loader matches."""
+    match = _MIXTRAL_WEIGHT.fullmatch(name)
+    if match is None:
+        return name
+    projection = next((_MIXTRAL_PROJ[i] for i in range(3) if match[3 + i]), "")
+    return f"{match[1]}mlp.{match[2]}{projection}{match[6] or ''}"
 # (checkpoint name fragment, parameter name fragment, shard id)
 _STACKED_PARAMS = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -328,6 +354,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            name = canonical_weight_name(name)
             if name.startswith("model.layers."):
                 index = int(name.split(".")[2])
                 if not start <= index < end:

@@ -1,11 +1,13 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE's): a softmax router picks each token's top-k
-experts, each expert is a SwiGLU MLP, and a token's output is the weighted sum of its
-experts' outputs.
+"""A sparse mixture-of-experts MLP (Qwen3-MoE's, Qwen2-MoE's, Mixtral's, OLMoE's): a softmax
+router picks each token's top-k experts, each expert is a SwiGLU MLP, and a token's output
+is the weighted sum of its experts' outputs, plus, for Qwen2-MoE, a dense shared expert's
+output scaled by a sigmoid gate.
 
 The experts run grouped by expert: one pair of matmuls per expert over the tokens routed
 to it (no per-token loop), their outputs added in expert order as transformers adds them.
 With tensor parallelism every rank holds every expert's slice of the intermediate
-dimension (TP inside the experts) and the partial sums are all-reduced once per layer.
+dimension (TP inside the experts; the shared expert is split the same way) and the partial
+sums are all-reduced once per layer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from torch import nn
 from raylm.parallel.communication import tp_all_reduce
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
     Weight,
     divide,
     new_param,
@@ -28,7 +32,8 @@ from raylm.parallel.layers import (
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, ctx: ParallelContext, dtype: torch.dtype) -> None:
+                 norm_topk_prob: bool, ctx: ParallelContext, dtype: torch.dtype,
+                 shared_expert_intermediate_size: int = 0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], "
@@ -43,6 +48,12 @@ class SparseMoeBlock(nn.Module):
         self.w13 = new_param((num_experts, 2 * self.intermediate, hidden_size), ctx, dtype)
         self.w2 = new_param((num_experts, hidden_size, self.intermediate), ctx, dtype)
         self._loaded: set[tuple[int, str]] = set()
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: _Router | None = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size, ctx,
+                                              dtype)
+            self.shared_expert_gate = _Router(1, hidden_size, ctx, dtype)
 
     @property
     def all_expert_weights_loaded(self) -> bool:
@@ -96,11 +107,32 @@ class SparseMoeBlock(nn.Module):
             y = F.linear(F.silu(gate) * up, self.w2[expert])
             out.index_add_(0, idx, y * slot_weights[start:start + n, None])
             start += n
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # This rank's share of the shared expert, summed by the same all-reduce.
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return tp_all_reduce(out, self.ctx)
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token runs, split over TP like a dense
+    MLP but left unreduced (its block all-reduces once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, False, ctx=ctx, params_dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, ctx=ctx,
+                                           params_dtype=dtype, reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class _Router(nn.Module):
-    """The router's linear (``mlp.gate.weight``, [num_experts, hidden]), whole on every rank."""
+    """The router's linear (``mlp.gate.weight``, [num_experts, hidden]), whole on every rank;
+    also Qwen2-MoE's shared-expert gate ([1, hidden])."""
 
     def __init__(self, num_experts: int, hidden_size: int, ctx: ParallelContext,
                  dtype: torch.dtype) -> None:

@@ -1,8 +1,8 @@
 """Which layers of a checkpoint attend through a sliding window, read from config.json as
 transformers reads it.
 
-Mistral puts its ``sliding_window`` on every layer (Qwen3-MoE too, with
-``use_sliding_window``); Qwen2/Qwen3 on the layers their
+Mistral and Mixtral put their ``sliding_window`` on every layer (Qwen3-MoE too, with
+``use_sliding_window``); Qwen2/Qwen3/Qwen2-MoE on the layers their
 ``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types`` say;
 Gemma 3 on its ``sliding_attention`` layers (``layer_types``, else every layer but each
 ``sliding_window_pattern``-th).
@@ -16,7 +16,8 @@ from typing import Any
 
 # Architectures whose config carries Qwen's window fields, and transformers' default
 # max_window_layers for them (Qwen2Config / Qwen3Config).
-QWEN_DEFAULT_MAX_WINDOW_LAYERS = {"Qwen2ForCausalLM": 28, "Qwen3ForCausalLM": 28}
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = {"Qwen2ForCausalLM": 28, "Qwen3ForCausalLM": 28,
+                                  "Qwen2MoeForCausalLM": 28}
 LAYER_KINDS = ("full_attention", "sliding_attention")
 DEFAULT_WINDOW = 4096  # transformers' default sliding_window for these families
 
@@ -39,8 +40,10 @@ def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | No
     if architecture == "Gemma3ForCausalLM":
         return _by_kind(gemma3_layer_types(hf_config),
                         hf_config.get("sliding_window", DEFAULT_WINDOW), num_layers)
-    if architecture == "MistralForCausalLM":
-        window = hf_config.get("sliding_window", DEFAULT_WINDOW)
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+        # transformers' defaults: Mistral 4096, Mixtral none
+        window = hf_config.get("sliding_window", DEFAULT_WINDOW
+                               if architecture == "MistralForCausalLM" else None)
         return [_checked(window)] * num_layers
     if architecture == "Qwen3MoeForCausalLM":  # every layer, when use_sliding_window
         window = (hf_config.get("sliding_window", DEFAULT_WINDOW)
@@ -52,6 +55,11 @@ def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | No
     window = (hf_config.get("sliding_window", DEFAULT_WINDOW)
               if hf_config.get("use_sliding_window") else None)
     layer_types = hf_config.get("layer_types")
+    if layer_types is None and architecture == "Qwen2MoeForCausalLM":
+        # transformers 5's Qwen2MoeConfig: the even-numbered layers below max_window_layers.
+        last = int(hf_config.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if window is not None and i % 2 == 0 and i < last
+                       else "full_attention" for i in range(num_layers)]
     if layer_types is None:
         first = int(hf_config.get("max_window_layers",
                                   QWEN_DEFAULT_MAX_WINDOW_LAYERS[architecture]))

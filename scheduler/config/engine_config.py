@@ -22,16 +22,16 @@ from raylm.scheduler.config.checkpoint_quantization import (
 )
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
+from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
 from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
-# Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window) and Qwen3-MoE (q/k norm,
-# sparse expert MLPs) run on the Llama decoder with flags.
+# Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window), Gemma 3 and the mixtures
+# of experts (scheduler/config/moe_layout.py) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+                           "MistralForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES)
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -108,6 +108,7 @@ class ModelConfig:
                 object.__setattr__(self, "hf_config", json.load(f))
         arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
         check_attention_layout(arch, self.hf_config)
+        check_moe_layout(arch, self.hf_config)
         method = checkpoint_quantization(self.hf_config)
         if self.quantization in CHECKPOINT_METHODS and self.quantization != method:
             raise _bad("quantization", self.quantization,

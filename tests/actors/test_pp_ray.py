@@ -123,6 +123,15 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     # intermediate dimension, one all-reduce per layer), a dense layer between.
     pytest.param(dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
                       mlp_only_layers=(1,), seed=32), id="qwen3-moe"),
+    # Qwen2-MoE: the gated shared expert's TP slice summed by the experts' one all-reduce.
+    pytest.param(dict(architecture="Qwen2MoeForCausalLM", num_hidden_layers=3,
+                      mlp_only_layers=(2,), norm_topk_prob=False, seed=34), id="qwen2-moe"),
+    # Mixtral's weight names read per stage; OLMoE's q/k norm over the whole projection,
+    # its mean square summed over the TP ranks' heads.
+    pytest.param(dict(architecture="MixtralForCausalLM", num_experts=4, seed=35),
+                 id="mixtral"),
+    pytest.param(dict(architecture="OlmoeForCausalLM", norm_topk_prob=False, seed=36),
+                 id="olmoe"),
     # Gemma 3: two sliding layers on stage 0 with their RoPE base, the global one on stage 1;
     # the scaled embedding on the first stage, the soft-capped logits on the last.
     pytest.param(dict(architecture="Gemma3ForCausalLM", num_hidden_layers=3, sliding_window=5,

@@ -1,7 +1,8 @@
-"""Qwen3-MoE: the sparse expert MLP (softmax router, top-k renormalised, experts run
-grouped by expert) against a per-token reference, and the whole model against
-transformers, token for token, sync and async, with chunked prefill, prefix hits and
-preemption, dense and sparse layers mixed."""
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the sparse expert MLP
+(softmax router, top-k renormalised or not, experts run grouped by expert, Qwen2-MoE's gated
+shared expert) against a per-token reference, and each whole model against transformers,
+token for token, sync and async, with chunked prefill, prefix hits, preemption and ngram
+speculation, dense and sparse layers mixed."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ import torch
 import torch.nn.functional as F
 from family_check import assert_greedy_equals_transformers
 
-from raylm import LLM
+from raylm import LLM, SamplingParams
 from raylm.parallel.context import ParallelContext
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.moe import SparseMoeBlock
 
 
-def _block(num_experts: int, top_k: int, norm: bool) -> SparseMoeBlock:
+def _block(num_experts: int, top_k: int, norm: bool, shared: int = 0) -> SparseMoeBlock:
     torch.manual_seed(num_experts * 10 + top_k)
-    block = SparseMoeBlock(16, 12, num_experts, top_k, norm, ParallelContext.single(), torch.float32)
+    block = SparseMoeBlock(16, 12, num_experts, top_k, norm, ParallelContext.single(),
+                           torch.float32, shared)
     block.gate.weight.data.normal_()
+    if block.shared_expert is not None and block.shared_expert_gate is not None:
+        block.shared_expert.gate_up_proj.weight.data.normal_()
+        block.shared_expert.down_proj.weight.data.normal_()
+        block.shared_expert_gate.weight.data.normal_()
     for e in range(num_experts):
         block.load_expert_weight(e, "gate_proj", torch.randn(12, 16))
         block.load_expert_weight(e, "up_proj", torch.randn(12, 16))
@@ -32,10 +38,10 @@ def _block(num_experts: int, top_k: int, norm: bool) -> SparseMoeBlock:
     return block
 
 
-@pytest.mark.parametrize(("num_experts", "top_k", "norm"), [(8, 2, True), (4, 1, False),
-                                                            (6, 6, True)])
-def test_grouped_experts_equal_a_per_token_reference(num_experts, top_k, norm):
-    block = _block(num_experts, top_k, norm)
+@pytest.mark.parametrize(("num_experts", "top_k", "norm", "shared"),
+                         [(8, 2, True, 0), (4, 1, False, 0), (6, 6, True, 0), (4, 2, False, 10)])
+def test_grouped_experts_equal_a_per_token_reference(num_experts, top_k, norm, shared):
+    block = _block(num_experts, top_k, norm, shared)
     x = torch.randn(11, 16)
     probs = torch.softmax(x @ block.gate.weight.T, dim=-1)
     want = torch.zeros_like(x)
@@ -46,6 +52,10 @@ def test_grouped_experts_equal_a_per_token_reference(num_experts, top_k, norm):
         for weight, e in zip(w.tolist(), ids.tolist(), strict=True):
             gate, up = (block.w13[e] @ x[t]).chunk(2)
             want[t] += weight * (block.w2[e] @ (F.silu(gate) * up))
+        if block.shared_expert is not None and block.shared_expert_gate is not None:
+            gate, up = (block.shared_expert.gate_up_proj.weight @ x[t]).chunk(2)
+            dense = block.shared_expert.down_proj.weight @ (F.silu(gate) * up)
+            want[t] += torch.sigmoid(block.shared_expert_gate.weight @ x[t]) * dense
     torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
 
 
@@ -61,33 +71,122 @@ def test_a_missing_or_unknown_expert_weight_is_named():
         block.load_expert_weight(0, "down_proj", torch.randn(12, 16))
 
 
+# Each family's traits: Qwen3-MoE (q/k norm per head, a dense layer between sparse ones),
+# Qwen2-MoE (qkv bias, a gated shared expert, top-k not renormalised), Mixtral (its own
+# weight names, top-k renormalised), OLMoE (q/k norm over the whole projection).
+FAMILIES = {
+    "qwen3-moe": CheckpointSpec(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3,
+                                head_dim=32, mlp_only_layers=(1,), seed=31),
+    "qwen2-moe": CheckpointSpec(architecture="Qwen2MoeForCausalLM", num_hidden_layers=3,
+                                mlp_only_layers=(2,), norm_topk_prob=False, seed=34),
+    "mixtral": CheckpointSpec(architecture="MixtralForCausalLM", num_experts=4, seed=35),
+    "olmoe": CheckpointSpec(architecture="OlmoeForCausalLM", norm_topk_prob=False, seed=36),
+}
+SPARSE_BLOCKS = {
+    "qwen3-moe": ["Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP", "Qwen3MoeSparseMoeBlock"],
+    "qwen2-moe": ["Qwen2MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen2MoeMLP"],
+    "mixtral": ["MixtralSparseMoeBlock"] * 2,
+    "olmoe": ["OlmoeSparseMoeBlock"] * 2,
+}
+
+
 @pytest.fixture(scope="module")
-def moe_path(tmp_path_factory) -> str:
-    """3 layers: the middle one dense (mlp_only_layers), 8 experts, top 2."""
-    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3moe")), CheckpointSpec(
-        architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
-        mlp_only_layers=(1,), seed=31))
+def family_paths(tmp_path_factory) -> dict[str, str]:
+    return {name: write_random_checkpoint(str(tmp_path_factory.mktemp(name)), spec)
+            for name, spec in FAMILIES.items()}
 
 
-def test_the_sparse_layers_are_those_transformers_builds(moe_path, hf_oracle):
-    with open(f"{moe_path}/config.json") as f:
+@pytest.fixture(scope="module")
+def moe_path(family_paths) -> str:
+    return family_paths["qwen3-moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_sparse_layers_are_those_transformers_builds(family_paths, family, hf_oracle):
+    path = family_paths[family]
+    with open(f"{path}/config.json") as f:
         cfg = DecoderConfig.from_hf(json.load(f))
-    assert cfg.moe_layers == (True, False, True) and cfg.num_experts == 8
-    hf = hf_oracle(moe_path).model.model.layers
-    assert [type(layer.mlp).__name__ for layer in hf] == [
-        "Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP", "Qwen3MoeSparseMoeBlock"]
+    hf = hf_oracle(path).model.model.layers
+    blocks = [type(getattr(layer, "mlp", None) or layer.block_sparse_moe).__name__
+              for layer in hf]
+    assert blocks == SPARSE_BLOCKS[family]
+    assert cfg.moe_layers == tuple(b.endswith("SparseMoeBlock") for b in blocks)
+    assert cfg.num_experts == FAMILIES[family].num_experts
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_qwen3_moe_equals_transformers(moe_path, async_scheduling, hf_oracle):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_family_equals_transformers(family_paths, family, async_scheduling, hf_oracle):
+    path = family_paths[family]
     rng = random.Random(5)
     shared = [rng.randrange(3, 512) for _ in range(20)]
     prompts = [shared + [7, 8], shared + [rng.randrange(3, 512) for _ in range(25)],
                [rng.randrange(3, 512) for _ in range(33)], [5, 6]]
     assert_greedy_equals_transformers(
-        moe_path, hf_oracle(moe_path), prompts, [14, 9, 16, 20],
+        path, hf_oracle(path), prompts, [14, 9, 16, 20],
         async_scheduling=async_scheduling, block_size=4, num_kv_blocks=28,
         max_num_batched_tokens=16, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
+def test_moe_family_with_ngram_speculation_equals_transformers(family_paths, family,
+                                                               hf_oracle):
+    """Prompts that repeat, so prompt lookup proposes and some proposals are accepted."""
+    path = family_paths[family]
+    phrase = [11, 12, 13, 14, 15, 16]
+    prompts = [phrase * 4, [40, 41] + phrase * 3]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    with LLM(path, async_scheduling=True, speculative_config=spec, block_size=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        metrics = llm.get_metrics()
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_oracle(path).greedy(p, 16)
+    assert metrics["raylm:spec_decode_num_draft_tokens"] > 0
+
+
+def _with_config(src: str, dst, **fields) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+PROMPT = list(range(40, 72))  # 32 tokens: far beyond a 5-token window
+
+
+@pytest.mark.parametrize(("family", "fields"), [
+    ("mixtral", {"sliding_window": 5}),  # every layer
+    # A hub Qwen2-MoE config (no layer_types): transformers 5 windows the even layers
+    # below max_window_layers, here layer 0 of 3.
+    ("qwen2-moe", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
+                   "layer_types": None}),
+])
+def test_a_moe_familys_sliding_window_is_honoured(family_paths, family, fields, tmp_path,
+                                                  hf_oracle):
+    path = _with_config(family_paths[family], tmp_path / "windowed", **fields)
+    want = hf_oracle(path).greedy(PROMPT, 12)
+    assert want != hf_oracle(family_paths[family]).greedy(PROMPT, 12)  # the window matters
+    with LLM(path, block_size=4) as llm:
+        out = llm.generate([{"prompt_token_ids": PROMPT}],
+                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize(("family", "fields", "message"), [
+    ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv=8\.0 is not supported for OLMoE"),
+    ("olmoe", {"sliding_window": 16}, r"sliding_window=16 is not supported for OLMoE"),
+    ("qwen2-moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be at least 1"),
+    ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok must be in \[1, "
+                                            r"num_experts=4\], got 5"),
+])
+def test_a_moe_field_raylm_cannot_honour_is_refused_by_name(family_paths, family, fields,
+                                                            message, tmp_path):
+    path = _with_config(family_paths[family], tmp_path / "refused", **fields)
+    with pytest.raises(ValueError, match=message):
+        LLM(path)
 
 
 def test_lora_on_a_moe_model_is_refused_by_name(moe_path):
