@@ -26,6 +26,9 @@ class ParallelContext:
     # torch.distributed ProcessGroup objects, or None when the dimension has size 1.
     tp_group: Any = None
     pp_group: Any = None
+    # Sparse expert layers split their experts over the TP ranks (each rank whole experts)
+    # instead of every expert's intermediate dimension (enable_expert_parallel).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name, rank, size in (("tp_rank", self.tp_rank, self.tp_size),

@@ -144,6 +144,8 @@ class Worker:
                 keep_freed_host_memory()
         self.num_threads = num_threads or default_intra_op_threads()
         set_intra_op_threads(self.num_threads)
+        if self.engine_config.parallel_config.enable_expert_parallel:
+            ctx = replace(ctx, expert_parallel=True)
         self.ctx = ctx
         info = self.device_info()
         logger.info("worker rank %d runs on %s: %s (index %s, %.1f GiB)", self.rank,

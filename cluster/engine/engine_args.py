@@ -104,6 +104,9 @@ class EngineArgs:
         bounds={"exclusiveMinimum": 0})
     dp_sync_interval: int = _arg(16, "steps between the DP ranks' wave syncs",
                                  bounds=_AT_LEAST_1)
+    enable_expert_parallel: bool = _arg(
+        False, "mixtures of experts: each TP rank holds whole experts (num_experts / TP) "
+               "instead of a 1/TP slice of every expert")
     cpu_burst_threads: int | None = _arg(
         None, "CPU: torch threads of a step of at least 64 tokens (a wave of prompts); other "
               "steps keep the rank's own threads (its reserved CPUs). For an engine with a "
@@ -281,6 +284,7 @@ class EngineArgs:
             distributed_executor_backend=self._executor_backend(),
             placement_group_strategy=self.placement_group_strategy,
             dp_sync_interval=self.dp_sync_interval,
+            enable_expert_parallel=self.enable_expert_parallel,
             cpu_burst_threads=self.cpu_burst_threads,
             placement_timeout_s=self.placement_timeout_s,
         )

@@ -61,8 +61,6 @@ VLLM_ARGS: dict[str, ForeignArg] = {
                                                "metrics are on /metrics"),
     "disable_custom_all_reduce": ForeignArg(_is(True), "raylm's all-reduce is "
                                                        "torch.distributed's"),
-    "enable_expert_parallel": ForeignArg(_is(False, None),
-                                         "raylm runs dense models (no experts)"),
     "limit_mm_per_prompt": ForeignArg(_is(None), "raylm serves text only"),
     "revision": ForeignArg(_is(None, "main"), "raylm loads the checkpoint folder as it is"),
     "download_dir": ForeignArg(_is(None), "raylm downloads nothing but its default model"),

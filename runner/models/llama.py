@@ -334,7 +334,14 @@ class LlamaForCausalLM(nn.Module):
         skip the rest without reading them. ``load_weights`` applies the same rules."""
         ctx, tied = self.ctx, self.config.tie_word_embeddings
         if name.startswith("model.layers."):
-            return self.model.start_layer <= int(name.split(".")[2]) < self.model.end_layer
+            layer = int(name.split(".")[2])
+            if not self.model.start_layer <= layer < self.model.end_layer:
+                return False
+            # Expert parallelism: another rank's expert stays unread.
+            expert = _EXPERT_WEIGHT.fullmatch(canonical_weight_name(name))
+            mlp = cast(LlamaDecoderLayer, self.model.layers[layer]).mlp
+            return (expert is None or not isinstance(mlp, SparseMoeBlock)
+                    or mlp.holds_expert(int(expert[2])))
         if name.startswith("model.embed_tokens."):
             return ctx.is_first_pp_rank or (tied and ctx.is_last_pp_rank)
         if name.startswith("lm_head."):

@@ -7,7 +7,10 @@ The experts run grouped by expert: one pair of matmuls per expert over the token
 to it (no per-token loop), their outputs added in expert order as transformers adds them.
 With tensor parallelism every rank holds every expert's slice of the intermediate
 dimension (TP inside the experts; the shared expert is split the same way) and the partial
-sums are all-reduced once per layer.
+sums are all-reduced once per layer. With expert parallelism (``ctx.expert_parallel``) each
+rank instead holds whole experts, a contiguous range of them, and runs the tokens routed to
+those: every rank has every token (TP ranks share the hidden states), so the same one
+all-reduce combines the experts' outputs and no all-to-all is needed.
 """
 
 from __future__ import annotations
@@ -42,11 +45,19 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.intermediate = divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
+        if ctx.expert_parallel and ctx.tp_size > 1:
+            self.first_expert, self.num_local_experts = expert_range(num_experts, ctx.tp_rank,
+                                                                     ctx.tp_size)
+            self.intermediate = intermediate_size
+        else:
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.intermediate = divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
+        self.sliced = self.intermediate != intermediate_size
         self.gate = _Router(num_experts, hidden_size, ctx, dtype)
-        # Per expert: [gate; up] rows of this rank's slice, and down's columns of it.
-        self.w13 = new_param((num_experts, 2 * self.intermediate, hidden_size), ctx, dtype)
-        self.w2 = new_param((num_experts, hidden_size, self.intermediate), ctx, dtype)
+        # Per local expert: [gate; up] rows of this rank's slice, and down's columns of it.
+        self.w13 = new_param((self.num_local_experts, 2 * self.intermediate, hidden_size), ctx,
+                             dtype)
+        self.w2 = new_param((self.num_local_experts, hidden_size, self.intermediate), ctx, dtype)
         self._loaded: set[tuple[int, str]] = set()
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: _Router | None = None
@@ -56,26 +67,38 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = _Router(1, hidden_size, ctx, dtype)
 
     @property
+    def local_experts(self) -> range:
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
+    def holds_expert(self, expert: int) -> bool:
+        return expert in self.local_experts
+
+    @property
     def all_expert_weights_loaded(self) -> bool:
-        return len(self._loaded) == 3 * self.num_experts
+        return len(self._loaded) == 3 * self.num_local_experts
 
     def missing_expert_weights(self) -> list[str]:
-        """``experts.{e}.{proj}`` of every expert weight not loaded yet."""
-        return [f"experts.{e}.{proj}" for e in range(self.num_experts)
+        """``experts.{e}.{proj}`` of every weight of this rank's experts not loaded yet."""
+        return [f"experts.{e}.{proj}" for e in self.local_experts
                 for proj in ("gate_proj", "up_proj", "down_proj")
                 if (e, proj) not in self._loaded]
 
     def load_expert_weight(self, expert: int, proj: str, weight: Weight) -> None:
-        """``experts.{expert}.{proj}.weight`` of the checkpoint: this rank's slice."""
+        """``experts.{expert}.{proj}.weight`` of the checkpoint: this rank's slice, or the
+        whole expert under expert parallelism (another rank's expert is skipped unread)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (num_experts={self.num_experts}).")
-        size, start = self.intermediate, self.ctx.tp_rank * self.intermediate
+        if not self.holds_expert(expert):
+            return
+        local = expert - self.first_expert
+        size = self.intermediate
+        start = self.ctx.tp_rank * size if self.sliced else 0
         if proj in ("gate_proj", "up_proj"):
             shard = weight.narrow(0, start, size)
-            target = self.w13.data[expert].narrow(0, 0 if proj == "gate_proj" else size, size)
+            target = self.w13.data[local].narrow(0, 0 if proj == "gate_proj" else size, size)
         elif proj == "down_proj":
             shard = weight.narrow(1, start, size)
-            target = self.w2.data[expert]
+            target = self.w2.data[local]
         else:
             raise ValueError(f"unknown expert projection {proj!r}.")
         if tuple(shard.shape) != tuple(target.shape):
@@ -98,19 +121,27 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
         slot_weights = weights.reshape(-1)[order]
-        start = 0
-        for expert, n in enumerate(counts):
+        start = sum(counts[:self.first_expert])  # the earlier ranks' experts' pairs
+        for local, expert in enumerate(self.local_experts):
+            n = counts[expert]
             if n == 0:
                 continue
             idx = tokens[start:start + n]
-            gate, up = F.linear(x.index_select(0, idx), self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = F.linear(x.index_select(0, idx), self.w13[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[local])
             out.index_add_(0, idx, y * slot_weights[start:start + n, None])
             start += n
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # This rank's share of the shared expert, summed by the same all-reduce.
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return tp_all_reduce(out, self.ctx)
+
+
+def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
+    """(first expert, count) of ``rank`` among ``size`` expert-parallel ranks: contiguous
+    ranges, the first ``num_experts % size`` ranks one expert more."""
+    base, extra = divmod(num_experts, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
 
 
 class SharedExpert(nn.Module):

@@ -22,7 +22,7 @@ from raylm.scheduler.config.checkpoint_quantization import (
 )
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
-from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout
+from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout, moe_traits
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
 from raylm.scheduler.config.validation import check_at_least
 
@@ -190,6 +190,9 @@ class ParallelConfig:
     distributed_executor_backend: ExecutorBackend | None = None
     placement_group_strategy: PlacementStrategy = "PACK"
     dp_sync_interval: int = 16
+    # Mixtures of experts: each TP rank holds whole experts (num_experts / TP of them)
+    # instead of every expert's 1/TP slice (vLLM's name; across DP ranks not yet).
+    enable_expert_parallel: bool = False
     # CPU ranks: torch threads of a step of at least CPU_BURST_MIN_TOKENS tokens (None:
     # the rank's own threads for every step).
     cpu_burst_threads: int | None = None
@@ -262,6 +265,7 @@ class EngineConfig:
         if spec is not None and spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.hf_config)
         self._check_kv_transfer()
+        self._check_expert_parallel()
         if self.lora_config is not None and self.model_config.architecture in MOE_ARCHITECTURES:
             raise ValueError(f"enable_lora is not supported for {self.model_config.architecture} "
                              "(LoRA adapts dense MLPs; this model's are sparse experts).")
@@ -269,6 +273,23 @@ class EngineConfig:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
         self._resolve_async_scheduling()
+
+    def _check_expert_parallel(self) -> None:
+        pc, arch = self.parallel_config, self.model_config.architecture
+        if not pc.enable_expert_parallel:
+            return
+        if arch not in MOE_ARCHITECTURES:
+            raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts model; "
+                             f"{arch} has no experts.")
+        if pc.data_parallel_size > 1:
+            raise ValueError("enable_expert_parallel=True with data_parallel_size="
+                             f"{pc.data_parallel_size} is not supported: raylm spreads "
+                             "experts over the TP ranks of one DP rank only.")
+        num_experts = moe_traits(arch, self.model_config.hf_config).num_experts
+        if num_experts < pc.tensor_parallel_size:
+            raise ValueError(f"enable_expert_parallel=True: num_experts={num_experts} cannot "
+                             f"give each of tensor_parallel_size={pc.tensor_parallel_size} "
+                             "ranks an expert.")
 
     def _check_kv_transfer(self) -> None:
         """Prefill/decode transfer pulls each rank's KV heads from the peer's worker

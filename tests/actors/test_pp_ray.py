@@ -114,37 +114,42 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("spec", [
+@pytest.mark.parametrize(("spec", "engine"), [
     # A Qwen2 whose second layer attends through a 5-token window: the window lives on
     # stage 1, each TP rank's heads apply it.
     pytest.param(dict(architecture="Qwen2ForCausalLM", sliding_window=5, max_window_layers=1,
-                      seed=23), id="qwen2-sliding-window"),
+                      seed=23), {},
+                 id="qwen2-sliding-window"),
     # Sparse expert MLPs with TP inside the experts (each rank every expert's slice of the
     # intermediate dimension, one all-reduce per layer), a dense layer between.
     pytest.param(dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
-                      mlp_only_layers=(1,), seed=32), id="qwen3-moe"),
-    # Qwen2-MoE: the gated shared expert's TP slice summed by the experts' one all-reduce.
+                      mlp_only_layers=(1,), seed=32), {},
+                 id="qwen3-moe"),
+    # Qwen2-MoE with expert parallelism: each TP rank runs 4 of the 8 experts whole and
+    # its slice of the gated shared expert, all summed by one all-reduce.
     pytest.param(dict(architecture="Qwen2MoeForCausalLM", num_hidden_layers=3,
-                      mlp_only_layers=(2,), norm_topk_prob=False, seed=34), id="qwen2-moe"),
+                      mlp_only_layers=(2,), norm_topk_prob=False, seed=34),
+                 {"enable_expert_parallel": True}, id="qwen2-moe-ep"),
     # Mixtral's weight names read per stage; OLMoE's q/k norm over the whole projection,
     # its mean square summed over the TP ranks' heads.
-    pytest.param(dict(architecture="MixtralForCausalLM", num_experts=4, seed=35),
+    pytest.param(dict(architecture="MixtralForCausalLM", num_experts=4, seed=35), {},
                  id="mixtral"),
-    pytest.param(dict(architecture="OlmoeForCausalLM", norm_topk_prob=False, seed=36),
+    pytest.param(dict(architecture="OlmoeForCausalLM", norm_topk_prob=False, seed=36), {},
                  id="olmoe"),
     # Gemma 3: two sliding layers on stage 0 with their RoPE base, the global one on stage 1;
     # the scaled embedding on the first stage, the soft-capped logits on the last.
     pytest.param(dict(architecture="Gemma3ForCausalLM", num_hidden_layers=3, sliding_window=5,
                       sliding_window_pattern=3, head_dim=16, final_logit_softcapping=30.0,
-                      seed=33), id="gemma3"),
+                      seed=33), {},
+                 id="gemma3"),
 ])
-def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec):
+def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
     path = write_random_checkpoint(str(tmp_path_factory.mktemp("family")), CheckpointSpec(**spec))
     expected = [hf_oracle(path).greedy(p, m) for p, m in zip(_prompts(), MAX_TOKENS, strict=True)]
     llm = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True,
-              **ENGINE)
+              **ENGINE, **engine)
     try:
         assert _generate(llm) == expected
         assert llm.get_metrics()["raylm:num_preemptions"] > 0

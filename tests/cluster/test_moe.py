@@ -19,7 +19,7 @@ from raylm import LLM, SamplingParams
 from raylm.parallel.context import ParallelContext
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 from raylm.runner.models.decoder_config import DecoderConfig
-from raylm.runner.models.moe import SparseMoeBlock
+from raylm.runner.models.moe import SparseMoeBlock, expert_range
 
 
 def _block(num_experts: int, top_k: int, norm: bool, shared: int = 0) -> SparseMoeBlock:
@@ -187,6 +187,55 @@ def test_a_moe_field_raylm_cannot_honour_is_refused_by_name(family_paths, family
     path = _with_config(family_paths[family], tmp_path / "refused", **fields)
     with pytest.raises(ValueError, match=message):
         LLM(path)
+
+
+@pytest.mark.parametrize(("num_experts", "size", "ranges"), [
+    (8, 2, [(0, 4), (4, 4)]), (5, 2, [(0, 3), (3, 2)]), (7, 4, [(0, 2), (2, 2), (4, 2), (6, 1)])])
+def test_expert_ranges_cover_every_expert_once(num_experts, size, ranges):
+    assert [expert_range(num_experts, r, size) for r in range(size)] == ranges
+
+
+def test_expert_parallel_ranks_hold_and_read_only_their_experts(family_paths):
+    """Qwen2-MoE at TP=2 with expert parallelism (loading only: no collective runs): rank r
+    holds experts 4r..4r+3 whole, equal to the TP=1 model's, asks the lazy reader for only
+    their tensors, and still splits the shared expert's intermediate dimension."""
+    from raylm.runner.loading.model_loader import get_model, iterate_weights
+    from raylm.scheduler.config.engine_config import ModelConfig
+
+    path = family_paths["qwen2-moe"]
+    config = ModelConfig(model=path, dtype="float32")
+    full = get_model(config, ParallelContext.single()).model.layers[0].mlp
+    names = [name for name, _ in iterate_weights(path) if ".mlp.experts." in name]
+    for rank in range(2):
+        ctx = ParallelContext(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0,
+                              device=torch.device("cpu"), tp_group=object(),
+                              expert_parallel=True)
+        model = get_model(config, ctx)
+        block = model.model.layers[0].mlp
+        assert block.local_experts == range(4 * rank, 4 * rank + 4)
+        assert torch.equal(block.w13, full.w13[4 * rank:4 * rank + 4])
+        assert torch.equal(block.w2, full.w2[4 * rank:4 * rank + 4])
+        wanted = {name.split(".")[5] for name in names if model.needs_weight(name)}
+        assert wanted == {str(e) for e in block.local_experts}
+        shared = block.shared_expert.down_proj.weight
+        assert torch.equal(shared, full.shared_expert.down_proj.weight.chunk(2, dim=1)[rank])
+
+
+@pytest.mark.parametrize(("family", "engine", "message"), [
+    ("dense", {"enable_expert_parallel": True},
+     "enable_expert_parallel=True needs a mixture-of-experts model; LlamaForCausalLM"),
+    ("mixtral", {"enable_expert_parallel": True, "tensor_parallel_size": 8},
+     r"num_experts=4 cannot give each of tensor_parallel_size=8 ranks an expert"),
+    ("mixtral", {"enable_expert_parallel": True, "data_parallel_size": 2},
+     "enable_expert_parallel=True with data_parallel_size=2 is not supported"),
+])
+def test_expert_parallel_it_cannot_run_is_refused_by_name(family_paths, llama_path, family,
+                                                          engine, message):
+    from raylm.cluster.engine.engine_args import EngineArgs
+
+    path = llama_path if family == "dense" else family_paths[family]
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=path, **engine).create_engine_config()
 
 
 def test_lora_on_a_moe_model_is_refused_by_name(moe_path):

@@ -142,7 +142,7 @@ def test_every_unimplemented_ray_key_is_named_in_one_error():
         "experimental_configs": {"num_ingress_replicas": 2},
         "deployment_config": {"ray_actor_options": {"num_cpus": 2},
                               "autoscaling_config": {"upscaling_factor": 2.0}},
-        "engine_kwargs": {"enable_chunked_prefill": False, "enable_expert_parallel": True,
+        "engine_kwargs": {"enable_chunked_prefill": False, "disable_custom_all_reduce": False,
                           "kv_cache_dtype": "fp8", "made_up_key": 1},
         "also_made_up": 2,
     }
@@ -157,7 +157,7 @@ def test_every_unimplemented_ray_key_is_named_in_one_error():
                 "deployment_config.ray_actor_options",
                 "deployment_config.autoscaling_config.upscaling_factor",
                 "engine_kwargs.enable_chunked_prefill=False",
-                "engine_kwargs.enable_expert_parallel=True",
+                "engine_kwargs.disable_custom_all_reduce=False",
                 "engine_kwargs.kv_cache_dtype='fp8'", "engine_kwargs.made_up_key",
                 "also_made_up"):
         assert key in message, key
@@ -200,7 +200,7 @@ def test_vllm_arguments_raylm_already_honours_are_accepted(kwargs):
 @pytest.mark.parametrize("kwargs, reason", [
     ({"enable_chunked_prefill": False}, "always chunks long prompts"),
     ({"kv_cache_dtype": "fp8"}, "model's dtype"),
-    ({"enable_expert_parallel": True}, "dense models"),
+    ({"disable_custom_all_reduce": False}, "all-reduce is torch.distributed's"),
     ({"task": "embed"}, "text generation only"),
     ({"enable_auto_tool_choice": True}, "needs tool_call_parser"),
     ({"scheduling_policy": "priority"}, "first come, first served"),
@@ -228,7 +228,7 @@ def test_vllm_names_shared_with_raylm_reach_the_engine_config(llama_path):
 
 def test_one_refusal_message_lists_refused_and_unknown_engine_arguments():
     with pytest.raises(ValueError) as e:
-        EngineArgs.from_kwargs("/m", enable_expert_parallel=True, max_num_sequences=3)
+        EngineArgs.from_kwargs("/m", disable_custom_all_reduce=False, max_num_sequences=3)
     message = str(e.value)
-    assert "enable_expert_parallel=True: raylm runs dense models" in message
+    assert "disable_custom_all_reduce=False: raylm's all-reduce is torch.distributed's" in message
     assert "unknown engine argument(s) ['max_num_sequences']" in message
