@@ -261,6 +261,15 @@ class RayExecutor:
         refs = [w.call.remote(method, *args, **(kwargs or {})) for w in self.workers]
         return self._get(refs, timeout_s or self.health_timeout_s, f"collective_rpc({method!r})")
 
+    def expert_load(self) -> dict[int, dict[int, int]]:
+        """Every rank's layers and experts merged: a stage's TP ranks report the same
+        experts (TP inside the experts) or disjoint ones (expert parallelism)."""
+        merged: dict[int, dict[int, int]] = {}
+        for rank_load in self.collective_rpc("expert_load"):
+            for layer, experts in rank_load.items():
+                merged.setdefault(layer, {}).update(experts)
+        return merged
+
     def device_info(self) -> dict[str, Any]:
         device = self.worker_infos[0].get("device") or {"kind": "unknown", "name": "unknown"}
         return {**device, "count": self.world_size}

@@ -107,6 +107,10 @@ class UniProcExecutor:
     def device_info(self) -> dict[str, Any]:
         return {**self.worker.device_info(), "count": 1}
 
+    def expert_load(self) -> dict[int, dict[int, int]]:
+        self.check_health()
+        return self._on_step_thread(self.worker.expert_load)
+
     def check_health(self) -> None:
         if self._dead is not None:
             raise self._dead

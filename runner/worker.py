@@ -265,6 +265,10 @@ class Worker:
                                "pp_transport to exchange hidden states.")
         return self.pp_transport
 
+    def expert_load(self) -> dict[int, dict[int, int]]:
+        """Per sparse layer of this rank's stage: tokens routed to each of its experts."""
+        return self._runner.loaded_model.expert_load()
+
     def pp_stats(self) -> dict[str, int]:
         """How sampled ids reached this rank's inputs (tests, benchmarks, debugging)."""
         runner = self._runner

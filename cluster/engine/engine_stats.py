@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from raylm.scheduler.expert_load_stats import expert_load_series
 from raylm.scheduler.scheduler_stats import parse_device_info
 
 # Speculative decoding (only when the engine reports them: speculation is configured).
@@ -47,6 +48,13 @@ def lora_stats(metrics: dict[str, Any]) -> dict[str, Any]:
     return {"lora_requests_info": out} if out else {}
 
 
+def moe_stats(metrics: dict[str, Any]) -> dict[str, Any]:
+    """get_metrics() -> the get_stats() key ``moe_experts``: tokens per expert and each
+    layer's imbalance by their full names (labels included); none for a dense model."""
+    series = expert_load_series(metrics)
+    return {"moe_experts": series} if series else {}
+
+
 def labelled(key: str) -> tuple[str, dict[str, str]]:
     """'name{a="x"}' -> ('name', {'a': 'x'})."""
     name, _, rest = key.partition("{")
@@ -82,4 +90,5 @@ def engine_stats(metrics: dict[str, Any]) -> dict[str, Any]:
         **spec_decode_stats(m),
         **kv_connector_stats(m),
         **lora_stats(m),
+        **moe_stats(m),
     }

@@ -317,6 +317,13 @@ class LlamaForCausalLM(nn.Module):
                 intermediate_tensors: IntermediateTensors | None = None):
         return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
+    def expert_load(self) -> dict[int, dict[int, int]]:
+        """Per sparse layer of this stage: tokens routed to each of this rank's experts."""
+        layers = self.model.layers[self.model.start_layer:self.model.end_layer]
+        return {self.model.start_layer + i: mlp.expert_load()
+                for i, mlp in enumerate(cast(LlamaDecoderLayer, layer).mlp for layer in layers)
+                if isinstance(mlp, SparseMoeBlock)}
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocab float32 logits on every TP rank of the last stage."""
         head = self.lm_head

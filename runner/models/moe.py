@@ -59,6 +59,10 @@ class SparseMoeBlock(nn.Module):
                              dtype)
         self.w2 = new_param((self.num_local_experts, hidden_size, self.intermediate), ctx, dtype)
         self._loaded: set[tuple[int, str]] = set()
+        # Tokens routed to each of this rank's experts since load (the expert-load metrics);
+        # a tensor, so counting adds no host sync on CUDA.
+        self.routed_tokens = torch.zeros(self.num_local_experts, dtype=torch.int64,
+                                         device=ctx.device)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: _Router | None = None
         if shared_expert_intermediate_size:
@@ -72,6 +76,10 @@ class SparseMoeBlock(nn.Module):
 
     def holds_expert(self, expert: int) -> bool:
         return expert in self.local_experts
+
+    def expert_load(self) -> dict[int, int]:
+        """Tokens routed to each of this rank's experts so far, by expert id."""
+        return dict(zip(self.local_experts, self.routed_tokens.tolist(), strict=True))
 
     @property
     def all_expert_weights_loaded(self) -> bool:
@@ -118,7 +126,10 @@ class SparseMoeBlock(nn.Module):
         # Tokens grouped by expert: the (token, slot) pairs sorted by expert id.
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=self.num_experts)
+        self.routed_tokens += counts_t[self.first_expert:self.first_expert
+                                       + self.num_local_experts]
+        counts = counts_t.tolist()
         tokens = order // self.top_k
         slot_weights = weights.reshape(-1)[order]
         start = sum(counts[:self.first_expert])  # the earlier ranks' experts' pairs

@@ -18,6 +18,7 @@ from typing import Any
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
 from raylm.scheduler.config.engine_config import EngineConfig
+from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES
 from raylm.scheduler.core.batch_queue import BatchQueue, InFlightStep, StepState
 from raylm.scheduler.core.executor_base import EngineDeadError, Executor
 from raylm.scheduler.core_outputs import (
@@ -27,6 +28,7 @@ from raylm.scheduler.core_outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from raylm.scheduler.expert_load_stats import expert_load_metrics
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.scheduler import Scheduler
 from raylm.scheduler.scheduler_stats import device_info_key, metrics_dict
@@ -280,6 +282,8 @@ class EngineCore:
         metrics.update(s.kv_transfer.metrics())
         metrics.update(s.lora_metrics())
         metrics[device_info_key(self.device_info)] = float(self.device_info.get("count", 1))
+        if self.config.model_config.architecture in MOE_ARCHITECTURES:
+            metrics.update(expert_load_metrics(self.executor.expert_load()))
         return metrics
 
     def shutdown(self) -> None:

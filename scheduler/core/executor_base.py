@@ -61,4 +61,9 @@ class Executor(Protocol):
         """What the ranks run on: ``kind`` (cuda, cpu), ``name``, ``count`` (ranks)."""
         ...
 
+    def expert_load(self) -> dict[int, dict[int, int]]:
+        """Mixtures of experts: per sparse layer, tokens routed to each expert so far (every
+        stage's layers, every rank's experts); empty for a dense model."""
+        ...
+
     def shutdown(self) -> None: ...

@@ -128,7 +128,7 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     # Qwen2-MoE with expert parallelism: each TP rank runs 4 of the 8 experts whole and
     # its slice of the gated shared expert, all summed by one all-reduce.
     pytest.param(dict(architecture="Qwen2MoeForCausalLM", num_hidden_layers=3,
-                      mlp_only_layers=(2,), norm_topk_prob=False, seed=34),
+                      mlp_only_layers=(1,), norm_topk_prob=False, seed=34),
                  {"enable_expert_parallel": True}, id="qwen2-moe-ep"),
     # Mixtral's weight names read per stage; OLMoE's q/k norm over the whole projection,
     # its mean square summed over the TP ranks' heads.
@@ -152,9 +152,26 @@ def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine)
               **ENGINE, **engine)
     try:
         assert _generate(llm) == expected
-        assert llm.get_metrics()["raylm:num_preemptions"] > 0
+        metrics = llm.get_metrics()
+        assert metrics["raylm:num_preemptions"] > 0
+        if engine.get("enable_expert_parallel"):
+            _assert_experts_split_over_tp_ranks(llm, metrics)
     finally:
         llm.shutdown()
+
+
+def _assert_experts_split_over_tp_ranks(llm: LLM, metrics: dict) -> None:
+    """Qwen2-MoE, 8 experts, sparse layers 0 (stage 0) and 2 (stage 1): TP rank t of each
+    stage ran experts 4t..4t+3 only; the engine's counters cover all 8 of both layers."""
+    core = llm.llm_engine.core
+    workers = ray.get(core.ranks[0].worker_handles.remote(), timeout=30)
+    loads = ray.get([w.call.remote("expert_load") for w in workers], timeout=30)
+    assert [{layer: sorted(experts) for layer, experts in load.items()} for load in loads] == [
+        {0: [0, 1, 2, 3]}, {0: [4, 5, 6, 7]}, {2: [0, 1, 2, 3]}, {2: [4, 5, 6, 7]}]
+    assert all(sum(load[layer].values()) > 0 for load in loads for layer in load)
+    counted = sorted(key for key in metrics if key.startswith("raylm:moe_expert_tokens{"))
+    assert counted == sorted(f'raylm:moe_expert_tokens{{layer="{layer}",expert="{e}"}}'
+                             for layer in (0, 2) for e in range(8))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -236,6 +237,37 @@ def test_expert_parallel_it_cannot_run_is_refused_by_name(family_paths, llama_pa
     path = llama_path if family == "dense" else family_paths[family]
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=path, **engine).create_engine_config()
+
+
+def test_expert_load_counts_every_routed_token_and_reaches_prometheus(moe_path):
+    """One request, nothing cached or preempted: each sparse layer (0 and 2) routes every
+    forward token (the prompt and each generated token but the last) to top_k=2 experts;
+    the counters and each layer's imbalance reach the /metrics exposition."""
+    from prometheus_client import generate_latest
+
+    from raylm.cluster.engine.engine_stats import engine_stats
+    from raylm.cluster.serve.deployment.metrics import ServingMetrics
+
+    prompt, n = list(range(40, 61)), 9
+    with LLM(moe_path, async_scheduling=False) as llm:
+        llm.generate([{"prompt_token_ids": prompt}],
+                     SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        metrics = llm.get_metrics()
+    tokens: dict[tuple[int, int], float] = {}
+    for key, value in metrics.items():
+        if key.startswith("raylm:moe_expert_tokens{"):
+            layer, expert = (int(v) for v in re.findall(r'"(\d+)"', key))
+            tokens[layer, expert] = value
+    assert {layer for layer, _ in tokens} == {0, 2}
+    for layer in (0, 2):
+        per_expert = [tokens[layer, e] for e in range(8)]
+        assert sum(per_expert) == 2 * (len(prompt) + n - 1)
+    text = generate_latest(ServingMetrics("m", lambda: engine_stats(metrics)).registry).decode()
+    assert f'raylm:moe_expert_tokens_total{{expert="3",layer="2",model_name="m"}} ' \
+           f'{tokens[2, 3]}' in text
+    busiest = max(tokens[0, e] for e in range(8)) / (2 * (len(prompt) + n - 1) / 8)
+    assert f'raylm:moe_expert_load_imbalance{{layer="0",model_name="m"}} {busiest}' in text
+    assert "# TYPE raylm:moe_expert_load_imbalance gauge" in text
 
 
 def test_lora_on_a_moe_model_is_refused_by_name(moe_path):

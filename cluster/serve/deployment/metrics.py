@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +24,7 @@ from raylm.cluster.engine.engine_stats import (
     labelled,
 )
 from raylm.cluster.engine.outputs import RequestOutput
+from raylm.scheduler.expert_load_stats import LOAD_IMBALANCE, MOE_DOCS
 
 # The families raylm fills (Metric itself has no add_metric).
 MetricFamily = GaugeMetricFamily | CounterMetricFamily
@@ -128,7 +129,11 @@ class _EngineStatsCollector:
             for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
                 family.add_metric([self._model_name, str(pos)], float(n))
             yield family
-        yield from self._kv_families(stats.get("kv_connector") or {})
+        yield from _labelled_families(
+            self._model_name, stats.get("kv_connector") or {}, KV_GAUGES,
+            lambda name: "KV connector: " + name.split(":", 1)[1].replace("_", " "))
+        yield from _labelled_families(self._model_name, stats.get("moe_experts") or {},
+                                      (LOAD_IMBALANCE,), MOE_DOCS.__getitem__)
         if stats.get("lora_requests_info"):
             names = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
             family = GaugeMetricFamily(
@@ -139,20 +144,21 @@ class _EngineStatsCollector:
                                   value)
             yield family
 
-    def _kv_families(self, series: dict[str, float]) -> Iterable[Metric]:
-        by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
-        for key, value in series.items():
-            name, labels = labelled(key)
-            by_name.setdefault(name, []).append((labels, float(value)))
-        for name, samples in sorted(by_name.items()):
-            label_names = ["model_name", *sorted(samples[0][0])]
-            kind = GaugeMetricFamily if name in KV_GAUGES else CounterMetricFamily
-            family = kind(name, "KV connector: " + name.split(":", 1)[1].replace("_", " "),
-                          labels=label_names)
-            for labels, value in samples:
-                family.add_metric([self._model_name, *(labels[k] for k in label_names[1:])],
-                                  value)
-            yield family
+
+def _labelled_families(model_name: str, series: dict[str, float], gauges: Collection[str],
+                       doc: Callable[[str], str]) -> Iterable[Metric]:
+    """Families from 'name{label="v",...}' keys: gauges where named, else counters."""
+    by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for key, value in series.items():
+        name, labels = labelled(key)
+        by_name.setdefault(name, []).append((labels, float(value)))
+    for name, samples in sorted(by_name.items()):
+        label_names = ["model_name", *sorted(samples[0][0])]
+        kind = GaugeMetricFamily if name in gauges else CounterMetricFamily
+        family = kind(name, doc(name), labels=label_names)
+        for labels, value in samples:
+            family.add_metric([model_name, *(labels[k] for k in label_names[1:])], value)
+        yield family
 
 
 class RequestTimer:
