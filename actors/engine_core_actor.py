@@ -17,6 +17,7 @@ import ray
 
 from raylm.actors.actor_logging import show_raylm_info_logs
 from raylm.parallel.dp_sync import DEFAULT_DP_TIMEOUT_S, DPSyncGroup
+from raylm.parallel.expert_parallel import DPExpertGroup
 from raylm.parallel.rendezvous import StoreRendezvous
 from raylm.scheduler.config.engine_config import EngineConfig, ExecutorBackend, ParallelConfig
 from raylm.scheduler.config.validation import check_rank
@@ -91,6 +92,7 @@ class EngineCoreActor:
         self.engine_core: EngineCore | None = None
         self.loop: EngineCoreLoop | None = None
         self.group: DPSyncGroup | None = None
+        self.ep_group: DPExpertGroup | None = None
         self._rendezvous: StoreRendezvous | None = None
 
     # ---- startup -----------------------------------------------------------------
@@ -118,8 +120,13 @@ class EngineCoreActor:
             from raylm.runner.uniproc_executor import UniProcExecutor
 
             device = current_device_assignment(f"DP rank {self.dp_rank}")
+            if self.config.parallel_config.enable_expert_parallel:
+                # The experts spread over the DP ranks: this rank loads its share now and
+                # dispatches through the group once the ranks have met (join_dp_group).
+                self.ep_group = DPExpertGroup(self.dp_rank, self.dp_size)
             return UniProcExecutor(self.rank_config, num_threads=self.num_threads,
-                                   expect_cuda=device.expect_cuda, local_rank=device.local_rank)
+                                   expect_cuda=device.expect_cuda, local_rank=device.local_rank,
+                                   ep_group=self.ep_group)
         from raylm.actors.ray_executor import RayExecutor
 
         return RayExecutor(self.rank_config, placement_group=self.placement_group,
@@ -141,6 +148,16 @@ class EngineCoreActor:
                                       dp_size=self.dp_size, timeout_s=timeout_s,
                                       local_host=self.node_ip, rendezvous=self._rendezvous)
         coordinator, rank = self.coordinator, self.dp_rank
+        dummy = None
+        if self.ep_group is not None:
+            # Its own Gloo group: the forward runs on the executor's step thread, the wave
+            # syncs on the loop thread.
+            self.ep_group.attach(self.group.sibling_group("raylm-ep"))
+            from raylm.runner.uniproc_executor import UniProcExecutor
+
+            executor = self.engine_core.executor
+            assert isinstance(executor, UniProcExecutor)  # model_in_rank_actor
+            dummy = executor.execute_dummy_batch
         self.loop = DPEngineCoreLoop(
             self.engine_core, dp_rank=rank, dp_size=self.dp_size,
             all_reduce=self.group.all_reduce_max, sync_interval=sync_interval,
@@ -148,9 +165,10 @@ class EngineCoreActor:
             request_start_wave=lambda wave: coordinator.start_wave.remote(wave, rank),
             on_wave_complete=(lambda wave: coordinator.wave_complete.remote(wave))
             if rank == 0 else None,
-            # Dense models have no collective across DP ranks in their forward: the
-            # dummy step is a counted no-op (an MoE/EP model would run a dummy forward).
-            execute_dummy_batch=None,
+            # Dense models and experts inside each rank have no collective across DP ranks
+            # in their forward: the dummy step is then a counted no-op. Experts spread over
+            # the DP ranks: each sparse layer joins its collectives with no rows.
+            execute_dummy_batch=dummy,
         )
 
     # ---- requests ------------------------------------------------------------------

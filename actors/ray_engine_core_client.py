@@ -73,7 +73,10 @@ def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Counters and counts summed, KV usage averaged; the per-rank dicts under ``dp_ranks``."""
     merged: dict[str, Any] = {}
-    for key, value in per_rank[0].items():
+    # Every rank's keys: experts spread over the ranks are each counted on one rank only.
+    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
+    for key in keys:
+        value = next(m[key] for m in per_rank if key in m)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             total = sum(m.get(key, 0) for m in per_rank)
             merged[key] = total / len(per_rank) if key in _AVERAGED else total

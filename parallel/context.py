@@ -29,6 +29,9 @@ class ParallelContext:
     # Sparse expert layers split their experts over the TP ranks (each rank whole experts)
     # instead of every expert's intermediate dimension (enable_expert_parallel).
     expert_parallel: bool = False
+    # With DP > 1 (TP = PP = 1): the experts spread over the DP ranks instead, the tokens
+    # dispatched through this parallel/expert_parallel.DPExpertGroup.
+    ep_group: Any = None
 
     def __post_init__(self) -> None:
         for name, rank, size in (("tp_rank", self.tp_rank, self.tp_size),

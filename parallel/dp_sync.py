@@ -8,6 +8,7 @@ instead of hanging (the DP loop turns that into an EngineDeadError).
 
 from __future__ import annotations
 
+import datetime
 import logging
 
 import torch
@@ -36,16 +37,36 @@ def gloo_device(rendezvous_host: str, local_host: str | None):
     return dist.ProcessGroupGloo.create_default_device()
 
 
+def _gloo_group(store: dist.Store, prefix: str, rank: int, size: int, device: object,
+                timeout: datetime.timedelta | None) -> dist.ProcessGroupGloo:
+    # Private pybind class, absent from torch's stubs (the public Options takes no devices).
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    if timeout is not None:
+        opts._timeout = timeout
+    opts._devices = [device]
+    # A prefix keeps this group's keys apart from anything else on the store.
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+
+
 class DPSyncGroup:
     """One rank's handle on the DP Gloo group: small int all-reduces, bounded in time."""
 
     def __init__(self, pg: dist.ProcessGroupGloo, dp_rank: int, dp_size: int, where: str,
-                 store: dist.Store) -> None:
+                 store: dist.Store, device: object = None,
+                 timeout: datetime.timedelta | None = None) -> None:
         self._pg = pg
         self._store = store  # keep the client connection alive as long as the group
+        self._device = device
+        self._timeout = timeout
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.where = where
+
+    def sibling_group(self, prefix: str) -> dist.ProcessGroupGloo:
+        """Collective: another Gloo group over the same DP ranks and store, for traffic
+        of another thread (a group's collectives must not interleave between threads)."""
+        return _gloo_group(self._store, prefix, self.dp_rank, self.dp_size, self._device,
+                           self._timeout)
 
     @classmethod
     def join(cls, *, host: str, port: int, dp_rank: int, dp_size: int,
@@ -61,19 +82,15 @@ class DPSyncGroup:
         try:
             store = rendezvous.store if rendezvous is not None else dist.TCPStore(
                 host, port, dp_size, is_master=False, timeout=timeout)
-            # Private pybind class, absent from torch's stubs (the public Options takes no devices).
-            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            opts._timeout = timeout
-            opts._devices = [gloo_device(host, local_host)]
-            # A prefix keeps this group's keys apart from anything else on the store.
-            pg = dist.ProcessGroupGloo(dist.PrefixStore("raylm-dp", store), dp_rank, dp_size, opts)
+            device = gloo_device(host, local_host)
+            pg = _gloo_group(store, "raylm-dp", dp_rank, dp_size, device, timeout)
         except (dist.DistError, RuntimeError) as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TimeoutError(f"DP group rendezvous timed out after {timeout_s:g}s on "
                                    f"{where}: not every DP rank joined. Cause: {e}") from e
             raise RuntimeError(f"DP group init failed on {where}: {e}") from e
         logger.info("Joined the DP Gloo group as %s.", where)
-        return cls(pg, dp_rank, dp_size, where, store)
+        return cls(pg, dp_rank, dp_size, where, store, device, timeout)
 
     def _all_reduce(self, values: list[int], op: dist.ReduceOp.RedOpType) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64)

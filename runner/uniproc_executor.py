@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from raylm.parallel.expert_parallel import DPExpertGroup
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.worker import Worker
 from raylm.scheduler.config.engine_config import EngineConfig
@@ -43,9 +44,9 @@ class UniProcExecutor:
 
     def __init__(self, engine_config: EngineConfig, worker: Worker | None = None,
                  num_threads: int | None = None, expect_cuda: bool = False,
-                 local_rank: int = 0) -> None:
-        """``expect_cuda``: the process holds a GPU (a Ray actor given one); see
-        ``Worker.init_device``."""
+                 local_rank: int = 0, ep_group: DPExpertGroup | None = None) -> None:
+        """``expect_cuda``: the process holds a GPU (a Ray actor given one); ``ep_group``:
+        experts spread over the DP ranks; see ``Worker.init_device``."""
         self.engine_config = engine_config
         self._dead: EngineDeadError | None = None
         self._lock = threading.Lock()
@@ -60,7 +61,7 @@ class UniProcExecutor:
         if worker is None:
             try:
                 worker = self._on_step_thread(self._load_worker, engine_config, num_threads,
-                                              expect_cuda, local_rank)
+                                              expect_cuda, local_rank, ep_group)
             except BaseException:
                 self._steps.put(_STOP)
                 raise
@@ -68,9 +69,10 @@ class UniProcExecutor:
 
     @staticmethod
     def _load_worker(engine_config: EngineConfig, num_threads: int | None,
-                     expect_cuda: bool, local_rank: int) -> Worker:
+                     expect_cuda: bool, local_rank: int,
+                     ep_group: DPExpertGroup | None) -> Worker:
         worker = Worker(engine_config, local_rank=local_rank)
-        worker.init_device(num_threads=num_threads, expect_cuda=expect_cuda)
+        worker.init_device(num_threads=num_threads, expect_cuda=expect_cuda, ep_group=ep_group)
         worker.load_model()
         return worker
 
@@ -106,6 +108,11 @@ class UniProcExecutor:
 
     def device_info(self) -> dict[str, Any]:
         return {**self.worker.device_info(), "count": 1}
+
+    def execute_dummy_batch(self) -> None:
+        """Queued behind the steps sent before it; returns once every peer joined it."""
+        self.check_health()
+        self._on_step_thread(self.worker.execute_dummy_batch)
 
     def expert_load(self) -> dict[int, dict[int, int]]:
         self.check_health()

@@ -19,6 +19,7 @@ import torch
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.distributed import cuda_missing_reason, pick_device
+from raylm.parallel.expert_parallel import DPExpertGroup
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.cpu_budget import usable_cpus
 from raylm.runner.host_memory import cap_onednn_primitive_caches, keep_freed_host_memory
@@ -127,9 +128,10 @@ class Worker:
         self.num_threads = 1  # torch threads of this rank's steps, set by init_device
 
     def init_device(self, ctx: ParallelContext | None = None, num_threads: int | None = None,
-                    expect_cuda: bool = False) -> None:
+                    expect_cuda: bool = False, ep_group: DPExpertGroup | None = None) -> None:
         """``expect_cuda``: this process was given a GPU; a torch without CUDA is then an
-        error naming the cause, never a silent CPU run beside an idle GPU."""
+        error naming the cause, never a silent CPU run beside an idle GPU. ``ep_group``:
+        the experts spread over the DP ranks (a DP rank running its model itself)."""
         if ctx is None:
             device, _ = pick_device(self.local_rank, expect_cuda)
             ctx = ParallelContext.single(device)
@@ -145,7 +147,8 @@ class Worker:
         self.num_threads = num_threads or default_intra_op_threads()
         set_intra_op_threads(self.num_threads)
         if self.engine_config.parallel_config.enable_expert_parallel:
-            ctx = replace(ctx, expert_parallel=True)
+            ctx = replace(ctx, expert_parallel=True, ep_group=ep_group,
+                          dp_rank=ep_group.dp_rank if ep_group is not None else ctx.dp_rank)
         self.ctx = ctx
         info = self.device_info()
         logger.info("worker rank %d runs on %s: %s (index %s, %.1f GiB)", self.rank,
@@ -264,6 +267,10 @@ class Worker:
             raise RuntimeError(f"pipeline stage {ctx.pp_rank}/{ctx.pp_size} has no "
                                "pp_transport to exchange hidden states.")
         return self.pp_transport
+
+    def execute_dummy_batch(self) -> None:
+        """A wave step without a forward of this DP rank's own (docs/architecture.md §5)."""
+        self._runner.loaded_model.dummy_expert_pass()
 
     def expert_load(self) -> dict[int, dict[int, int]]:
         """Per sparse layer of this rank's stage: tokens routed to each of its experts."""

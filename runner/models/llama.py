@@ -317,6 +317,14 @@ class LlamaForCausalLM(nn.Module):
                 intermediate_tensors: IntermediateTensors | None = None):
         return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
+    def dummy_expert_pass(self) -> None:
+        """A DP rank without a forward this wave step: every sparse layer joins its
+        expert-parallel collectives with no rows, in layer order (docs/architecture.md §19)."""
+        for layer in self.model.layers[self.model.start_layer:self.model.end_layer]:
+            mlp = cast(LlamaDecoderLayer, layer).mlp
+            if isinstance(mlp, SparseMoeBlock):
+                mlp.dummy_pass()
+
     def expert_load(self) -> dict[int, dict[int, int]]:
         """Per sparse layer of this stage: tokens routed to each of this rank's experts."""
         layers = self.model.layers[self.model.start_layer:self.model.end_layer]

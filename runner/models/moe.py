@@ -21,6 +21,7 @@ from torch import nn
 
 from raylm.parallel.communication import tp_all_reduce
 from raylm.parallel.context import ParallelContext
+from raylm.parallel.expert_parallel import DPExpertGroup
 from raylm.parallel.layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -45,7 +46,14 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        if ctx.expert_parallel and ctx.tp_size > 1:
+        self.dp_group: DPExpertGroup | None = ctx.ep_group if ctx.expert_parallel else None
+        if self.dp_group is not None:
+            if ctx.tp_size > 1:
+                raise ValueError("experts spread over DP ranks need tensor_parallel_size=1.")
+            self.first_expert, self.num_local_experts = expert_range(
+                num_experts, self.dp_group.dp_rank, self.dp_group.dp_size)
+            self.intermediate = intermediate_size
+        elif ctx.expert_parallel and ctx.tp_size > 1:
             self.first_expert, self.num_local_experts = expert_range(num_experts, ctx.tp_rank,
                                                                      ctx.tp_size)
             self.intermediate = intermediate_size
@@ -122,6 +130,36 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
+        if self.dp_group is not None:
+            return self._forward_across_dp(x, weights, experts, self.dp_group)
+        out = self._run_local_experts(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # This rank's share of the shared expert, summed by the same all-reduce.
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return tp_all_reduce(out, self.ctx)
+
+    def _forward_across_dp(self, x: torch.Tensor, weights: torch.Tensor,
+                           experts: torch.Tensor, group: DPExpertGroup) -> torch.Tensor:
+        """Every DP rank's routed tokens through this rank's experts, the partial outputs
+        summed over the ranks, this rank's rows kept. ``x`` may have no rows (a rank's
+        dummy pass: it still joins every collective)."""
+        (all_x, all_weights, all_experts), sizes = group.gather_rows([x, weights, experts])
+        out = group.all_reduce_sum(self._run_local_experts(all_x, all_weights, all_experts))
+        start = sum(sizes[:group.dp_rank])
+        out = out[start:start + x.shape[0]]
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def dummy_pass(self) -> None:
+        """Join this layer's collectives with no rows (a DP rank without a forward)."""
+        if self.dp_group is not None:
+            self.forward(self.w13.new_empty((0, self.w13.shape[2])))
+
+    def _run_local_experts(self, x: torch.Tensor, weights: torch.Tensor,
+                           experts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over the tokens routed to them: [T, hidden], zero rows for
+        tokens none of them serves."""
         out = torch.zeros_like(x)
         # Tokens grouped by expert: the (token, slot) pairs sorted by expert id.
         flat = experts.reshape(-1)
@@ -142,10 +180,7 @@ class SparseMoeBlock(nn.Module):
             y = F.linear(F.silu(gate) * up, self.w2[local])
             out.index_add_(0, idx, y * slot_weights[start:start + n, None])
             start += n
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            # This rank's share of the shared expert, summed by the same all-reduce.
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return tp_all_reduce(out, self.ctx)
+        return out
 
 
 def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:

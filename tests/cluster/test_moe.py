@@ -227,14 +227,24 @@ def test_expert_parallel_ranks_hold_and_read_only_their_experts(family_paths):
      "enable_expert_parallel=True needs a mixture-of-experts model; LlamaForCausalLM"),
     ("mixtral", {"enable_expert_parallel": True, "tensor_parallel_size": 8},
      r"num_experts=4 cannot give each of tensor_parallel_size=8 ranks an expert"),
-    ("mixtral", {"enable_expert_parallel": True, "data_parallel_size": 2},
-     "enable_expert_parallel=True with data_parallel_size=2 is not supported"),
+    ("mixtral", {"enable_expert_parallel": True, "data_parallel_size": 2,
+                 "tensor_parallel_size": 2},
+     "enable_expert_parallel=True with data_parallel_size=2 needs tensor_parallel_size=1"),
+    ("mixtral", {"enable_expert_parallel": True, "data_parallel_size": 8},
+     r"num_experts=4 cannot give each of data_parallel_size=8 ranks an expert"),
+    ("mixtral", {"enable_expert_parallel": True, "data_parallel_size": 2,
+                 "speculative_config": {"method": "draft_model", "model": "DRAFT",
+                                        "num_speculative_tokens": 2}},
+     "does not run a draft model"),
 ])
 def test_expert_parallel_it_cannot_run_is_refused_by_name(family_paths, llama_path, family,
                                                           engine, message):
     from raylm.cluster.engine.engine_args import EngineArgs
 
     path = llama_path if family == "dense" else family_paths[family]
+    spec = engine.get("speculative_config")
+    if spec is not None:  # a draft of the same vocabulary: the target itself
+        engine = {**engine, "speculative_config": {**spec, "model": path}}
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=path, **engine).create_engine_config()
 
