@@ -10,7 +10,8 @@ downloaded).
 
 0. versions (torch, CUDA, GPU, transformers, ray if installed);
 1. greedy tokens of raylm (sync and async, fp32, chunked prefill) equal transformers'
-   `generate` on the same GPU, for several architectures;
+   `generate` on the same GPU, for several architectures (two mixtures of experts among
+   them, through the Triton expert kernel);
 2. the sampled-id copy runs on a copy stream with an event (not the CPU thread);
 3. an NCCL process group of one rank: the communicator comes up, all_reduce and broadcast
    on CUDA tensors;
@@ -21,7 +22,9 @@ downloaded).
 6. the async PP ring's communicator order soaked over NCCL with as many ranks as GPUs
    (two at least; with one GPU, over Gloo on the CPU: reported as such);
 7. `raylm serve` on the GPU: one request, the device in /metrics, GPU memory in use;
-8. speed (bench/gpu_speed.py): the Triton attention kernel against the torch ragged kernel
+8. the fused MoE Triton kernel against the torch grouped path (bf16, a Qwen3-30B-A3B
+   layer's shape): difference and time per call;
+9. speed (bench/gpu_speed.py): the Triton attention kernel against the torch ragged kernel
    and padded sdpa; CUDA graphs on and off against transformers; steady steps under
    torch's sync-debug mode; one decode step against its memory floor; bf16 throughput of
    raylm async / sync beside transformers' static batching (1B and an 8B-shaped model).
@@ -93,6 +96,10 @@ def check_correctness(root: str, quick: bool) -> None:
         "qwen2": CheckpointSpec(architecture="Qwen2ForCausalLM", seed=2),
         "qwen3": CheckpointSpec(architecture="Qwen3ForCausalLM", head_dim=32,
                                 tie_word_embeddings=True, seed=3),
+        # Sparse expert MLPs through the Triton kernel (runner/models/fused_moe_triton.py).
+        "qwen3-moe": CheckpointSpec(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3,
+                                    head_dim=32, mlp_only_layers=(1,), seed=31),
+        "mixtral": CheckpointSpec(architecture="MixtralForCausalLM", num_experts=4, seed=35),
     }
     if quick:
         specs = {"llama-gqa": specs["llama-gqa"]}
@@ -109,6 +116,48 @@ def check_correctness(root: str, quick: bool) -> None:
             for p, a, b in zip(prompts, got, want, strict=True):
                 if a != b:
                     print("  " + divergence(path, p, a, b), flush=True)
+
+
+def check_fused_moe() -> None:
+    """The Triton expert MLP against the torch grouped path on the GPU, bf16, at a
+    Qwen3-30B-A3B layer's shape (hidden 2048, 128 experts of 768, top 8): the largest
+    difference relative to the output's scale, and each path's time per call."""
+    from raylm.parallel.context import ParallelContext
+    from raylm.runner.models.fused_moe_triton import fused_experts
+    from raylm.runner.models.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(2048, 768, 128, 8, True, ParallelContext.single("cuda"),
+                           torch.bfloat16)
+    for p in (block.gate.weight, block.w13, block.w2):
+        p.data.normal_(std=0.02)
+    for tokens in (1, 256):
+        x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+        probs = torch.softmax(block.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(8, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        counts = torch.bincount(experts.reshape(-1), minlength=128)
+
+        def torch_path(x=x, weights=weights, experts=experts, counts=counts):
+            return block.grouped_experts_torch(x, weights, experts, counts)
+
+        def fused(x=x, weights=weights, experts=experts):
+            return fused_experts(x, block.w13, block.w2, weights, experts, 0)
+
+        want, got = torch_path().float(), fused().float()
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        times = []
+        for fn in (torch_path, fused):
+            fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) / 20 * 1e6)
+        report(err < 0.02, f"fused MoE (Triton) vs torch grouped, bf16, {tokens} tokens: "
+               f"max rel diff {err:.4f}; {times[1]:.0f} us vs {times[0]:.0f} us per call "
+               f"({times[0] / times[1]:.2f}x)")
 
 
 def divergence(path: str, prompt: list[int], got: list[int], want: list[int]) -> str:
@@ -309,7 +358,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         check_versions()
         for check in (lambda: check_correctness(root, args.quick), check_copy_stream,
-                      check_nccl, lambda: check_bf16(root), lambda: check_long_context(root),
+                      check_nccl, check_fused_moe, lambda: check_bf16(root),
+                      lambda: check_long_context(root),
                       lambda: check_ring_soak(100 if args.quick else 500),
                       lambda: check_serve(root),
                       *speed_checks(root, args.quick)):

@@ -104,7 +104,8 @@ class ModelRunner:
         # attention, no PP or drafts: their steps' shapes are not the bucket's), or padded
         # eagerly where asked (RAYLM_PAD_DECODE_STEPS) to check and measure the padding.
         plain = ctx.pp_size == 1 and self.speculator is None
-        # The expert grouping reads each step's routing on the host: no graph captures it.
+        # Sparse layers: the torch grouping reads the routing on the host; the Triton path
+        # (CUDA) does not, but its capture is not yet checked on a GPU: no graphs for them.
         sparse = any(decoder.moe_layers)
         self.use_cuda_graphs = (plain and not sparse and self.device.type == "cuda"
                                 and self.input_preparer.attention_backend == "triton"

@@ -86,6 +86,13 @@ SPECS["moe"] = CheckpointSpec(architecture="Qwen3MoeForCausalLM", vocab_size=409
                               max_position_embeddings=2048, initializer_range=0.05,
                               num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
                               mlp_only_layers=(1,))
+# Mixtral's shape at the same width (bench/moe.py): 8 experts of 688, top 2, every layer
+# sparse.
+SPECS["mixtral"] = CheckpointSpec(architecture="MixtralForCausalLM", vocab_size=4096,
+                                  hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                  num_attention_heads=8, num_key_value_heads=4,
+                                  max_position_embeddings=2048, initializer_range=0.05,
+                                  num_experts=8, num_experts_per_tok=2)
 # GPU benchmarks (bench/gpu_speed.py): Llama-3.2-1B's shape, Llama-3-8B's with 4 layers;
 # (hidden, intermediate, layers), with Llama-3's vocabulary and 32 / 8 heads.
 for _name, (_hidden, _inter, _layers) in {"1b": (2048, 8192, 16),

@@ -160,13 +160,23 @@ class SparseMoeBlock(nn.Module):
                            experts: torch.Tensor) -> torch.Tensor:
         """This rank's experts over the tokens routed to them: [T, hidden], zero rows for
         tokens none of them serves."""
-        out = torch.zeros_like(x)
-        # Tokens grouped by expert: the (token, slot) pairs sorted by expert id.
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
         counts_t = torch.bincount(flat, minlength=self.num_experts)
         self.routed_tokens += counts_t[self.first_expert:self.first_expert
                                        + self.num_local_experts]
+        if x.is_cuda:  # two grouped launches, no host sync (fused_moe_triton.py)
+            from raylm.runner.models.fused_moe_triton import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, experts, self.first_expert)
+        return self.grouped_experts_torch(x, weights, experts, counts_t)
+
+    def grouped_experts_torch(self, x: torch.Tensor, weights: torch.Tensor,
+                              experts: torch.Tensor, counts_t: torch.Tensor) -> torch.Tensor:
+        """The torch path (CPU; the reference of the Triton one): one pair of matmuls per
+        local expert over its tokens, sliced by counts read on the host."""
+        out = torch.zeros_like(x)
+        # Tokens grouped by expert: the (token, slot) pairs sorted by expert id.
+        order = torch.argsort(experts.reshape(-1), stable=True)
         counts = counts_t.tolist()
         tokens = order // self.top_k
         slot_weights = weights.reshape(-1)[order]
