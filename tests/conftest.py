@@ -434,7 +434,10 @@ def ray_multinode(ray_instances):
 
         fast = {**FAST_SERVE_METRICS, "RAY_health_check_period_ms": "1000",
                 "RAY_health_check_failure_threshold": "3",
-                "RAY_health_check_initial_delay_ms": "1000"}  # node death seen in seconds
+                "RAY_health_check_initial_delay_ms": "1000",  # node death seen in seconds
+                # Each node would read the whole machine's memory, the rest of the suite's
+                # processes included, and kill its own newest workers for them.
+                "RAY_memory_monitor_refresh_ms": "0"}
         workers = [NodeSpec(n, 1, resources={n: 1, "replica_slot": 1}, env=fast)
                    for n in ("node_a", "node_b")]
         cluster = LocalCluster(NodeSpec("head", 1, resources={"head": 1}, env=fast), workers)

@@ -68,6 +68,7 @@ def test_output_rank_other_than_zero():
 
 def test_step_error_on_non_output_rank_fails_pending_and_later_steps():
     gate = threading.Event()
+    submitted = threading.Event()
 
     def run_step(rank):
         def run(step):
@@ -75,6 +76,9 @@ def test_step_error_on_non_output_rank_fails_pending_and_later_steps():
                 gate.wait(5)  # the output rank is "stuck in a collective"
                 return step
             if step == 2:
+                # Fail only once all four are in: a failure seen earlier refuses the
+                # later submits themselves (checked below with step 9).
+                submitted.wait(5)
                 raise ValueError("bad step 2")
             return None
         return run
@@ -83,6 +87,7 @@ def test_step_error_on_non_output_rank_fails_pending_and_later_steps():
     servers = _servers(2, run_step)
     ch = _channel(servers, failures=failures)
     futures = [ch.submit(i) for i in range(4)]
+    submitted.set()
     with pytest.raises(EngineDeadError, match="ValueError: bad step 2"):
         futures[-1].result(timeout=10)
     assert [rank for rank, _ in failures] == [1]

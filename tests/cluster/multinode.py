@@ -182,6 +182,31 @@ class LocalCluster:
                 return next(n for n in self.specs if node["Resources"].get(n, 0) > 0)
         raise KeyError(node_id)
 
+    def diagnosis(self, lines: int = 8) -> str:
+        """What a failed wait should say: each node alive or not with its free resources,
+        and the last lines of its raylet log that tell of deaths and kills."""
+        import glob
+
+        import ray
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+        out = []
+        for node in ray.nodes():
+            name = next((n for n in self.specs if node["Resources"].get(n, 0) > 0), "?")
+            have = {k: v for k, v in free.get(node["NodeID"], {}).items()
+                    if not k.startswith(("node:", "memory", "object_store"))}
+            out.append(f"{name}: alive={node['Alive']} free={have}")
+            logs = {os.path.realpath(p) for p in glob.glob(os.path.join(
+                self.node_dir(name), "t*", "session_*", "logs", "raylet.out"))}
+            for log in sorted(logs):
+                with open(log, errors="replace") as f:
+                    hits = [ln.rstrip() for ln in f if "[state-dump]" not in ln and any(
+                        w in ln for w in ("Killing", "killed", "memory", "dead", "Dead",
+                                          "failed", "FATAL"))]
+                out += [f"  {ln[:300]}" for ln in hits[-lines:]]
+        return "\n".join(out)
+
     # ---- processes -------------------------------------------------------------------------
     def _pids(self, marker: str) -> list[int]:
         """Processes naming ``marker`` in their command line, and all their descendants."""

@@ -111,12 +111,32 @@ def serve_port(cluster):
     serve.shutdown()
 
 
-def _run_app(name: str, config: dict) -> None:
+def _run_app(cluster: LocalCluster, name: str, config: dict, timeout_s: float = 180) -> None:
+    """Deploys the app and waits until it runs; past ``timeout_s`` deletes it and fails with
+    the cluster's state (a lost node or a replica that cannot be placed would otherwise
+    keep serve.run waiting forever)."""
     from ray import serve
 
     from raylm.cluster import build_openai_app
 
-    serve.run(build_openai_app({"llm_configs": [config]}), name=name, route_prefix=f"/{name}")
+    errors: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.run(build_openai_app({"llm_configs": [config]}), name=name,
+                      route_prefix=f"/{name}")
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=deploy, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    if thread.is_alive():
+        state = f"{_replicas(name)}\n{cluster.diagnosis()}"
+        serve.delete(name)  # its serve.run then ends: the app is gone
+        raise AssertionError(f"app {name} not running within {timeout_s:g}s: {state}")
 
 
 def _replicas(name: str) -> dict[str, int]:
@@ -134,11 +154,13 @@ def _running(name: str) -> int:
     return _replicas(name).get("RUNNING", 0)
 
 
-def _wait(cond, timeout_s: float, what: str) -> None:
+def _wait(cond, timeout_s: float, what) -> None:
+    """``what``: the failure's text, or a callable that says it when the wait fails."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g}s")
+            raise AssertionError(f"{what() if callable(what) else what}: "
+                                 f"not within {timeout_s:g}s")
         time.sleep(0.25)
 
 
@@ -159,15 +181,10 @@ def _nodes_running(cluster: LocalCluster, title: str) -> list[str]:
     return [n for n in cluster.specs for _ in _processes(cluster, n, title)]
 
 
-def test_autoscaling_one_to_two_to_one_replicas_without_losing_a_request(serve_port,
+def test_autoscaling_one_to_two_to_one_replicas_without_losing_a_request(cluster, serve_port,
                                                                          llama_path):
     from ray import serve
 
-    _run_app("auto", _llm_config("m-auto", llama_path, deployment_config={
-        "max_ongoing_requests": 4,
-        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
-                               "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
-                               "downscale_delay_s": 2, "look_back_period_s": 2}}))
     url = f"http://127.0.0.1:{serve_port}/auto"
     counts: list[tuple[float, int]] = []
     results: list[int] = []
@@ -178,6 +195,11 @@ def test_autoscaling_one_to_two_to_one_replicas_without_losing_a_request(serve_p
             results.append(_complete(url, "m-auto", max_tokens=48, timeout=120).status_code)
 
     try:
+        _run_app(cluster, "auto", _llm_config("m-auto", llama_path, deployment_config={
+            "max_ongoing_requests": 4,
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                                   "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+                                   "downscale_delay_s": 2, "look_back_period_s": 2}}))
         _wait(lambda: _running("auto") == 1, 60, "one replica at start")
         t0 = time.monotonic()
         clients = [threading.Thread(target=client) for _ in range(3)]
@@ -189,14 +211,15 @@ def test_autoscaling_one_to_two_to_one_replicas_without_losing_a_request(serve_p
                 counts.append((round(time.monotonic() - t0, 1), n))
                 return n
 
-            _wait(lambda: sample() == 2, 90, f"scale up to 2 under load (seen {counts[-5:]})")
+            _wait(lambda: sample() == 2, 120, lambda: f"scale up to 2 under load (seen "
+                  f"{counts[-5:]}, replicas {_replicas('auto')})\n{cluster.diagnosis()}")
         finally:
             stop.set()
             for t in clients:
                 t.join(timeout=150)
         _wait(lambda: (counts.append((round(time.monotonic() - t0, 1), _running("auto")))
                        or counts[-1][1] == 1 and len(_replicas("auto")) == 1),
-              90, f"scale back to 1 after the load (seen {counts[-5:]})")
+              90, lambda: f"scale back to 1 after the load (seen {counts[-5:]})")
     finally:
         serve.delete("auto")
     seen = [n for _, n in counts]
@@ -282,7 +305,8 @@ def two_replicas(cluster, serve_port, llama_path):
     placement, a killed replica process, a killed node)."""
     from ray import serve
 
-    _run_app("two", _llm_config("m-two", llama_path, deployment_config={"num_replicas": 2}))
+    _run_app(cluster, "two", _llm_config("m-two", llama_path,
+                                         deployment_config={"num_replicas": 2}))
     yield f"http://127.0.0.1:{serve_port}/two"
     serve.delete("two")
 

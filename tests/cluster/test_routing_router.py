@@ -55,6 +55,21 @@ class FakeReplica:
         return self.queue_len
 
 
+class FakeResult:
+    """A routed request's result: ``complete`` runs the done callbacks (as Serve's does
+    from another thread)."""
+
+    def __init__(self) -> None:
+        self.callbacks = []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def complete(self) -> None:
+        for callback in self.callbacks:
+            callback(None)
+
+
 class Harness:
     """A router and the replicas it sees; ``route`` plays Serve's part for one request."""
 
@@ -66,25 +81,37 @@ class Harness:
         self.router.initialize_state(hasher=FakeHasher(), **rule)
         self.replicas = {n: FakeReplica(n, self.dep) for n in names}
         self.router.update_replicas(list(self.replicas.values()))
+        self.results = {n: [] for n in names}  # routed and not finished, per replica
 
     def set_replicas(self, names) -> None:
         self.replicas = {n: self.replicas.get(n) or FakeReplica(n, self.dep) for n in names}
         self.router.update_replicas(list(self.replicas.values()))
+        self.results = {n: self.results.get(n, []) for n in names}
 
-    async def route(self, body) -> str:
+    async def choose(self, body) -> tuple[PendingRequest, FakeReplica]:
+        await asyncio.sleep(0)  # completions' callbacks reach the loop first
         meta = RequestMetadata(request_id="r", internal_request_id=uuid.uuid4().hex,
                                call_method="handle")
         pending = PendingRequest(args=["/v1/completions", body], kwargs={}, metadata=meta)
         ranks = await self.router.choose_replicas(list(self.replicas.values()), pending)
-        chosen = next(r for (r,) in ranks if r.queue_len < r.max_ongoing_requests)
+        return pending, next(r for (r,) in ranks if r.queue_len < r.max_ongoing_requests)
+
+    def send(self, pending: PendingRequest, chosen: FakeReplica) -> str:
         chosen.queue_len += 1
         self.router.on_send_request(chosen.replica_id)
-        self.router.on_request_routed(pending, chosen.replica_id, None)
-        return chosen.replica_id.unique_id
+        result = FakeResult()
+        self.router.on_request_routed(pending, chosen.replica_id, result)
+        name = chosen.replica_id.unique_id
+        self.results[name].append(result)
+        return name
+
+    async def route(self, body) -> str:
+        return self.send(*await self.choose(body))
 
     def finish(self, name: str) -> None:
         self.replicas[name].queue_len -= 1
         self.router.decrement_queue_len_cache(self.replicas[name].replica_id)
+        self.results[name].pop(0).complete()
 
     def decisions(self):
         return find_router_view(self.dep.app_name, self.dep.name).decisions()
@@ -127,6 +154,54 @@ def test_a_hot_prefix_spills_over_once_its_replica_runs_ahead():
         counts = {n: served.count(n) for n in "AB"}
         assert abs(counts["A"] - counts["B"]) <= 3, counts
     asyncio.run(main())
+
+
+def test_a_burst_chosen_before_any_acceptance_still_spills():
+    """Serve routes a burst's requests concurrently: each is chosen before the earlier
+    ones are accepted, and each acceptance resets Serve's cached queue length to what the
+    replica counted then. The router's own counts still see the pile-up."""
+    async def main():
+        h = Harness("ABC", imbalance_threshold=2)
+        home = await h.route(_prompt(1, 0))
+        h.finish(home)
+        chosen = [await h.choose(_prompt(1, i)) for i in range(1, 10)]  # none sent yet
+        served = []
+        for pending, replica in chosen:
+            served.append(h.send(pending, replica))
+            # The replica's answer at acceptance: it runs only this one so far.
+            h.router.on_new_queue_len_info(replica.replica_id, 1)
+        assert served[:3] == [home] * 3 and len(set(served)) == 3, served
+        counts = {n: served.count(n) for n in "ABC"}
+        assert max(counts.values()) - min(counts.values()) <= 3, counts
+        # Completions free the counts: one at a time again, the prefix goes home.
+        for name in served:
+            h.finish(name)
+        await asyncio.sleep(0.01)
+        assert h.router._inflight.load(home) == 0
+    asyncio.run(main())
+
+
+def test_inflight_counts_expire_unrouted_choices_and_forget_departed_replicas():
+    from raylm.cluster.serve.deployment.router_inflight import InflightCounts
+
+    now = [0.0]
+    c = InflightCounts(choice_ttl_s=5.0, clock=lambda: now[0])
+    c.choose("r1", "A")
+    c.choose("r2", "A")
+    c.choose("r2", "B")  # a retry moves its choice
+    assert (c.load("A"), c.load("B"), c.load("A", excluding="r1")) == (1, 1, 0)
+    c.route("r1", "A")
+    assert c.load("A") == 1
+    now[0] = 6.0  # r2 was cancelled before routing: its choice expires
+    assert (c.load("A"), c.load("B")) == (1, 0)
+    c.finish("A")
+    c.finish("A")  # never below zero
+    assert c.load("A") == 0
+    c.route("r3", "B")
+    c.sync(["A"])
+    assert c.load("B") == 0
+    with pytest.raises(ValueError, match="choice_ttl_s"):
+        InflightCounts(choice_ttl_s=0)
 
 
 def test_replicas_that_leave_are_forgotten_and_new_ones_join_empty():

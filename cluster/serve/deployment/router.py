@@ -38,6 +38,7 @@ from raylm.actors.prefix_affinity import (
     Candidate,
     PrefixIndex,
 )
+from raylm.cluster.serve.deployment.router_inflight import InflightCounts
 from raylm.cluster.serve.deployment.router_prompt import PromptHasher
 from raylm.cluster.serve.deployment.router_stats import RouterView, router_view
 
@@ -111,11 +112,13 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
         self._index = PrefixIndex(ttl_s)
         self._adapters = AdapterResidency(hasher.adapters_per_replica)
         self._pending: OrderedDict[str, _Routing] = OrderedDict()
+        self._inflight = InflightCounts()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._index.sync(r.replica_id.unique_id for r in replicas)
         self._adapters.sync(r.replica_id.unique_id for r in replicas)
+        self._inflight.sync(r.replica_id.unique_id for r in replicas)
         for r in replicas:
             blocks = (r.routing_stats or {}).get("num_kv_blocks")
             if blocks:
@@ -125,6 +128,7 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._index.remove(replica_id.unique_id)
         self._adapters.sync(rid for rid in self._index.engines())
+        self._inflight.sync(rid for rid in self._index.engines())
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -134,7 +138,9 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
         hashes = self._hashes(pending_request)
         adapter = self._hasher.adapter(pending_request.args[1]) if pending_request is not None \
             and len(pending_request.args) >= 2 else None
-        loads = await self._loads(candidate_replicas)
+        key = pending_request.metadata.internal_request_id if pending_request else None
+        loads = {rid: max(n, float(self._inflight.load(rid, excluding=key)))
+                 for rid, n in (await self._loads(candidate_replicas)).items()}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         matched = self._index.match(hashes or [], by_id)
         if hashes is None:
@@ -146,6 +152,8 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
                            self._adapters.holds(rid, adapter))
                  for rid, r in by_id.items()], len(hashes))
             ranked = [str(k) for k in keys]
+        if key is not None and ranked:
+            self._inflight.choose(key, ranked[0])
         if pending_request is not None:
             self._remember(pending_request, _Routing(
                 hashes, decision, {rid: n for rid, n in matched.items() if isinstance(rid, str)},
@@ -157,6 +165,11 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
         key = pending_request.metadata.internal_request_id
         routing = self._pending.pop(key, _Routing())
         rid = replica_id.unique_id
+        self._inflight.route(key, rid)
+        if result is not None:  # its completion, on any thread, frees the count
+            loop = self._event_loop
+            result.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(self._inflight.finish, rid))
         block = self._hasher.block_size
         if routing.hashes:
             self._index.insert(rid, routing.hashes)
