@@ -128,7 +128,7 @@ class PrefixAwareRouter(_PublishesStats, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._index.remove(replica_id.unique_id)
         self._adapters.sync(rid for rid in self._index.engines())
-        self._inflight.sync(rid for rid in self._index.engines())
+        self._inflight.sync(str(rid) for rid in self._index.engines())
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
