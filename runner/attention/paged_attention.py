@@ -253,10 +253,14 @@ class Attention(nn.Module):
     """Attention over the paged KV cache for one layer (this rank's heads only)."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attn_logit_softcapping must be positive or null, got {softcap}.")
+        # Gemma 2: each score capped to softcap * tanh(score / softcap) before the softmax.
+        self.softcap = softcap or 0.0
         # Each token sees only its last sliding_window keys, itself included (transformers'
         # window); None: every earlier key.
         self.sliding_window = sliding_window
@@ -287,9 +291,10 @@ class Attention(nn.Module):
         if meta.tiles is not None:
             from raylm.runner.attention import triton_paged
 
-            if self.sliding_window is not None:
-                raise ValueError("sliding_window is not supported on the Triton attention "
-                                 "backend (RAYLM_ATTENTION_BACKEND=native runs it).")
+            if self.sliding_window is not None or self.softcap:
+                raise ValueError("sliding_window and attn_logit_softcapping are not supported "
+                                 "on the Triton attention backend (RAYLM_ATTENTION_BACKEND="
+                                 "native runs them).")
 
             triton_paged.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
             if connector is not None:
@@ -307,11 +312,13 @@ class Attention(nn.Module):
         ragged = meta.ragged
         idx = None if ragged is None else ragged.token_index
         if ragged is not None and idx is None:  # every token is ragged
-            return ragged_paged_attention(query, key_cache, value_cache, ragged, self.scale)
+            return ragged_paged_attention(query, key_cache, value_cache, ragged, self.scale,
+                                          self.softcap)
         out = query.new_empty((query.shape[0], self.num_heads * self.head_dim))
         if ragged is not None and idx is not None:  # idx is set whenever ragged is, here
             out.index_copy_(0, idx, ragged_paged_attention(
-                query.index_select(0, idx), key_cache, value_cache, ragged, self.scale))
+                query.index_select(0, idx), key_cache, value_cache, ragged, self.scale,
+                self.softcap))
         for span in meta.prefills:
             out[span.start:span.end] = self._prefill(query, key, value, key_cache, value_cache,
                                                      span)
@@ -336,8 +343,30 @@ class Attention(nn.Module):
         shape = (self.num_kv_heads, self.num_queries_per_kv, k.shape[1], self.head_dim)
         k = k.unsqueeze(1).expand(shape)
         v = v.unsqueeze(1).expand(shape)
-        if span.mask is None:
+        if self.softcap:
+            o = _softcapped_attention(q, k, v, span.mask, self.scale, self.softcap)
+        elif span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale)
         return o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads * self.head_dim)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None, scale: float, softcap: float
+                          ) -> torch.Tensor:
+    """sdpa with each score capped to softcap * tanh(score / softcap) first (sdpa has no
+    cap): scores and softmax in float32. ``mask``: sdpa's (True or 0: visible) or None for
+    causal over the last q rows."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    q_len, kv_len = s.shape[-2], s.shape[-1]
+    if mask is None:
+        rows = torch.arange(q_len, device=s.device)[:, None] + (kv_len - q_len)
+        visible = torch.arange(kv_len, device=s.device)[None, :] <= rows
+        s = s.masked_fill(~visible, float("-inf"))
+    elif mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    else:
+        s = s + mask
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)

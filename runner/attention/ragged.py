@@ -149,32 +149,34 @@ def pair_chunks(pairs_per_token: np.ndarray, max_pairs: int) -> list[tuple[int, 
 
 def ragged_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, meta: RaggedTokens,
-                           scale: float) -> torch.Tensor:
+                           scale: float, softcap: float = 0.0) -> torch.Tensor:
     """query [N, Hq, D] (the ragged tokens, in ``meta``'s order), caches
-    ``[num_blocks, Hkv, bs, D]`` -> [N, Hq * D] in the query's dtype."""
+    ``[num_blocks, Hkv, bs, D]`` -> [N, Hq * D] in the query's dtype. ``softcap`` > 0:
+    each score capped to softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     num_tokens, num_heads, head_dim = query.shape
     assert num_tokens == meta.num_tokens, (
         f"query has {num_tokens} tokens, the metadata {meta.num_tokens}")
     if meta.pair_token is None:  # the C++ kernel's metadata
         return torch.ops.raylm.paged_attention(query, key_cache, value_cache, meta.block_table,
-                                               meta.token_row, meta.kv_len, scale, meta.window)
+                                               meta.token_row, meta.kv_len, scale, meta.window,
+                                               softcap)
     assert meta.pair_block is not None and meta.pair_token is not None
     if meta.chunks is None:
         return _pairs_attention(query, key_cache, value_cache, meta.pair_token,
-                                meta.pair_block, meta.bias, meta.single_pair, scale)
+                                meta.pair_block, meta.bias, meta.single_pair, scale, softcap)
     out = query.new_empty((num_tokens, num_heads * head_dim))
     for t0, t1, p0, p1 in meta.chunks:
         bias = None if meta.bias is None else meta.bias[p0:p1]
         out[t0:t1] = _pairs_attention(query[t0:t1], key_cache, value_cache,
                                       meta.pair_token[p0:p1] - t0, meta.pair_block[p0:p1],
-                                      bias, meta.single_pair, scale)
+                                      bias, meta.single_pair, scale, softcap)
     return out
 
 
 def _pairs_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      pair_token: torch.Tensor, pair_block: torch.Tensor,
-                     bias: torch.Tensor | None, single_pair: bool, scale: float
-                     ) -> torch.Tensor:
+                     bias: torch.Tensor | None, single_pair: bool, scale: float,
+                     softcap: float = 0.0) -> torch.Tensor:
     """The torch kernel over one run of tokens and their pairs."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
@@ -185,6 +187,8 @@ def _pairs_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     s = torch.matmul(q, k.transpose(-1, -2))  # [P, Hkv, G, bs]
     s = s.float() if s.dtype != torch.float32 else s
     s.mul_(scale)
+    if softcap > 0:
+        s = s.div_(softcap).tanh_().mul_(softcap)
     if bias is not None:
         s.add_(bias)
     # The softmax over a token's keys, spread over its pairs: subtract the token's own max

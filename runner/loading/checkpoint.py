@@ -36,7 +36,7 @@ class CheckpointSpec:
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "MistralForCausalLM", "Qwen3MoeForCausalLM",
                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                          "Gemma3ForCausalLM"] = "LlamaForCausalLM"
+                          "Gemma2ForCausalLM", "Gemma3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -66,6 +66,7 @@ class CheckpointSpec:
     # Gemma 3: every this-many-th layer global, the others sliding (sliding_window)
     sliding_window_pattern: int = 6
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2 (and 3): attention scores capped
 
 
 # Named sizes used by the demo CLI and the benchmarks.
@@ -169,7 +170,13 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
     if spec.architecture == "MixtralForCausalLM":
         kwargs.update(num_local_experts=spec.num_experts,
                       num_experts_per_tok=spec.num_experts_per_tok)
-    if spec.architecture == "Gemma3ForCausalLM":
+    if spec.architecture == "Gemma2ForCausalLM":
+        head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+        kwargs.update(sliding_window=spec.sliding_window or 4096,
+                      query_pre_attn_scalar=head_dim,
+                      final_logit_softcapping=spec.final_logit_softcapping,
+                      attn_logit_softcapping=spec.attn_logit_softcapping)
+    elif spec.architecture == "Gemma3ForCausalLM":
         kwargs.pop("rope_theta")  # per layer kind: rope_parameters' defaults
         head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
         kwargs.update(sliding_window=spec.sliding_window or 4096,
@@ -201,6 +208,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.MixtralConfig(**kwargs)
     elif spec.architecture == "OlmoeForCausalLM":
         config = transformers.OlmoeConfig(**kwargs)
+    elif spec.architecture == "Gemma2ForCausalLM":
+        config = transformers.Gemma2Config(**kwargs)
     elif spec.architecture == "Gemma3ForCausalLM":
         config = transformers.Gemma3TextConfig(**kwargs)
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raylm.runner.models.gemma_config import GemmaTraits, gemma3_traits
+from raylm.runner.models.gemma_config import GemmaTraits, gemma_traits
 from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
 from raylm.scheduler.config.moe_layout import moe_layers, moe_traits
@@ -45,7 +45,7 @@ class DecoderConfig:
     norm_topk_prob: bool
     # Qwen2-MoE: a dense shared expert beside the routed ones, scaled by a sigmoid gate (0: none)
     shared_expert_intermediate_size: int
-    # Gemma 3 (None for the others): its norms, scales, activation and two RoPE tables
+    # Gemma 2 and 3 (None for the others): norms, scales, caps, activation, RoPE tables
     gemma: GemmaTraits | None = field(compare=False, repr=False)
     hf_config: dict[str, Any] = field(compare=False, repr=False)
 
@@ -55,7 +55,8 @@ class DecoderConfig:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        gemma = gemma3_traits(hf, head_dim) if arch == "Gemma3ForCausalLM" else None
+        gemma = (gemma_traits(arch, hf, head_dim)
+                 if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else None)
         act = hf.get("hidden_act", "silu")
         if gemma is None and act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu').")

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Gemma 3, and the mixtures of experts
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, and the mixtures of experts
 Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) over one flattened mixed batch.
 
 ``forward(input_ids [T], positions [T], attn_metadata)`` runs every scheduled token of every
@@ -152,7 +152,8 @@ class LlamaAttention(nn.Module):
                                             dtype)
         scale = cfg.gemma.attn_scale if cfg.gemma is not None else d ** -0.5
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=scale,
-                              sliding_window=sliding_window)
+                              sliding_window=sliding_window,
+                              softcap=cfg.gemma.attn_logit_softcapping if cfg.gemma else None)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

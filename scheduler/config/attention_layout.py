@@ -4,8 +4,8 @@ transformers reads it.
 Mistral and Mixtral put their ``sliding_window`` on every layer (Qwen3-MoE too, with
 ``use_sliding_window``); Qwen2/Qwen3/Qwen2-MoE on the layers their
 ``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types`` say;
-Gemma 3 on its ``sliding_attention`` layers (``layer_types``, else every layer but each
-``sliding_window_pattern``-th).
+Gemma 2 and 3 on their ``sliding_attention`` layers (``layer_types``, else Gemma 2's every
+other layer, Gemma 3's every layer but each ``sliding_window_pattern``-th).
 A token of a windowed layer sees its last ``sliding_window`` keys, itself included
 (transformers' window). A layer kind raylm does not know is refused, naming the field.
 """
@@ -22,13 +22,14 @@ LAYER_KINDS = ("full_attention", "sliding_attention")
 DEFAULT_WINDOW = 4096  # transformers' default sliding_window for these families
 
 
-def gemma3_layer_types(hf_config: dict[str, Any]) -> list[str]:
-    """Gemma 3's ``layer_types``, or transformers' default from ``sliding_window_pattern``
-    (every pattern-th layer global)."""
+def gemma_layer_types(architecture: str, hf_config: dict[str, Any]) -> list[str]:
+    """Gemma's ``layer_types``, or transformers' default: Gemma 2 alternates sliding and
+    global layers; Gemma 3 makes every ``sliding_window_pattern``-th layer global."""
     layer_types = hf_config.get("layer_types")
     if layer_types is not None:
         return list(layer_types)
-    pattern = int(hf_config.get("sliding_window_pattern", 6))
+    pattern = (2 if architecture == "Gemma2ForCausalLM"
+               else int(hf_config.get("sliding_window_pattern", 6)))
     return ["sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(int(hf_config.get("num_hidden_layers", 0)))]
 
@@ -37,8 +38,8 @@ def layer_windows(architecture: str, hf_config: dict[str, Any]) -> list[int | No
     """Per layer: its window in tokens, or None for full attention. ValueError for a
     ``layer_types`` entry that is no attention kind raylm knows."""
     num_layers = int(hf_config.get("num_hidden_layers", 0))
-    if architecture == "Gemma3ForCausalLM":
-        return _by_kind(gemma3_layer_types(hf_config),
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return _by_kind(gemma_layer_types(architecture, hf_config),
                         hf_config.get("sliding_window", DEFAULT_WINDOW), num_layers)
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         # transformers' defaults: Mistral 4096, Mixtral none

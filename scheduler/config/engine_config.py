@@ -28,10 +28,11 @@ from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
-# Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window), Gemma 3 and the mixtures
+# Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window), Gemma 2 and 3 and the mixtures
 # of experts (scheduler/config/moe_layout.py) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES)
+                           "MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           *MOE_ARCHITECTURES)
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]

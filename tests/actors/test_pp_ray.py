@@ -136,6 +136,11 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
                  id="mixtral"),
     pytest.param(dict(architecture="OlmoeForCausalLM", norm_topk_prob=False, seed=36), {},
                  id="olmoe"),
+    # Gemma 2: soft-capped attention scores on every rank's heads, sliding layers 0 and 2.
+    pytest.param(dict(architecture="Gemma2ForCausalLM", num_hidden_layers=3, sliding_window=5,
+                      head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=0.5,
+                      seed=38), {},
+                 id="gemma2"),
     # Gemma 3: two sliding layers on stage 0 with their RoPE base, the global one on stage 1;
     # the scaled embedding on the first stage, the soft-capped logits on the last.
     pytest.param(dict(architecture="Gemma3ForCausalLM", num_hidden_layers=3, sliding_window=5,

@@ -2,7 +2,9 @@
 GELU (tanh), q/k norms, query_pre_attn_scalar, a sliding window on all layers but each
 third with its own RoPE base, and final logit soft-capping, against transformers'
 Gemma3ForCausalLM under the engine's hardest bookkeeping; a config field raylm cannot
-honour is refused by name."""
+honour is refused by name (attention soft-capping among them: transformers applies it to
+Gemma 3 in eager attention only, not in its default sdpa; Gemma 2's is honoured,
+tests/cluster/test_gemma2.py)."""
 
 from __future__ import annotations
 

@@ -178,13 +178,16 @@ def test_bfloat16_cache_accumulates_in_float32(cpu_kernel):
     _check(attn, tables, qsl, query, out, lens, q_lens, tol=2e-2)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 0.5], ids=["plain", "softcapped"])
 @pytest.mark.parametrize("head_dim,group,block_size", [(32, 2, 32), (64, 3, 16), (128, 1, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_kernel_at_model_head_sizes_matches_the_torch_kernel(head_dim, group, block_size,
-                                                                 dtype):
+                                                                 dtype, softcap):
     """The C++ kernel's vectorised head sizes (keys 16 at a time, partial chunks at the end
     of a context and of a block) against the torch kernel and a float64 softmax: decode
-    rows of 1-200 keys and a 1 + 3 speculative row."""
+    rows of 1-200 keys and a 1 + 3 speculative row. Soft-capped (Gemma 2): every score
+    softcap * tanh(score / softcap) first, in both kernels (a cap this low changes every
+    output)."""
     rng = np.random.default_rng(head_dim)
     gen = torch.Generator().manual_seed(head_dim)
     hkv = 2
@@ -208,7 +211,7 @@ def test_cpp_kernel_at_model_head_sizes_matches_the_torch_kernel(head_dim, group
                                         cpu_kernel)
         assert (meta.ragged.kv_len is not None) == cpu_kernel
         outs[cpu_kernel] = ragged_paged_attention(query, k_cache, v_cache, meta.ragged,
-                                                  head_dim ** -0.5)
+                                                  head_dim ** -0.5, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
     kf, vf = k_cache.double(), v_cache.double()
@@ -221,6 +224,8 @@ def test_cpp_kernel_at_model_head_sizes_matches_the_torch_kernel(head_dim, group
             seen = n - ql + j + 1
             for head in range(hkv * group):
                 s = (query[tok, head].double() @ k[:seen, head // group].T) * head_dim ** -0.5
+                if softcap:
+                    s = torch.tanh(s / softcap) * softcap
                 want = torch.softmax(s, -1) @ v[:seen, head // group]
                 got = outs[True][tok, head * head_dim:(head + 1) * head_dim].double()
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -60,7 +60,8 @@ template <typename T>
 void attend(const T* query, const T* key_cache, const T* value_cache,
             const int64_t* block_table, int64_t table_stride, const int64_t* token_row,
             const int64_t* kv_len, T* out, int64_t num_tokens, int64_t num_kv_heads,
-            int64_t group, int64_t block_size, int64_t head_dim, float scale, int64_t window) {
+            int64_t group, int64_t block_size, int64_t head_dim, float scale, int64_t window,
+            float softcap) {
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), k_buf(block_size * head_dim),
@@ -90,6 +91,8 @@ void attend(const T* query, const T* key_cache, const T* value_cache,
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kj[d];
             p[j] = dot * scale;
+            // Gemma 2's soft-capped logits: softcap * tanh(score / softcap).
+            if (softcap > 0.f) p[j] = softcap * std::tanh(p[j] / softcap);
             block_max = std::max(block_max, p[j]);
           }
           const float new_max = std::max(row_max[g], block_max);
@@ -250,12 +253,12 @@ void attend_avx512(const T* query, const T* key_cache, const T* value_cache,
 
 // query [N, Hq, D]; caches [num_blocks, Hkv, bs, D]; block_table [R, max_blocks] int64;
 // token_row, kv_len [N] int64 (token i attends to keys 0..kv_len[i]-1 of row token_row[i];
-// with window > 0 only to its last `window` keys, itself included) -> [N, Hq * D] in the
-// query's dtype.
+// with window > 0 only to its last `window` keys, itself included; softcap > 0 caps each
+// score to softcap * tanh(score / softcap)) -> [N, Hq * D] in the query's dtype.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table,
                            const at::Tensor& token_row, const at::Tensor& kv_len,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [N, Hq, D], cache [B, H, bs, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
@@ -277,7 +280,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   at::Tensor out = at::empty({num_tokens, num_heads * head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
 #ifdef __AVX512F__
-    if constexpr (!std::is_same_v<scalar_t, double>) {
+    // The AVX-512 kernels score 16 keys per register without a cap: capped scores (Gemma
+    // 2) take the generic kernel.
+    if constexpr (!std::is_same_v<scalar_t, double>) if (softcap <= 0.0) {
       const auto args = std::make_tuple(
           q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
           table.data_ptr<int64_t>(), table.size(1), rows.data_ptr<int64_t>(),
@@ -293,7 +298,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      table.size(1), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                      out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
                      num_heads / num_kv_heads, block_size, head_dim, static_cast<float>(scale),
-                     window);
+                     window, static_cast<float>(softcap));
   });
   return out;
 }
@@ -302,7 +307,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 
 TORCH_LIBRARY(raylm, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-        "Tensor token_row, Tensor kv_len, float scale, int window=0) -> Tensor");
+        "Tensor token_row, Tensor kv_len, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) { m.impl("paged_attention", &paged_attention); }
