@@ -89,17 +89,25 @@ def kv_cache_budget_bytes(free: int, total: int, gpu_memory_utilization: float,
 
 
 def num_kv_blocks_for(budget: int, bytes_per_block: int, block_size: int,
-                      max_model_len: int, what: str) -> int:
+                      max_model_len: int, what: str, blocks_per_request: int | None = None
+                      ) -> int:
     """Blocks the budget holds; a ValueError when they cannot hold one request of
-    ``max_model_len`` tokens, naming the longest that fits (``what`` says where the budget
-    came from, for the message)."""
+    ``max_model_len`` tokens (``blocks_per_request``: the most it holds at once, when a
+    sliding window frees the rest), naming the longest that fits (``what`` says where the
+    budget came from, for the message)."""
     num_blocks = max(0, budget) // bytes_per_block
     fits = num_blocks * block_size
-    if fits < max_model_len:
-        need = -(-max_model_len // block_size) * bytes_per_block
+    needed = -(-max_model_len // block_size) if blocks_per_request is None \
+        else blocks_per_request
+    if num_blocks < needed:
+        need = needed * bytes_per_block
+        held = (f"the longest max_model_len this memory holds is {fits}. Lower max_model_len"
+                if blocks_per_request is None else
+                f"a request holds up to {needed} blocks at once (its sliding window and the "
+                "tokens in flight). Lower max_num_batched_tokens")
         raise ValueError(
             f"to serve one request of max_model_len={max_model_len} the KV cache needs "
             f"{need / GIB:.2f} GiB, more than the {max(0, budget) / GIB:.2f} GiB available "
-            f"to it ({what}); the longest max_model_len this memory holds is {fits}. Lower "
-            "max_model_len, or raise gpu_memory_utilization / kv_cache_memory_bytes.")
+            f"to it ({what}); {held}, or raise gpu_memory_utilization / "
+            "kv_cache_memory_bytes.")
     return int(num_blocks)

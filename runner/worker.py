@@ -198,8 +198,11 @@ class Worker:
         else:
             budget = min(_CPU_DEFAULT_KV_BYTES, _available_host_memory() // 2)
             what = "the CPU default: half the available host memory, at most 1 GiB"
-        return num_kv_blocks_for(budget, per_block, cache.block_size,
-                                 self.engine_config.model_config.max_model_len, what)
+        config = self.engine_config
+        max_len = config.model_config.max_model_len
+        windowed = config.kv_free_window is not None
+        return num_kv_blocks_for(budget, per_block, cache.block_size, max_len, what,
+                                 config.kv_blocks_per_request(max_len) if windowed else None)
 
     def step_reserve_bytes(self) -> int:
         runner = self._runner

@@ -30,7 +30,7 @@ from raylm.scheduler.core_outputs import (
 )
 from raylm.scheduler.kv.block_pool import KVCacheBlock
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
-from raylm.scheduler.kv.kv_cache_utils import cdiv, update_block_hashes
+from raylm.scheduler.kv.kv_cache_utils import update_block_hashes
 from raylm.scheduler.kv_transfer.factory import make_connector_scheduler
 from raylm.scheduler.kv_transfer.kv_transfer_scheduling import KVTransferScheduling
 from raylm.scheduler.lora import LoRAAdmission, lora_requests_info
@@ -56,7 +56,8 @@ class Scheduler:
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.enable_caching = config.cache_config.enable_prefix_caching
-        self.kv_cache_manager = KVCacheManager(self.block_size, num_kv_blocks, self.enable_caching)
+        self.kv_cache_manager = KVCacheManager(self.block_size, num_kv_blocks, self.enable_caching,
+                                               config.kv_free_window)
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -121,7 +122,8 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r}: prompt {request.num_prompt_tokens} + "
                 f"max_tokens {request.max_tokens} exceeds max_model_len={self.max_model_len}.")
-        needed = cdiv(min(total + self.num_lookahead_tokens, self.max_model_len), self.block_size)
+        needed = self.config.kv_blocks_per_request(
+            min(total + self.num_lookahead_tokens, self.max_model_len))
         if needed > self.kv_cache_manager.num_blocks:
             drafts = (f" + {self.num_lookahead_tokens} draft slots" if self.num_lookahead_tokens
                       else "")

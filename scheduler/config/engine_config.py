@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-from raylm.scheduler.config.attention_layout import check_attention_layout
+from raylm.scheduler.config.attention_layout import check_attention_layout, uniform_window
 from raylm.scheduler.config.checkpoint_quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
@@ -138,6 +138,11 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return supported_architecture(self.hf_config["architectures"], self.model)
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window every layer honours, or None (attention_layout.py)."""
+        return uniform_window(self.architecture, self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -365,6 +370,31 @@ class EngineConfig:
             return 0
         return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
             else 0
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window behind which a request's KV blocks go back to the pool as it decodes
+        (every layer windowed: its blocks are all layers'); None keeps every block: some
+        layer attends to all keys, a KV connector sends or offloads the blocks, or a draft
+        model reads them with attention of its own."""
+        spec = self.speculative_config
+        if self.kv_transfer_config is not None or (
+                spec is not None and spec.method == "draft_model"):
+            return None
+        return self.model_config.uniform_window
+
+    def kv_blocks_per_request(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens (drafts' slots included) holds
+        at once: all of them, or with kv_free_window a window's worth plus what the steps
+        in flight and the next one may add before their tokens settle."""
+        block_size = self.cache_config.block_size
+        full = -(-num_tokens // block_size)
+        window = self.kv_free_window
+        if window is None:
+            return full
+        unsettled = (self.max_concurrent_batches + 1) * (
+            self.scheduler_config.max_num_batched_tokens + self.num_lookahead_tokens)
+        return min(full, -(-(window - 1 + unsettled) // block_size) + 1)
 
     @property
     def max_concurrent_batches(self) -> int:

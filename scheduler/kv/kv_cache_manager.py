@@ -11,6 +11,13 @@ In synchronous mode the fence is already passed when a request is freed outside
 Prefix caching registers a block only when its KV is settled (the step that computed it
 has returned) and all its tokens are known: ``cache_blocks`` is called from
 ``update_from_output`` with the settled token count.
+
+Sliding window (``sliding_window``: every layer honours it, docs/architecture.md §20): a
+token at position p reads keys p - window + 1 .. p, and no token still to be computed
+sits before the request's settled count (tokens of returned steps: a rejected draft rolls
+back only in-flight ones). Blocks wholly before settled - window + 1 are freed as the
+request grows, behind its fence (a step in flight may still read them); their places in
+the block table keep ``null_block``, so positions and block indices stay aligned.
 """
 
 from __future__ import annotations
@@ -24,11 +31,22 @@ from raylm.scheduler.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Stands in for a freed out-of-window block: never in the pool, never read (the
+        # window masks its positions; id 0 keeps the block table a valid index).
+        self.null_block = KVCacheBlock(0)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request already replaced by null_block.
+        self.num_skipped_block: dict[str, int] = {}
+        # Out-of-window blocks freed so far (a counter for tests and metrics).
+        self.num_window_freed_blocks = 0
         # How many leading blocks of each request are indexed in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
         # Newest step id scheduled with each request's blocks.
@@ -111,6 +129,8 @@ class KVCacheManager:
         """
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
+        if held is not None and self.sliding_window is not None:
+            self._free_out_of_window(request, held)
         if held is not None and not new_computed_blocks:
             # Hot path (a running request, once per step): usually no new block at all.
             num_new = cdiv(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
@@ -143,6 +163,22 @@ class KVCacheManager:
         self.req_to_fence[rid] = self.current_step
         return new_computed + new_blocks if new_computed else new_blocks
 
+    def _free_out_of_window(self, request: Request, held: list[KVCacheBlock]) -> None:
+        assert self.sliding_window is not None
+        rid = request.request_id
+        settled = request.num_computed_tokens - request.num_in_flight_tokens
+        first_needed = settled - self.sliding_window + 1
+        num_skip = min(max(first_needed, 0) // self.block_size, len(held))
+        done = self.num_skipped_block.get(rid, 0)
+        if num_skip <= done:
+            return
+        freed = held[done:num_skip]
+        held[done:num_skip] = [self.null_block] * (num_skip - done)
+        self.num_skipped_block[rid] = num_skip
+        self.num_window_freed_blocks += len(freed)
+        # A step in flight may still read them: they go back behind the request's fence.
+        self._release(freed[::-1], self.req_to_fence.get(rid, 0))
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the request's full blocks among its first ``num_tokens`` settled tokens."""
         if not self.enable_caching or request.sampling_params.pools_every_prompt_row:
@@ -154,7 +190,11 @@ class KVCacheManager:
         blocks = self.req_to_blocks[rid]
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         if num_full > num_cached:
-            self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+            # Blocks freed behind the window before they settled are not indexed.
+            start = max(num_cached, self.num_skipped_block.get(rid, 0))
+            if num_full > start:
+                self.block_pool.cache_full_blocks(blocks, request.block_hashes, start,
+                                                  num_full)
             self.num_cached_block[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -162,10 +202,17 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         self.num_cached_block.pop(rid, None)
+        skipped = self.num_skipped_block.pop(rid, 0)
         fence = self.req_to_fence.pop(rid, 0)
         if not blocks:
             return
-        blocks.reverse()  # tail first: a request's last blocks are the first evicted
+        # Tail first: a request's last blocks are the first evicted.
+        self._release(blocks[:skipped - 1 if skipped else None:-1], fence)
+
+    def _release(self, blocks: list[KVCacheBlock], fence: int) -> None:
+        """Free ``blocks`` once step ``fence`` has returned (at once if it has)."""
+        if not blocks:
+            return
         if fence <= self.last_processed_step:
             self.block_pool.free_blocks(blocks)
         else:
@@ -207,8 +254,11 @@ class KVCacheManager:
         """Pool invariants, plus: each ref_cnt equals the holders (requests, deferred)."""
         self.block_pool.check_integrity()
         holders = [0] * self.block_pool.num_blocks
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
+        for rid, blocks in self.req_to_blocks.items():
+            skipped = self.num_skipped_block.get(rid, 0)
+            assert all(b is self.null_block for b in blocks[:skipped]), rid
+            for b in blocks[skipped:]:
+                assert b is not self.null_block, f"{rid}: null block past the skipped ones"
                 holders[b.block_id] += 1
         num_deferred = 0
         for _, _, blocks in self._deferred:

@@ -95,15 +95,19 @@ def test_the_window_changes_the_models_tokens(windowed_paths, family, tmp_path, 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_sliding_window_models_equal_transformers(windowed_paths, family, async_scheduling,
                                                   hf_oracle):
-    """Chunked prefill (a 16-token budget), prefix hits (a shared 20-token start) and
-    preemption (30 blocks of 4 tokens), decode rows and prefill spans in one step."""
+    """Chunked prefill, prefix hits (a shared 20-token start) and preemption, decode rows
+    and prefill spans in one step. Mistral (every layer windowed) frees the blocks behind
+    its window as requests grow: its pool is a third of Qwen2's, and still preempts only
+    with an 8-token budget (fewer tokens in flight, less to hold beyond the window)."""
     path = windowed_paths[family]
     shared = list(range(100, 120))
     prompts = [shared + [7, 8, 9], shared + list(range(200, 230)), PROMPT, [5, 6],
                list(range(300, 341))]
+    pool = ({"num_kv_blocks": 9, "max_num_batched_tokens": 8} if family == "mistral"
+            else {"num_kv_blocks": 30, "max_num_batched_tokens": 16})
     assert_greedy_equals_transformers(
         path, hf_oracle(path), prompts, [14, 9, 16, 20, 11], async_scheduling=async_scheduling,
-        block_size=4, num_kv_blocks=30, max_num_batched_tokens=16, max_num_seqs=5)
+        block_size=4, max_num_seqs=5, **pool)
 
 
 def test_a_window_on_no_layer_runs_and_equals_transformers(qwen2_path, tmp_path, hf_oracle):
@@ -138,3 +142,42 @@ def test_the_triton_backend_refuses_a_windowed_model_by_name(windowed_paths, mon
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match=r"sliding_window \[5\] .* Triton attention backend"):
         LLM(windowed_paths["qwen2"])
+
+
+@pytest.mark.parametrize(("async_scheduling", "ngram"), [(False, False), (True, False),
+                                                         (True, True)],
+                         ids=["sync", "async", "async-ngram"])
+def test_requests_longer_than_the_pool_run_as_the_window_frees_their_blocks(
+        windowed_paths, hf_oracle, async_scheduling, ngram):
+    """Mistral's window (5) is on every layer: a request keeps only the blocks its next
+    tokens can read. Two requests of ~150 tokens (38 blocks of 4 each) run in a pool of 16
+    and equal transformers, with ngram drafts rolled back under async (a block is freed
+    only behind the settled tokens, never behind drafts that may be rejected)."""
+    path = windowed_paths["mistral"]
+    prompts = [PROMPT, [11, 12, 13, 14] * 6]
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3} if ngram else None)
+    with LLM(path, async_scheduling=async_scheduling, block_size=4, num_kv_blocks=16,
+             max_num_batched_tokens=16, speculative_config=spec) as llm:
+        core = llm.llm_engine.core.engine_core
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+        kv = core.scheduler.kv_cache_manager
+        metrics = llm.get_metrics()
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_oracle(path).greedy(p, 120)
+    assert kv.num_window_freed_blocks >= 2 * (38 - 16)
+    assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+    if ngram:
+        assert metrics["raylm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_request_longer_than_the_pool_is_refused_where_some_layer_reads_every_key(
+        windowed_paths):
+    """Qwen2 here windows one layer of two: the other reads every key, so every block is
+    kept and a request the pool cannot hold whole is refused by its block count."""
+    with LLM(windowed_paths["qwen2"], block_size=4, num_kv_blocks=16,
+             max_num_batched_tokens=16) as llm:
+        with pytest.raises(ValueError, match="needs 38 KV blocks .* pool holds only 16"):
+            llm.generate([{"prompt_token_ids": PROMPT}],
+                         SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))

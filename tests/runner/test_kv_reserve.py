@@ -87,6 +87,12 @@ def test_a_pool_short_of_one_full_request_names_the_longest_that_fits():
     with pytest.raises(ValueError, match="longest max_model_len this memory holds is 0"):
         num_kv_blocks_for(-GIB, per_block, 16, 131072, "test")
     assert num_kv_blocks_for(8192 * per_block, per_block, 16, 131072, "test") == 8192
+    # A sliding window on every layer: a request holds only its window's blocks at once.
+    assert num_kv_blocks_for(300 * per_block, per_block, 16, 131072, "test",
+                             blocks_per_request=300) == 300
+    with pytest.raises(ValueError, match="a request holds up to 300 blocks at once"):
+        num_kv_blocks_for(299 * per_block, per_block, 16, 131072, "test",
+                          blocks_per_request=300)
 
 
 def test_a_131072_context_checkpoint_starts_on_cpu(tmp_path):

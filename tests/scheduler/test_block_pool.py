@@ -180,3 +180,55 @@ def test_manager_integrity_detects_leak():
     kv.req_to_blocks["a"].pop()  # lose track of a block
     with pytest.raises(AssertionError, match="holders"):
         kv.check_integrity()
+
+
+def test_sliding_window_frees_blocks_behind_the_settled_window_behind_the_fence():
+    """Window 6, blocks of 4: a token at p reads keys p-5..p, so once 14 tokens are settled
+    the next token (p >= 14) needs keys from 9 on: blocks 0 and 1 (keys 0-7) go back. Tokens
+    in flight do not count (a rejected draft could roll them back), and a block a step in
+    flight may read returns to the pool only when that step has returned."""
+    kv = KVCacheManager(block_size=4, num_blocks=12, enable_caching=True, sliding_window=6)
+    req = make_request("w", list(range(100, 114)), max_tokens=20)  # 14 prompt tokens
+    kv.begin_step(1)
+    blocks, _ = _admit(kv, req)  # 4 blocks, nothing freed at admission
+    ids = [b.block_id for b in blocks]
+    assert len(ids) == 4 and kv.block_pool.get_num_free_blocks() == 8
+    # Step 1 is in flight with all 14 tokens: nothing is settled, nothing freed.
+    req.num_in_flight_tokens = 14
+    kv.begin_step(2)
+    assert kv.allocate_slots(req, 1) == []
+    assert kv.get_block_ids("w") == ids and kv.num_window_freed_blocks == 0
+    req.num_computed_tokens += 1  # step 2 books the decode at p=14, in flight too
+    # Step 1 returns: 14 settled (step 2's token still in flight); its full blocks cache.
+    kv.on_step_processed(1)
+    req.num_in_flight_tokens = 1
+    kv.cache_blocks(req, 14)
+    kv.begin_step(3)
+    assert kv.allocate_slots(req, 1) is not None
+    null = kv.null_block.block_id
+    assert kv.get_block_ids("w")[:2] == [null, null] and kv.get_block_ids("w")[2:4] == ids[2:]
+    assert kv.num_window_freed_blocks == 2
+    # Step 2 (fenced on them) is still in flight: blocks 0 and 1 are not free yet.
+    assert kv.block_pool.get_num_free_blocks() == 8 and kv.num_deferred_blocks == 2
+    kv.check_integrity()
+    kv.on_step_processed(2)
+    assert kv.block_pool.get_num_free_blocks() == 10 and kv.num_deferred_blocks == 0
+    # Freed but still cached: a request with the same start hits them.
+    assert kv.block_pool.get_cached_block(req.block_hashes[0]).block_id == ids[0]
+    kv.check_integrity()
+    kv.free(req)  # frees only what it holds: no double free of the window's blocks
+    kv.on_step_processed(3)
+    kv.check_integrity()
+    assert kv.block_pool.get_num_free_blocks() == 12
+
+
+def test_without_a_window_no_block_is_freed_early():
+    kv = _manager(num_blocks=12)
+    req = make_request("f", list(range(100, 130)), max_tokens=4)
+    _admit(kv, req)
+    kv.cache_blocks(req, req.num_computed_tokens)
+    assert kv.allocate_slots(req, 1) is not None
+    assert all(b is not kv.null_block for b in kv.req_to_blocks["f"])
+    assert kv.num_window_freed_blocks == 0 and kv.block_pool.get_num_free_blocks() == 4
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        KVCacheManager(block_size=4, num_blocks=4, enable_caching=False, sliding_window=0)
