@@ -8,6 +8,7 @@ name (dtypes, architectures, executor backends, placement strategies) are define
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -139,9 +140,10 @@ class ModelConfig:
     def architecture(self) -> str:
         return supported_architecture(self.hf_config["architectures"], self.model)
 
-    @property
+    @functools.cached_property
     def uniform_window(self) -> int | None:
-        """The sliding window every layer honours, or None (attention_layout.py)."""
+        """The sliding window every layer honours, or None (attention_layout.py); read
+        once (every request's admission asks, through kv_blocks_per_request)."""
         return uniform_window(self.architecture, self.hf_config)
 
     @property

@@ -45,7 +45,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already replaced by null_block.
         self.num_skipped_block: dict[str, int] = {}
-        # Out-of-window blocks freed so far (a counter for tests and metrics).
+        # Out-of-window blocks freed so far (read by the tests).
         self.num_window_freed_blocks = 0
         # How many leading blocks of each request are indexed in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -190,7 +190,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks[rid]
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         if num_full > num_cached:
-            # Blocks freed behind the window before they settled are not indexed.
+            # The null_block entries (freed behind the window) are never indexed.
             start = max(num_cached, self.num_skipped_block.get(rid, 0))
             if num_full > start:
                 self.block_pool.cache_full_blocks(blocks, request.block_hashes, start,
