@@ -55,7 +55,8 @@ def cap_onednn_primitive_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
         os.environ.setdefault(var, str(capacity))
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+                    prefault: bool = True) -> torch.Tensor:
     """A zeroed host tensor in a private anonymous mapping advised for transparent huge
     pages (Linux).
 
@@ -64,7 +65,9 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     2 MiB pages avoid (bench/attention.py measures it). The kernel's THP
     setting "madvise", the common default, gives huge pages only to memory that asks,
     and the heap cannot ask reliably: its pages may already be faulted in as 4 KiB ones.
-    Without THP the advice is refused and the mapping works as plain memory."""
+    Without THP the advice is refused and the mapping works as plain memory.
+    ``prefault``: touch every page now (the memory is known to be there and the first
+    steps do not pay the faults); else the kernel zero-fills each page on its first write."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
@@ -79,4 +82,4 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # The tensor holds a reference to the mapping: it is unmapped when the tensor dies.
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
     # Fault every page in now, at startup, not during the first steps that write there.
-    return tensor.zero_()
+    return tensor.zero_() if prefault else tensor

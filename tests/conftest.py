@@ -14,6 +14,10 @@ import pytest
 # checkpoints in bfloat16 on a CPU with native bf16. Set before any engine (or Ray worker,
 # which inherits the environment) starts; the bf16 tests ask for bfloat16 explicitly.
 os.environ.setdefault("RAYLM_CPU_AUTO_BFLOAT16", "0")
+# A test engine writes a few blocks of its 1 GiB default KV pool: faulting all of it in at
+# start-up cost each rank a second or two and the machine a GiB of memory per rank
+# (test_host_memory.py covers the prefaulted pool).
+os.environ.setdefault("RAYLM_CPU_KV_PREFAULT", "0")
 
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 

@@ -122,7 +122,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     huge pages (see ``huge_page_zeros``): decode reads scattered blocks."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     if torch.device(device).type == "cpu":
-        return huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)
+        prefault = envs.cpu_kv_prefault()
+        return huge_page_zeros(shape, dtype, prefault), huge_page_zeros(shape, dtype, prefault)
     return (torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device))
 

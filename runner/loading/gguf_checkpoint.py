@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's format): the decoder config from the file's metadata and the
 weights dequantized to Hugging Face names, one tensor at a time.
 
-The file is memory-mapped (``gguf.GGUFReader``), so a rank that skips a tensor (another
+The file is memory-mapped (``gguf_file.GGUFFile``), so a rank that skips a tensor (another
 pipeline stage's layer) never reads its bytes. The tokenizer and chat template come from
 the same metadata through ``transformers`` (``AutoTokenizer.from_pretrained(gguf_file=)``).
 """
@@ -12,6 +12,8 @@ import glob
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from raylm.runner.loading.gguf_file import GGUFFile, open_gguf
 
 # GGUF architecture -> Hugging Face architecture raylm's models implement.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -53,15 +55,13 @@ def find_gguf_file(model: str) -> str | None:
     return None
 
 
-def _reader(path: str) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+def _reader(path: str) -> GGUFFile:
+    return open_gguf(path)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 def read_gguf_config(path: str) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:
         raise ValueError(f"GGUF file {path!r} has neither {arch}.vocab_size nor tokens.")
     config: dict[str, Any] = {

@@ -62,6 +62,12 @@ def cpu_keep_freed_memory() -> bool:
     return _on_unless_off("RAYLM_CPU_KEEP_FREED_MEMORY")
 
 
+def cpu_kv_prefault() -> bool:
+    """The CPU KV cache's pages are faulted in at start-up (RAYLM_CPU_KV_PREFAULT; off: on
+    first write, as the pool fills: the test suite's engines touch a few blocks of it)."""
+    return _on_unless_off("RAYLM_CPU_KV_PREFAULT")
+
+
 def cpu_auto_bfloat16() -> bool:
     """dtype="auto" runs a float32 checkpoint in bfloat16 on a CPU with native bf16."""
     return _on_unless_off("RAYLM_CPU_AUTO_BFLOAT16")

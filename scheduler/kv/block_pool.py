@@ -3,8 +3,9 @@
 Invariants (``check_integrity`` asserts them; the tests call it after every operation and
 the EngineCore whenever it goes idle):
 
-1. Every block is in exactly one of two states: in the free queue with ``ref_cnt == 0``,
-   or out of it with ``ref_cnt > 0`` (held by requests or by a deferred free).
+1. Every block is in exactly one of three states: never handed out (free, at the head of
+   the queue, no object made for it yet), in the free queue with ``ref_cnt == 0``, or out
+   of it with ``ref_cnt > 0`` (held by requests or by a deferred free).
 2. ``num_free + num_used == num_blocks``.
 3. ``cached_block_hash_to_block[h] is b`` implies ``b.block_hash == h``, and every block
    with a ``block_hash`` is indexed under it (only full blocks whose KV is settled are).
@@ -37,21 +38,28 @@ class BlockPool:
         check_at_least("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # Head = next to be handed out (and evicted if cached); tail = most recently freed.
-        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks)
+        # Blocks are made when first handed out (a pool of a million blocks would cost
+        # seconds at start-up and at every idle integrity check): ids from len(blocks) on
+        # were never used and are the free queue's head, in id order, before any freed one.
+        self.blocks: list[KVCacheBlock] = []
+        # Blocks freed after use. Head = next to be handed out (and evicted if cached);
+        # tail = most recently freed.
+        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
         # Called with (block_hash, block_id) when a cached block is evicted for reuse (a KV
         # offload tier keeps its content; its KV is settled and no step in flight uses it).
         self.on_evict: Callable[[int, int], None] | None = None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        if num_blocks > len(self.free_block_queue):
+        if num_blocks > self.get_num_free_blocks():
             raise ValueError(
-                f"cannot get {num_blocks} blocks: only {len(self.free_block_queue)} free.")
-        out = []
-        for _ in range(num_blocks):
+                f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free.")
+        start = len(self.blocks)
+        out = [KVCacheBlock(i) for i in range(start, min(start + num_blocks, self.num_blocks))]
+        self.blocks.extend(out)
+        for block in out:
+            block.ref_cnt = 1
+        for _ in range(num_blocks - len(out)):
             _, block = self.free_block_queue.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
@@ -120,18 +128,22 @@ class BlockPool:
         return self.cached_block_hash_to_block.get(block_hash)
 
     def get_num_free_blocks(self) -> int:
-        return len(self.free_block_queue)
+        return len(self.free_block_queue) + self.num_blocks - len(self.blocks)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id >= len(self.blocks) or block_id in self.free_block_queue
 
     def get_usage(self) -> float:
-        return 1.0 - len(self.free_block_queue) / self.num_blocks
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
     def check_integrity(self) -> None:
-        num_free = len(self.free_block_queue)
+        assert all(b.block_id == i for i, b in enumerate(self.blocks)), "blocks out of id order"
+        num_free = self.get_num_free_blocks()
         num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         assert num_free + num_used == self.num_blocks, (
             f"free {num_free} + used {num_used} != total {self.num_blocks}")
         for block_id, block in self.free_block_queue.items():
-            assert block.block_id == block_id and block.ref_cnt == 0, (
+            assert self.blocks[block_id] is block and block.ref_cnt == 0, (
                 f"block {block.block_id} in the free queue under id {block_id} "
                 f"with ref_cnt {block.ref_cnt}")
         for block in self.blocks:

@@ -241,8 +241,10 @@ class KVCacheManager:
 
     def uncache_block_ids(self, block_ids: set[int]) -> None:
         """Drop blocks a load failed for from the prefix-cache index, whoever holds them."""
+        made = self.block_pool.blocks
         for block_id in block_ids:
-            self.block_pool.uncache(self.block_pool.blocks[block_id])
+            if block_id < len(made):  # else never handed out: nothing indexed
+                self.block_pool.uncache(made[block_id])
 
     def has_deferred_frees(self) -> bool:
         return bool(self._deferred)
@@ -253,7 +255,7 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Pool invariants, plus: each ref_cnt equals the holders (requests, deferred)."""
         self.block_pool.check_integrity()
-        holders = [0] * self.block_pool.num_blocks
+        holders = [0] * len(self.block_pool.blocks)
         for rid, blocks in self.req_to_blocks.items():
             skipped = self.num_skipped_block.get(rid, 0)
             assert all(b is self.null_block for b in blocks[:skipped]), rid

@@ -57,6 +57,24 @@ def test_pool_lru_eviction_of_cached_blocks():
     assert pool.get_cached_block(102) is blocks[1] and pool.get_cached_block(101) is blocks[0]
 
 
+def test_pool_makes_blocks_on_first_use_in_the_eager_queue_order():
+    """Never-used ids are the queue's head in id order, before any freed block: the order
+    a queue holding every block from the start would hand them out in."""
+    pool = BlockPool(1 << 20, enable_caching=True)
+    assert pool.blocks == [] and pool.get_num_free_blocks() == 1 << 20
+    a = pool.get_new_blocks(3)
+    pool.free_blocks([a[1]])
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 4]
+    assert len(pool.blocks) == 5 and pool.is_free(1) and pool.is_free(5)
+    assert not pool.is_free(0) and not pool.is_free(4)
+    small = BlockPool(4, enable_caching=False)
+    b = small.get_new_blocks(3)
+    small.free_blocks([b[2], b[0]])
+    assert [x.block_id for x in small.get_new_blocks(3)] == [3, 2, 0]
+    small.check_integrity()
+    assert small.get_num_free_blocks() == 0
+
+
 def test_pool_duplicate_hash_keeps_first_block():
     pool = BlockPool(4, enable_caching=True)
     a, b = pool.get_new_blocks(2)
@@ -155,11 +173,11 @@ def test_deferred_free_waits_for_fence():
     kv.check_integrity()
     assert kv.has_deferred_frees() and kv.num_deferred_blocks == 2
     assert kv.block_pool.get_num_free_blocks() == 8
-    assert all(i not in kv.block_pool.free_block_queue for i in ids)
+    assert not any(kv.block_pool.is_free(i) for i in ids)
     kv.on_step_processed(1)
     kv.check_integrity()
     assert not kv.has_deferred_frees()
-    assert all(i in kv.block_pool.free_block_queue for i in ids)
+    assert all(kv.block_pool.is_free(i) for i in ids)
 
 
 def test_free_is_immediate_when_fence_passed():

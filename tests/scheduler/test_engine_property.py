@@ -70,10 +70,10 @@ def _record_fences(engine: EngineCore, executor: FakeExecutor) -> dict[int, set[
 def _check_step(engine: EngineCore, fenced: dict[int, set[int]]) -> None:
     sched = engine.scheduler
     sched.check_integrity()
-    free = sched.kv_cache_manager.block_pool.free_block_queue
+    pool = sched.kv_cache_manager.block_pool
     in_flight_steps = [step.scheduler_output for step in engine.batch_queue]
     for so in in_flight_steps:  # §3 rule 5: nothing an in-flight step writes is free
-        early = [b for b in fenced[so.step_id] if b in free]
+        early = [b for b in fenced[so.step_id] if pool.is_free(b)]
         assert not early, f"blocks {early} free while step {so.step_id} is in flight"
     in_flight: dict[str, int] = {}
     for so in in_flight_steps:

@@ -193,7 +193,8 @@ def test_rule4_stale_outputs_drained_never_appended():
 
 
 def _free_ids(sched):
-    return set(sched.kv_cache_manager.block_pool.free_block_queue)
+    pool = sched.kv_cache_manager.block_pool
+    return {i for i in range(pool.num_blocks) if pool.is_free(i)}
 
 
 def test_rule5_abort_in_flight_skipped_and_freed_after_fence():
