@@ -83,7 +83,7 @@ class GGUFFile:
 
         self.path = path
         self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        cur = _Cursor(memoryview(self._map), path)
+        cur = _Cursor(memoryview(self._map.data), path)
         if bytes(self._map[:4]) != MAGIC:
             raise ValueError(f"{path!r} is not a GGUF file (no GGUF magic).")
         cur.off = 4
