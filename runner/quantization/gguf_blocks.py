@@ -1,12 +1,16 @@
 """GGUF's block formats decoded into codes, scales and zeros per group of 32 (never into
-floats): Q4_0, Q4_1 and Q4_K as 4-bit codes, Q8_0 as 8-bit; other types have no group form
-here and are dequantized by the loader.
+floats): Q4_0, Q4_1 and Q4_K as 4-bit codes; Q8_0, and Q5_0, Q5_1 and Q5_K (5-bit codes
+0..31, held in the kernel's 8-bit form), as 8-bit; other types (Q6_K's scales are per 16)
+have no group form here and are dequantized by the loader.
 
 Block layouts (llama.cpp's ggml-common.h): Q4_0 = fp16 d, 16 bytes of nibbles (element i
 in the low nibble of byte i, element i+16 in the high), w = d (q - 8); Q4_1 = fp16 d, fp16
 m, the same nibbles, w = d q + m; Q8_0 = fp16 d, 32 int8, w = d q; Q4_K = a super-block of
 256: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (each
-64 elements: the low nibbles of 32 bytes, then their high nibbles), w = d sc q - dmin m.
+64 elements: the low nibbles of 32 bytes, then their high nibbles), w = d sc q - dmin m. Q5_0 = fp16 d, 4 bytes qh (bit i: element i's fifth bit), the Q4_0
+nibbles, w = d (q - 16); Q5_1 = fp16 d, fp16 m, qh, nibbles, w = d q + m; Q5_K = Q4_K's
+header and scales, 32 bytes qh (for the super-block's j-th 32 elements, bit j of byte l is
+element l's fifth bit), then Q4_K's nibbles, w = d sc q - dmin m.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 
 from raylm.runner.quantization.group_quantized import GroupQuantized
 
-GROUP_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})
+GROUP_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
+_EIGHT_BIT = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K"})  # codes in the kernel's 8-bit form
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -40,6 +45,25 @@ def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc[:, 4:] = (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)
     mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
     return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[B, 128] bytes of a K super-block -> [B, 256] codes: per 64 elements, the low
+    nibbles of 32 bytes, then their high nibbles."""
+    qs = qs.reshape(-1, 4, 32)
+    return np.stack([qs & 15, qs >> 4], axis=2).reshape(qs.shape[0], 256)
+
+
+def _k_quantized(codes: np.ndarray, super_blocks: np.ndarray, groups: tuple[int, int],
+                 bits: int, kind: str) -> GroupQuantized:
+    """Codes with a K super-block's scales (d x 6-bit scale) and zeros (-dmin x 6-bit min)
+    per group of 32."""
+    d, dmin = _f16(super_blocks[:, 0:2]), _f16(super_blocks[:, 2:4])
+    sc, mn = _q4_k_scales(super_blocks[:, 4:16])
+    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)),
+                          torch.from_numpy(np.ascontiguousarray((d * sc).reshape(groups))),
+                          torch.from_numpy(np.ascontiguousarray((-(dmin * mn)).reshape(groups))),
+                          bits, kind)
 
 
 def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GroupQuantized:
@@ -64,18 +88,27 @@ def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> 
         return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)),
                               torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(zero)),
                               bits, kind)
+    if kind in ("Q5_0", "Q5_1"):
+        head = 8 if kind == "Q5_1" else 6  # d (and m), then 4 bytes of fifth bits
+        blocks = raw.reshape(n, g, head + 16)
+        d = _f16(blocks[..., 0:2]).reshape(n, g)
+        qh = np.ascontiguousarray(blocks[..., head - 4:head]).view("<u4")  # [n, g, 1]
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, g, 32]
+        codes = (_nibbles(blocks[..., head:]) | (high << 4).astype(np.uint8)).reshape(n, k)
+        zero = _f16(blocks[..., 2:4]).reshape(n, g) if kind == "Q5_1" else -16.0 * d
+        return GroupQuantized(torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(d),
+                              torch.from_numpy(np.ascontiguousarray(zero)), 8, kind)
+    if kind == "Q5_K":
+        super_blocks = raw.reshape(n * (k // 256), 176)
+        qh = super_blocks[:, 16:48]  # [B, 32]
+        low = _k_nibbles(super_blocks[:, 48:]).reshape(-1, 8, 32)  # the j-th 32 elements
+        high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+        codes = (low | (high << 4)).reshape(n, k).astype(np.int8)
+        return _k_quantized(codes, super_blocks, (n, g), 8, kind)
     if kind == "Q4_K":
         super_blocks = raw.reshape(n * (k // 256), 144)
-        d = _f16(super_blocks[:, 0:2])
-        dmin = _f16(super_blocks[:, 2:4])
-        sc, mn = _q4_k_scales(super_blocks[:, 4:16])
-        qs = super_blocks[:, 16:].reshape(-1, 4, 32)
-        nibbles = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, k)  # per 64: low, high
-        scale = (d * sc).reshape(n, g)
-        zero = (-(dmin * mn)).reshape(n, g)
-        return GroupQuantized(torch.from_numpy(np.ascontiguousarray(nibbles)),
-                              torch.from_numpy(np.ascontiguousarray(scale)),
-                              torch.from_numpy(np.ascontiguousarray(zero)), 4, kind)
+        return _k_quantized(_k_nibbles(super_blocks[:, 16:]).reshape(n, k), super_blocks,
+                            (n, g), 4, kind)
     raise ValueError(f"GGUF type {kind!r} has no group form; one of {sorted(GROUP_FORMATS)}.")
 
 
@@ -86,7 +119,8 @@ def lazy_tensor(tensor: Any, counter: list[int] | None = None) -> LazyGGUFBlocks
     return LazyGGUFBlocks(tensor.data, tensor.tensor_type.name, (n, k), counter=counter)
 
 
-_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
+          "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176)}
 
 
 class LazyGGUFBlocks:
@@ -112,7 +146,7 @@ class LazyGGUFBlocks:
 
     @property
     def bits(self) -> int:
-        return 8 if self.kind == "Q8_0" else 4
+        return 8 if self.kind in _EIGHT_BIT else 4
 
     def _with(self, rows: np.ndarray, columns: tuple[int, int]) -> LazyGGUFBlocks:
         return LazyGGUFBlocks(self.data, self.kind, self.file_shape, rows, columns,

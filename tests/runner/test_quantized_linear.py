@@ -43,7 +43,7 @@ def _random_group(n: int, k: int, bits: int, seed: int = 0) -> GroupQuantized:
     return GroupQuantized(codes, scale, zero, bits, f"random{bits}")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_gguf_blocks_decode_to_what_gguf_dequantizes(qtype):
     import gguf
 
@@ -52,20 +52,31 @@ def test_gguf_blocks_decode_to_what_gguf_dequantizes(qtype):
     raw = gguf.quants.quantize(data, kind)
     want = gguf.quants.dequantize(raw, kind).reshape(24, 96)
     got = decode_group_blocks(qtype, raw, (24, 96))
-    assert got.bits == (8 if qtype == "Q8_0" else 4)
+    assert got.bits == (4 if qtype.startswith("Q4") else 8)
     assert np.array_equal(got.dequantize().numpy(), want)
+    if qtype.startswith("Q5"):  # every fifth bit used: the codes span 0..31
+        assert got.codes.min() == 0 and got.codes.max() == 31
 
 
-def test_q4_k_super_blocks_decode_to_what_gguf_dequantizes():
-    """Q4_K (gguf-py cannot quantize to it): random super-blocks with finite scales."""
+@pytest.mark.parametrize("qtype, nbytes", [("Q4_K", 144), ("Q5_K", 176)])
+def test_k_super_blocks_decode_to_what_gguf_dequantizes(qtype, nbytes):
+    """Q4_K, Q5_K (gguf-py cannot quantize to them): random super-blocks with finite
+    scales; a narrowed lazy tensor reads and decodes only its rows and columns."""
     import gguf
 
+    from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
+
     rng = np.random.default_rng(1)
-    blocks = rng.integers(0, 256, size=(6 * 2, 144), dtype=np.uint8)  # 6 rows x 512
+    blocks = rng.integers(0, 256, size=(6 * 2, nbytes), dtype=np.uint8)  # 6 rows x 512
     blocks[:, 0:4] = np.array([0.01, 0.003], dtype=np.float16).view(np.uint8)
-    raw = blocks.reshape(6, 2 * 144)
-    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(6, 512)
-    assert np.array_equal(decode_group_blocks("Q4_K", raw, (6, 512)).dequantize().numpy(), want)
+    raw = blocks.reshape(6, 2 * nbytes)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(6, 512)
+    got = decode_group_blocks(qtype, raw, (6, 512))
+    assert np.array_equal(got.dequantize().numpy(), want)
+    assert got.bits == (4 if qtype == "Q4_K" else 8)
+    lazy = LazyGGUFBlocks(raw, qtype, (6, 512)).narrow(0, 1, 3).narrow(1, 288, 64)
+    assert np.array_equal(lazy.dequantize().numpy(), want[1:4, 288:352])
+    assert lazy.read_bytes[0] == 3 * nbytes  # the one super-block the columns fall in
 
 
 def test_narrowing_keeps_groups_whole():
@@ -108,6 +119,12 @@ def test_packed_weight_is_smaller_than_float32():
 def q4_gguf(llama_path, tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("gguf-q4")
     return write_gguf_from_hf(llama_path, str(folder / "tiny-llama.Q4_0.gguf"), "Q4_0")
+
+
+@pytest.fixture(scope="module")
+def q5_gguf(llama_path, tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("gguf-q5")
+    return write_gguf_from_hf(llama_path, str(folder / "tiny-llama.Q5_1.gguf"), "Q5_1")
 
 
 def _ctx(tp_rank: int, tp_size: int) -> ParallelContext:
@@ -159,18 +176,24 @@ def test_each_tp_rank_keeps_its_slice_quantized(q4_gguf):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_q4_gguf_file_runs_quantized_equal_to_transformers_on_it(q4_gguf, hf_oracle,
-                                                                   async_scheduling):
-    llm = LLM(os.path.dirname(q4_gguf), async_scheduling=async_scheduling, block_size=8,
+@pytest.mark.parametrize("file, async_scheduling, bits", [
+    ("q4_gguf", False, 4), ("q4_gguf", True, 4), ("q5_gguf", True, 8)],
+    ids=["q4-sync", "q4-async", "q5-async"])
+def test_a_gguf_file_runs_quantized_equal_to_transformers_on_it(request, hf_oracle, file,
+                                                                async_scheduling, bits):
+    """Q4_0 in the kernel's 4-bit form, Q5_1 in its 8-bit form."""
+    path = request.getfixturevalue(file)
+    llm = LLM(os.path.dirname(path), async_scheduling=async_scheduling, block_size=8,
               max_num_batched_tokens=16)  # the 37-token prompt prefills in chunks
     try:
         model = llm.llm_engine.core.engine_core.executor.worker.model_runner.model
-        assert len(_quantized_layers(model)) == 2 * 4 + 2
+        layers = _quantized_layers(model)
+        assert len(layers) == 2 * 4 + 2
+        assert {layer.quantized.bits for layer in layers.values()} == {bits}
         prompts = [[5, 17, 99, 260, 3], list(range(3, 40)), [42]]
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        oracle = hf_oracle(q4_gguf)
+        oracle = hf_oracle(path)
         for p, out in zip(prompts, outs, strict=True):
             assert out.outputs[0].token_ids == oracle.greedy(p, 12)
     finally:
