@@ -94,9 +94,9 @@ def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> 
         d = _f16(blocks[..., 0:2]).reshape(n, g)
         qh = np.ascontiguousarray(blocks[..., head - 4:head]).view("<u4")  # [n, g, 1]
         high = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, g, 32]
-        codes = (_nibbles(blocks[..., head:]) | (high << 4).astype(np.uint8)).reshape(n, k)
+        fives = (_nibbles(blocks[..., head:]) | (high << 4).astype(np.uint8)).reshape(n, k)
         zero = _f16(blocks[..., 2:4]).reshape(n, g) if kind == "Q5_1" else -16.0 * d
-        return GroupQuantized(torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(d),
+        return GroupQuantized(torch.from_numpy(fives.astype(np.int8)), torch.from_numpy(d),
                               torch.from_numpy(np.ascontiguousarray(zero)), 8, kind)
     if kind == "Q5_K":
         super_blocks = raw.reshape(n * (k // 256), 176)
