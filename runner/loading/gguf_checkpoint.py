@@ -187,11 +187,19 @@ def iterate_gguf_weights(path: str, hf_config: dict[str, Any],
 
 
 def load_gguf_tokenizer(path: str) -> Any:
-    """The transformers tokenizer (with the chat template) stored in the GGUF metadata."""
+    """The transformers tokenizer (with the chat template) stored in the GGUF metadata.
+    Its class is named by the model type raylm read from the file where transformers maps
+    that type to one (Gemma 3, Qwen): AutoTokenizer would first rebuild the model config
+    with transformers' per-item GGUF reader (27 s for Gemma 3 270M's 262k-token vocabulary)
+    only to find that class. Other types (llama: no class of its own) take AutoTokenizer's
+    own path."""
     from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
+    model_type = read_gguf_config(path)["model_type"]
+    named = {"tokenizer_type": model_type} if model_type in TOKENIZER_MAPPING_NAMES else {}
     return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path))
+                                         gguf_file=os.path.basename(path), **named)
 
 
 def convert_gguf_to_hf(path: str, out_dir: str) -> str:

@@ -152,6 +152,26 @@ def gemma3_gguf_path(tmp_path_factory) -> str:
     return write_gguf_from_hf(hf_dir, str(root / "gguf" / "tiny-gemma3.Q8_0.gguf"), "Q8_0")
 
 
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_the_tokenizer_is_the_one_autotokenizer_builds(which, gguf_path, gemma3_gguf_path):
+    """Named by the file's model type, the tokenizer is AutoTokenizer's own: same class,
+    tokens, special tokens and chat template."""
+    from transformers import AutoTokenizer
+
+    path = {"llama": gguf_path, "gemma3": gemma3_gguf_path}[which]
+    tok = load_gguf_tokenizer(path)
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    assert type(tok) is type(ref)
+    for text in ("Hello world, the quick brown fox 123!", " leading space\nnew line", ""):
+        assert tok(text).input_ids == ref(text).input_ids, text
+    assert tok.chat_template == ref.chat_template
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (ref.bos_token, ref.eos_token,
+                                                            ref.pad_token)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
 def test_a_gemma3_gguf_file_matches_transformers_on_it(gemma3_gguf_path, hf_oracle):
     """The norms stored plus one, llama.cpp's norm names, the window from the metadata and
     transformers' Gemma 3 defaults for what the file does not say (every sixth layer global:
