@@ -13,6 +13,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
@@ -54,6 +55,14 @@ def rank_order(infos: list[dict[str, Any]], tensor_parallel_size: int) -> list[i
     tp = tensor_parallel_size
     return [i for start in range(0, len(infos), tp)
             for i in sorted(range(start, min(start + tp, len(infos))), key=gpu_key)]
+
+
+@dataclass
+class _StepAcks:
+    """A step dispatched as Ray calls: the ranks yet to finish it, the output rank's result."""
+
+    left: int
+    result: Any = None
 
 
 class RayExecutor:
@@ -206,13 +215,23 @@ class RayExecutor:
             return _first_lines(e)
         return None
 
-    def _on_ray_step_done(self, rank: int, step: Future, ref_future: Future) -> None:
+    def _on_ray_step_done(self, rank: int, step: Future, acks: _StepAcks,
+                          ref_future: Future) -> None:
+        """A step is done once every rank finished it (the output rank's result is held
+        until then): a rank that died before finishing it fails it, even where the output
+        rank returned first (a stand-in worker that shares no collective may)."""
         error = ref_future.exception()
         try:
             if error is not None:
                 step.set_exception(self._on_worker_failure(rank, _first_lines(error), probe=False))
-            elif rank == self.output_rank:
-                step.set_result(ref_future.result())
+                return
+            with self._dead_lock:
+                if rank == self.output_rank:
+                    acks.result = ref_future.result()
+                acks.left -= 1
+                done = acks.left == 0
+            if done:
+                step.set_result(acks.result)
         except InvalidStateError:
             pass  # another rank already failed this step
 
@@ -249,10 +268,11 @@ class RayExecutor:
         else:
             future = Future()
             seq, self._seq = self._seq, self._seq + 1
+            acks = _StepAcks(left=len(self.workers))
             for rank, worker in enumerate(self.workers):
                 ref = worker.execute_model.remote(seq, message)
                 ref.future().add_done_callback(
-                    functools.partial(self._on_ray_step_done, rank, future))
+                    functools.partial(self._on_ray_step_done, rank, future, acks))
         return future if non_block else future.result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
