@@ -37,6 +37,7 @@ class CachedRequestState:
     min_tokens_stop_ids: tuple[int, ...] = ()
     row: int | None = None  # row in the InputBatch; None once the request is dropped
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    state_slot: int = -1  # hybrid models: its Mamba2 state slot (runner/state_cache.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,6 +38,7 @@ from raylm.runner.sample.prompt_logprobs import compute_prompt_logprobs
 from raylm.runner.sample.sampler import Sampler, SamplerOutput
 from raylm.runner.sample.sampling_metadata import build_sampling_metadata
 from raylm.runner.spec_decode.speculator import Speculator
+from raylm.runner.state_cache import StateSlots
 from raylm.runner.structured.grammar_bitmask import DeferredSampling, apply_grammar_bitmask
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig
@@ -78,7 +79,10 @@ class ModelRunner:
             self.input_batch, self.block_size, sched.max_num_batched_tokens, self.device,
             needs_input_ids=ctx.is_first_pp_rank,
             max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem),
-            attention_backend=attention_backend)
+            attention_backend=attention_backend, needs_state=decoder.mamba is not None)
+        # Hybrid models: one Mamba2 state slot per request the worker holds.
+        self.state_slots = (StateSlots(sched.max_num_seqs) if decoder.mamba is not None
+                            else None)
         self.max_num_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).
@@ -103,7 +107,7 @@ class ModelRunner:
         # Decode steps padded to buckets: replayed as CUDA graphs on a GPU (Triton
         # attention, no PP or drafts: their steps' shapes are not the bucket's), or padded
         # eagerly where asked (RAYLM_PAD_DECODE_STEPS) to check and measure the padding.
-        plain = ctx.pp_size == 1 and self.speculator is None
+        plain = ctx.pp_size == 1 and self.speculator is None and self.state_slots is None
         # Sparse layers: the torch grouping reads the routing on the host; the Triton path
         # (CUDA) does not, but its capture is not yet checked on a GPU: no graphs for them.
         sparse = any(decoder.moe_layers)
@@ -143,9 +147,20 @@ class ModelRunner:
         return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
                            for a in self.loaded_model.attention_layers)
 
+    def state_cache_bytes(self) -> int:
+        """The Mamba2 layers' state for every slot (0 without such layers)."""
+        if self.state_slots is None:
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.state_slots.num_slots * sum(m.shape.state_bytes(elem)
+                                                for m in self.loaded_model.state_layers)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        if self.state_slots is not None:
+            for mixer in self.loaded_model.state_layers:
+                mixer.allocate_state(self.state_slots.num_slots)
         self.kv_caches = []
         # Padded rows write and read one more block, which the scheduler never hands out.
         allocated = num_blocks + 1 if self.pad_decode_steps else num_blocks
@@ -398,6 +413,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             if self.pp_ring is not None:
                 self.pp_ring.remove_request(req_id)
+            if self.state_slots is not None:
+                self.state_slots.release(req_id)
         ib.remove_requests(gone)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
@@ -409,6 +426,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens, seed=new.sampling_seed,
                 output_token_ids=list(new.output_token_ids), min_tokens_stop_ids=stop_ids,
                 lora_request=new.lora_request)
+            if self.state_slots is not None:
+                new_state.state_slot = self.state_slots.assign(new.req_id)
             if self.lora is not None:
                 self.lora.add_request(new.lora_request)
             self.requests[new.req_id] = new_state

@@ -18,6 +18,7 @@ import torch
 
 from raylm.runner.attention.paged_attention import AttentionMetadata, build_attention_metadata
 from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
+from raylm.runner.state_cache import StateMetadata
 from raylm.scheduler.core_outputs import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -62,9 +63,10 @@ class AsyncInputStats:
 class InputPreparer:
     def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
                  device: torch.device, needs_input_ids: bool = True,
-                 max_ragged_pairs: int | None = None, attention_backend: str = "native"
-                 ) -> None:
+                 max_ragged_pairs: int | None = None, attention_backend: str = "native",
+                 needs_state: bool = False) -> None:
         self.input_batch = input_batch
+        self.needs_state = needs_state  # a hybrid model: each row's Mamba2 state slot
         self.max_ragged_pairs = max_ragged_pairs  # the torch ragged kernel's chunk
         self.attention_backend = attention_backend
         # Only the first pipeline stage embeds token ids; later stages take hidden states,
@@ -206,6 +208,10 @@ class InputPreparer:
                                             self.slot_mapping[:n], block_table,
                                             self.block_size, max_pairs=self.max_ragged_pairs,
                                             backend=self.attention_backend)
+        if self.needs_state:
+            slots = np.fromiter((ib.states[r].state_slot for r in rows.tolist()), np.int64,
+                                rows.size)
+            meta.state = StateMetadata.build(query_start_loc, slots, num_computed, self.device)
         return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
                          self.positions[:n], meta, logits_indices, padded_rows=padded)
 

@@ -30,15 +30,18 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def compute_inv_freq(hf_config: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] float32, attention_scaling applied to cos and sin)."""
+    """(inv_freq [rotated channels / 2] float32, attention_scaling applied to cos and
+    sin)."""
     params = rope_parameters(hf_config)
-    if float(params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported, got "
-                         f"{params.get('partial_rotary_factor', hf_config.get('partial_rotary_factor'))!r}.")
+    factor = float(params.get("partial_rotary_factor",
+                              hf_config.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}.")
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params["rope_theta"])
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        dim = int(head_dim * factor)  # the rotated leading channels of each head
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
         return 1.0 / (base ** exponent), 1.0
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -48,6 +51,7 @@ def compute_inv_freq(hf_config: dict[str, Any], head_dim: int) -> tuple[torch.Te
                          f"known: {['default', *ROPE_INIT_FUNCTIONS]}.")
     fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures")}
     fields.setdefault("head_dim", head_dim)
+    fields.setdefault("partial_rotary_factor", factor)
     config = AutoConfig.for_model(hf_config.get("model_type", "llama"), **fields)
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.to(torch.float32), float(attention_scaling)
@@ -73,7 +77,7 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for ``positions`` [T]; looked up once per forward and
+        """cos and sin [T, 1, R] (R: the rotated channels, D or fewer) for ``positions`` [T]; looked up once per forward and
         shared by every layer."""
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)

@@ -186,6 +186,13 @@ class Worker:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = self._runner.kv_cache_bytes_per_block()
+        config = self.engine_config
+        max_len = config.model_config.max_model_len
+        if per_block == 0:
+            # A pipeline stage of Mamba2 layers alone keeps no KV: blocks enough that the
+            # pool never runs out for it (the other stages bound the engine's).
+            return config.scheduler_config.max_num_seqs * -(-max_len // cache.block_size) + 1
+        state = self._runner.state_cache_bytes()
         if cache.kv_cache_memory_bytes is not None:
             budget, what = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif (device := self._context.device).type == "cuda":
@@ -198,8 +205,10 @@ class Worker:
         else:
             budget = min(_CPU_DEFAULT_KV_BYTES, _available_host_memory() // 2)
             what = "the CPU default: half the available host memory, at most 1 GiB"
-        config = self.engine_config
-        max_len = config.model_config.max_model_len
+        if state:
+            budget -= state
+            what += (f", less {state / GIB:.2f} GiB of Mamba2 state for "
+                     f"max_num_seqs={config.scheduler_config.max_num_seqs}")
         windowed = config.kv_free_window is not None
         return num_kv_blocks_for(budget, per_block, cache.block_size, max_len, what,
                                  config.kv_blocks_per_request(max_len) if windowed else None)

@@ -31,6 +31,7 @@ from raylm.scheduler.config import envs
 if TYPE_CHECKING:
     from raylm.runner.attention.triton_paged import TileMetadata
     from raylm.runner.kv_transfer.base import KVConnectorWorker
+    from raylm.runner.state_cache import StateMetadata
 
 # Query rows up to this long take the ragged kernel (each token its own pairs); longer
 # rows are prefill-like and one sdpa per row is cheaper than repeating their context.
@@ -83,6 +84,8 @@ class AttentionMetadata:
     # that window (``for_window``) from the same host inputs.
     _rebuild: Callable[[int], AttentionMetadata] | None = None
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+    # Hybrid models: the step's rows for the Mamba2 layers (runner/state_cache.py)
+    state: StateMetadata | None = None
 
     def for_window(self, window: int) -> AttentionMetadata:
         """The step's metadata for a layer whose tokens see only their last ``window``

@@ -36,7 +36,8 @@ class CheckpointSpec:
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "MistralForCausalLM", "Qwen3MoeForCausalLM",
                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                          "Gemma2ForCausalLM", "Gemma3ForCausalLM"] = "LlamaForCausalLM"
+                          "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                          "BambaForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -67,6 +68,12 @@ class CheckpointSpec:
     sliding_window_pattern: int = 6
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2 (and 3): attention scores capped
+    # Bamba: its attention layers (the others Mamba2), and the Mamba2 mixers' shape
+    attn_layer_indices: tuple[int, ...] = (1,)
+    mamba_n_heads: int = 8
+    mamba_n_groups: int = 2
+    mamba_d_state: int = 16
+    mamba_chunk_size: int = 8
 
 
 # Named sizes used by the demo CLI and the benchmarks.
@@ -184,6 +191,10 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
                       final_logit_softcapping=spec.final_logit_softcapping,
                       layer_types=["sliding_attention" if (i + 1) % spec.sliding_window_pattern
                                    else "full_attention" for i in range(spec.num_hidden_layers)])
+    elif spec.architecture == "BambaForCausalLM":
+        kwargs.update(attn_layer_indices=list(spec.attn_layer_indices),
+                      mamba_n_heads=spec.mamba_n_heads, mamba_n_groups=spec.mamba_n_groups,
+                      mamba_d_state=spec.mamba_d_state, mamba_chunk_size=spec.mamba_chunk_size)
     elif spec.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.sliding_window is not None:
@@ -212,6 +223,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.Gemma2Config(**kwargs)
     elif spec.architecture == "Gemma3ForCausalLM":
         config = transformers.Gemma3TextConfig(**kwargs)
+    elif spec.architecture == "BambaForCausalLM":
+        config = transformers.BambaConfig(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

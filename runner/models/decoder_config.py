@@ -9,7 +9,9 @@ from typing import Any, Literal
 from raylm.runner.models.gemma_config import GemmaTraits, gemma_traits
 from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
+from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 from raylm.scheduler.config.moe_layout import moe_layers, moe_traits
+from raylm.scheduler.config.state_layout import LayerMixer, layer_mixers
 
 QKNorm = Literal["none", "head", "projection"]
 _QK_NORM: dict[str, QKNorm] = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head",
@@ -48,6 +50,18 @@ class DecoderConfig:
     # Gemma 2 and 3 (None for the others): norms, scales, caps, activation, RoPE tables
     gemma: GemmaTraits | None = field(compare=False, repr=False)
     hf_config: dict[str, Any] = field(compare=False, repr=False)
+    # Per layer: attention or a Mamba2 mixer (hybrid models: Bamba), and the mixers' shape
+    layer_mixers: tuple[LayerMixer, ...] = ()
+    mamba: Mamba2Shape | None = None
+
+    @property
+    def rope_config(self) -> dict[str, Any]:
+        """The config RoPE reads: Bamba rotates half of each head unless its
+        ``rope_parameters`` say otherwise (transformers' BambaConfig default)."""
+        hf = self.hf_config
+        if self.architecture == "BambaForCausalLM" and "partial_rotary_factor" not in hf:
+            return {**hf, "partial_rotary_factor": 0.5}
+        return hf
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
@@ -62,6 +76,7 @@ class DecoderConfig:
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu').")
         attention_bias = bool(hf.get("attention_bias", False))
         moe = moe_traits(arch, hf)
+        mixers = layer_mixers(arch, hf)
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         # Qwen2 always has q/k/v biases; Qwen2-MoE as its qkv_bias says (transformers 5)
         qkv_bias = bool(hf.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else qwen2
@@ -90,5 +105,7 @@ class DecoderConfig:
             shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
             gemma=gemma,
             hf_config=hf,
+            layer_mixers=tuple(mixers),
+            mamba=Mamba2Shape.from_hf(hf) if "mamba2" in mixers else None,
         )
 

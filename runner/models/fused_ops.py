@@ -46,8 +46,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def rotary(cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, key: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [T, Hq, D] and key [T, Hkv, D] rotated by cos and sin [T, 1, D]."""
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    """query [T, Hq, D] and key [T, Hkv, D] rotated by cos and sin [T, 1, R]: the first R
+    channels of each head (a partial rotary factor), the rest passed through."""
+    dim = cos.shape[-1]
+    if dim == query.shape[-1]:
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    return (torch.cat([_rotate(query[..., :dim], cos, sin), query[..., dim:]], dim=-1),
+            torch.cat([_rotate(key[..., :dim], cos, sin), key[..., dim:]], dim=-1))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, and the mixtures of experts
-Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) over one flattened mixed batch.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, the mixtures of experts
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, and the Mamba2 hybrid Bamba) over one flattened mixed
+batch.
 
 ``forward(input_ids [T], positions [T], attn_metadata)`` runs every scheduled token of every
 request at once (prefills, chunks and decodes together). With pipeline parallelism the
@@ -34,6 +35,7 @@ from raylm.parallel.layers import (
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
+from raylm.runner.models.mamba2_mixer import Mamba2Mixer
 from raylm.runner.models.moe import SparseMoeBlock
 from raylm.runner.models.projection_norm import ProjectionRMSNorm
 from raylm.runner.rotary import RotaryEmbedding
@@ -177,7 +179,14 @@ class LlamaDecoderLayer(nn.Module):
                  ops: FusedOps = EAGER_OPS, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
-        self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
+        # The token mixer: attention, or a Mamba2 mixer in a hybrid model's state layers.
+        self.self_attn: LlamaAttention | None = None
+        self.mamba: Mamba2Mixer | None = None
+        if cfg.layer_mixers and cfg.layer_mixers[layer] == "mamba2":
+            assert cfg.mamba is not None  # set with the mixers (DecoderConfig.from_hf)
+            self.mamba = Mamba2Mixer(cfg.mamba, cfg.hidden_size, ctx, dtype)
+        else:
+            self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
         # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with
         # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
@@ -201,7 +210,13 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin, hidden_states, meta)
+        if self.mamba is not None:
+            if meta.state is None:
+                raise RuntimeError("a Mamba2 layer ran without the step's state metadata.")
+            hidden_states = self.mamba(hidden_states, meta.state)
+        else:
+            assert self.self_attn is not None  # every layer has one of the two mixers
+            hidden_states = self.self_attn(cos_sin, hidden_states, meta)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
             return self.mlp(hidden_states), residual
@@ -222,7 +237,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx=ctx,
                                                        params_dtype=dtype)
         # One RoPE table per kind of layer (Gemma 3: the global layers', the sliding ones').
-        rope_configs = cfg.gemma.rope_params if cfg.gemma is not None else (cfg.hf_config,)
+        rope_configs = cfg.gemma.rope_params if cfg.gemma is not None else (cfg.rope_config,)
         self.rotary_embs = nn.ModuleList(
             RotaryEmbedding(hf, cfg.head_dim, max_position, dtype, ctx.device)
             for hf in rope_configs)
@@ -272,8 +287,22 @@ _MIXTRAL_WEIGHT = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate\.we
 _MIXTRAL_PROJ = ("gate_proj", "down_proj", "up_proj")
 
 
+# Bamba's names for Llama's parts, and its mixers' tensors that are parameters here under
+# another name (the fused in_proj is loaded by the mixer itself).
+_BAMBA_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                  ("model.final_layernorm.", "model.norm."),
+                  (".mamba.conv1d.weight", ".mamba.conv_weight"),
+                  (".mamba.conv1d.bias", ".mamba.conv_bias"),
+                  (".mamba.norm.weight", ".mamba.norm_weight"))
+_MAMBA_IN_PROJ = re.compile(r"model\.layers\.(\d+)\.mamba\.in_proj\.weight")
+
+
 def canonical_weight_name(name: str) -> str:
-    """The checkpoint tensor's name in the Qwen-MoE spelling the loader matches."""
+    """The checkpoint tensor's name in the spelling the loader matches (Qwen-MoE's for
+    experts, Llama's for Bamba's layers)."""
+    for old, new in _BAMBA_RENAMES:
+        if old in name:
+            return name.replace(old, new)
     match = _MIXTRAL_WEIGHT.fullmatch(name)
     if match is None:
         return name
@@ -306,12 +335,21 @@ class LlamaForCausalLM(nn.Module):
                 assert isinstance(embed, VocabParallelEmbedding)  # the first stage has it
                 self.lm_head.weight = embed.weight
 
+    def _stage_layers(self) -> list[LlamaDecoderLayer]:
+        # The stage's own layers are all decoder layers (ModuleList items are untyped).
+        return [cast(LlamaDecoderLayer, layer)
+                for layer in self.model.layers[self.model.start_layer:self.model.end_layer]]
+
     @property
     def attention_layers(self) -> list[Attention]:
         """This stage's attention modules, in layer order (the KV cache binds to them)."""
-        layers = self.model.layers[self.model.start_layer:self.model.end_layer]
-        # The stage's own layers are all decoder layers (ModuleList items are untyped).
-        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in layers]
+        return [layer.self_attn.attn for layer in self._stage_layers()
+                if layer.self_attn is not None]
+
+    @property
+    def state_layers(self) -> list[Mamba2Mixer]:
+        """This stage's Mamba2 mixers, in layer order (the state slots bind to them)."""
+        return [layer.mamba for layer in self._stage_layers() if layer.mamba is not None]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -392,6 +430,14 @@ class LlamaForCausalLM(nn.Module):
             if name.split(".")[0:2] == ["model", "embed_tokens"] and not self.ctx.is_first_pp_rank:
                 continue
             if name.startswith(("model.norm.", "lm_head.")) and not self.ctx.is_last_pp_rank:
+                continue
+            in_proj = _MAMBA_IN_PROJ.fullmatch(name)
+            if in_proj is not None:
+                mixer = cast(LlamaDecoderLayer, self.model.layers[int(in_proj[1])]).mamba
+                if mixer is None:
+                    raise ValueError(f"checkpoint tensor {name!r}: that layer is attention.")
+                mixer.load_in_proj(tensor)
+                loaded.add(name)
                 continue
             expert = _EXPERT_WEIGHT.fullmatch(name)
             if expert is not None:

@@ -23,8 +23,10 @@ from raylm.scheduler.config.checkpoint_quantization import (
 )
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
+from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout, moe_traits
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.config.state_layout import STATE_SPACE_ARCHITECTURES, has_state_layers
 from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 # of experts (scheduler/config/moe_layout.py) run on the Llama decoder with flags.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           *MOE_ARCHITECTURES)
+                           *MOE_ARCHITECTURES, *STATE_SPACE_ARCHITECTURES)
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -111,6 +113,8 @@ class ModelConfig:
         arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
         check_attention_layout(arch, self.hf_config)
         check_moe_layout(arch, self.hf_config)
+        if has_state_layers(arch, self.hf_config):
+            Mamba2Shape.from_hf(self.hf_config)
         method = checkpoint_quantization(self.hf_config)
         if self.quantization in CHECKPOINT_METHODS and self.quantization != method:
             raise _bad("quantization", self.quantization,
@@ -145,6 +149,11 @@ class ModelConfig:
         """The sliding window every layer honours, or None (attention_layout.py); read
         once (every request's admission asks, through kv_blocks_per_request)."""
         return uniform_window(self.architecture, self.hf_config)
+
+    @functools.cached_property
+    def has_state_layers(self) -> bool:
+        """Whether some layer keeps recurrent state (Mamba2): state_layout.py."""
+        return has_state_layers(self.architecture, self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -274,6 +283,7 @@ class EngineConfig:
             spec.check_draft_vocab(self.model_config.hf_config)
         self._check_kv_transfer()
         self._check_expert_parallel()
+        self._check_state_layers()
         if self.lora_config is not None and self.model_config.architecture in MOE_ARCHITECTURES:
             raise ValueError(f"enable_lora is not supported for {self.model_config.architecture} "
                              "(LoRA adapts dense MLPs; this model's are sparse experts).")
@@ -311,6 +321,27 @@ class EngineConfig:
         if num_experts < ranks:
             raise ValueError(f"enable_expert_parallel=True: num_experts={num_experts} cannot "
                              f"give each of {what}={ranks} ranks an expert.")
+
+    def _check_state_layers(self) -> None:
+        """A model with Mamba2 layers (scheduler/config/state_layout.py): what its
+        per-request state rules out is refused by name; prefix caching turns off."""
+        model = self.model_config
+        if not model.has_state_layers:
+            return
+        arch = model.architecture
+        for name, value in (("speculative_config", self.speculative_config),
+                            ("kv_transfer_config", self.kv_transfer_config),
+                            ("enable_lora", self.lora_config)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported for {arch}: its Mamba2 layers keep "
+                                 "a per-request state that it cannot roll back or move.")
+        Mamba2Shape.from_hf(model.hf_config).check_tp(
+            self.parallel_config.tensor_parallel_size)
+        if self.cache_config.enable_prefix_caching:
+            logger.info("Prefix caching disabled: %s keeps Mamba2 states, which are not "
+                        "cached per block.", arch)
+            object.__setattr__(self, "cache_config",
+                               replace(self.cache_config, enable_prefix_caching=False))
 
     def _check_kv_transfer(self) -> None:
         """Prefill/decode transfer pulls each rank's KV heads from the peer's worker

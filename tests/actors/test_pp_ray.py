@@ -147,6 +147,11 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
                       sliding_window_pattern=3, head_dim=16, final_logit_softcapping=30.0,
                       seed=33), {},
                  id="gemma3"),
+    # Bamba: Mamba2 layers 0 and 2 around attention layer 1, so stage 1 holds a state
+    # layer alone (no KV); each TP rank scans its heads and groups, its state in its slots.
+    pytest.param(dict(architecture="BambaForCausalLM", num_hidden_layers=3,
+                      attn_layer_indices=(1,), seed=39), {},
+                 id="bamba"),
 ])
 def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint

@@ -209,3 +209,28 @@ def test_cpu_linears_run_packed_and_match_the_dense_product(llama_path, monkeypa
         logits[name] = model.compute_logits(model(ids, pos, meta))
     torch.testing.assert_close(logits["packed"], logits["dense"], atol=1e-4, rtol=0)
     assert logits["packed"].argmax(-1).tolist() == logits["dense"].argmax(-1).tolist()
+
+
+def test_partial_rotary_matches_transformers():
+    """Bamba rotates the first half of each head and passes the rest through."""
+    from transformers.models.bamba import modeling_bamba
+
+    from raylm.runner.models.fused_ops import rotary
+
+    config = transformers.BambaConfig(hidden_size=64, num_attention_heads=4,
+                                      max_position_embeddings=1024)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5
+    positions = torch.tensor([[0, 1, 7, 300, 1000]])
+    cos_ref, sin_ref = modeling_bamba.BambaRotaryEmbedding(config)(torch.zeros(1, 5, 16),
+                                                                  positions)
+    ours = RotaryEmbedding(config.to_dict(), 16, 1024, torch.float32, torch.device("cpu"))
+    cos, sin = ours.cos_sin(positions[0])
+    assert cos.shape == (5, 1, 8)
+    torch.testing.assert_close(cos[:, 0], cos_ref[0], atol=1e-6, rtol=0)
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    q_ref, k_ref = modeling_bamba.apply_rotary_pos_emb(q.transpose(0, 1)[None],
+                                                       k.transpose(0, 1)[None], cos_ref, sin_ref)
+    q_out, k_out = rotary(cos, sin, q, k)
+    torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), atol=1e-6, rtol=0)
+    assert torch.equal(q_out[..., 8:], q[..., 8:])

@@ -1,0 +1,34 @@
+"""Which layers of a hybrid checkpoint are state-space (Mamba2) mixers rather than
+attention, read from config.json as transformers reads it.
+
+Bamba: attention at ``attn_layer_indices``, Mamba2 everywhere else. A model with such
+layers keeps per-request recurrent state (runner/state_cache.py), which today means: no
+prefix caching (a state is not cached per block), no speculative decoding (a state
+cannot roll back rejected drafts), no KV connector (a loaded prefix would arrive without
+its state) and no LoRA on the mixers; the engine refuses the last three by name and turns
+prefix caching off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+LayerMixer = Literal["attention", "mamba2"]
+STATE_SPACE_ARCHITECTURES = ("BambaForCausalLM",)
+
+
+def layer_mixers(architecture: str, hf: dict[str, Any]) -> list[LayerMixer]:
+    """Per layer, what mixes its tokens; ValueError naming a bad field."""
+    num_layers = int(hf.get("num_hidden_layers", 0))
+    if architecture != "BambaForCausalLM":
+        return ["attention"] * num_layers
+    indices = hf.get("attn_layer_indices") or []
+    bad = [i for i in indices if not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"attn_layer_indices {bad} are not layers of a "
+                         f"{num_layers}-layer model.")
+    return ["attention" if i in indices else "mamba2" for i in range(num_layers)]
+
+
+def has_state_layers(architecture: str, hf: dict[str, Any]) -> bool:
+    return "mamba2" in layer_mixers(architecture, hf)

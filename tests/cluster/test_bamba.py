@@ -1,0 +1,102 @@
+"""Bamba, a Mamba2 + attention hybrid: greedy tokens equal transformers' BambaForCausalLM in
+sync and async, with prefills chunked into spans that carry the state across steps,
+forced preemption (a preempted request's state restarts from zeros as it recomputes), and
+the partial rotary embedding of its attention layer; prefix caching is off for it (no
+state per block), and what its per-request state rules out is refused by name.
+TP=2 x PP=2 on Ray: tests/actors/test_pp_ray.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+
+SHARED = list(range(100, 120))
+PROMPTS = [SHARED + [7, 8, 9], SHARED + list(range(200, 230)), list(range(40, 72)), [5],
+           list(range(300, 341))]
+LENGTHS = [14, 9, 16, 20, 11]
+
+
+@pytest.fixture(scope="module")
+def bamba_path(tmp_path_factory) -> str:
+    """4 layers: Mamba2 at 0, 2 and 3 (8 heads in 2 groups, chunks of 8), attention at 1."""
+    spec = CheckpointSpec(architecture="BambaForCausalLM", num_hidden_layers=4,
+                          attn_layer_indices=(1,), seed=41)
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("bamba") / "m"), spec)
+
+
+def _with_config(src: str, dst, **fields) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_bamba_equals_transformers(bamba_path, async_scheduling, hf_oracle):
+    """A 8-token budget chunks every long prompt into spans (the 41-token one into six),
+    and 18 blocks of 4 tokens for five requests force preemptions."""
+    oracle = hf_oracle(bamba_path)
+    with LLM(bamba_path, block_size=4, num_kv_blocks=18, max_num_batched_tokens=8,
+             max_num_seqs=4, async_scheduling=async_scheduling) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                             for n in LENGTHS])
+        metrics = llm.get_metrics()
+        caching = llm.llm_engine.engine_config.cache_config.enable_prefix_caching
+    for p, n, out in zip(PROMPTS, LENGTHS, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
+    assert metrics["raylm:num_preemptions"] > 0
+    assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+    # Two prompts share a 20-token start; with prefix caching off neither hits.
+    assert not caching and metrics["raylm:prefix_cache_hits"] == 0
+
+
+def test_the_state_layers_and_the_partial_rotary_change_the_models_tokens(
+        bamba_path, tmp_path, hf_oracle):
+    """Both are in the oracle's tokens, so the equality above checks them."""
+    reference = hf_oracle(bamba_path).greedy(PROMPTS[2], 12)
+    attention_only = _with_config(bamba_path, tmp_path / "attn", attn_layer_indices=[1],
+                                  num_hidden_layers=2)
+    assert hf_oracle(attention_only).greedy(PROMPTS[2], 12) != reference
+    # rope_parameters may rotate whole heads; a config of before transformers 5 (rope_theta
+    # alone) rotates half, as transformers reads it.
+    full_rotary = _with_config(bamba_path, tmp_path / "rope", rope_parameters={
+        "rope_theta": 10000.0, "partial_rotary_factor": 1.0, "rope_type": "default"})
+    old_style = _with_config(bamba_path, tmp_path / "old", rope_parameters=None,
+                             rope_theta=10000.0)
+    expected = hf_oracle(full_rotary).greedy(PROMPTS[2], 12)
+    assert expected != reference and hf_oracle(old_style).greedy(PROMPTS[2], 12) == reference
+    for path, want in ((full_rotary, expected), (old_style, reference)):
+        with LLM(path, block_size=4) as llm:
+            out = llm.generate([{"prompt_token_ids": PROMPTS[2]}],
+                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("field, value", [
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+    ("kv_transfer_config", {"kv_connector": "OffloadingConnector",
+                            "kv_connector_extra_config": {"num_cpu_blocks": 8}}),
+    ("enable_lora", True),
+    ("tensor_parallel_size", 4),  # 2 groups cannot split over 4 ranks
+])
+def test_what_the_state_rules_out_is_refused_by_name(bamba_path, field, value):
+    name = "mamba_n_groups" if field == "tensor_parallel_size" else field
+    with pytest.raises(ValueError, match=name):
+        LLM(bamba_path, **{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("mamba_proj_bias", True),
+                                          ("hidden_act", "gelu"),
+                                          ("attn_layer_indices", [1, 9]),
+                                          ("mamba_n_groups", 3)])
+def test_a_field_raylm_cannot_honour_is_refused_by_name(bamba_path, tmp_path, field, value):
+    path = _with_config(bamba_path, tmp_path / "bad", **{field: value})
+    with pytest.raises(ValueError, match=field):
+        LLM(path)
