@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -37,7 +37,8 @@ class CheckpointSpec:
                           "MistralForCausalLM", "Qwen3MoeForCausalLM",
                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                           "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                          "BambaForCausalLM"] = "LlamaForCausalLM"
+                          "BambaForCausalLM",
+                          "GraniteMoeHybridForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -74,6 +75,12 @@ class CheckpointSpec:
     mamba_n_groups: int = 2
     mamba_d_state: int = 16
     mamba_chunk_size: int = 8
+    # Granite 4: each layer "mamba" or "attention", experts (num_experts; 0: its shared MLP
+    # alone), and any other config.json fields as (name, value) pairs (multipliers,
+    # position_embedding_type)
+    layer_types: tuple[str, ...] = ("mamba", "attention")
+    shared_intermediate_size: int = 48
+    config_overrides: tuple[tuple[str, Any], ...] = ()
 
 
 # Named sizes used by the demo CLI and the benchmarks.
@@ -191,10 +198,17 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
                       final_logit_softcapping=spec.final_logit_softcapping,
                       layer_types=["sliding_attention" if (i + 1) % spec.sliding_window_pattern
                                    else "full_attention" for i in range(spec.num_hidden_layers)])
-    elif spec.architecture == "BambaForCausalLM":
-        kwargs.update(attn_layer_indices=list(spec.attn_layer_indices),
-                      mamba_n_heads=spec.mamba_n_heads, mamba_n_groups=spec.mamba_n_groups,
+    elif spec.architecture in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
+        kwargs.update(mamba_n_heads=spec.mamba_n_heads, mamba_n_groups=spec.mamba_n_groups,
                       mamba_d_state=spec.mamba_d_state, mamba_chunk_size=spec.mamba_chunk_size)
+        if spec.architecture == "BambaForCausalLM":
+            kwargs["attn_layer_indices"] = list(spec.attn_layer_indices)
+        else:
+            kwargs.update(layer_types=list(spec.layer_types),
+                          num_local_experts=spec.num_experts,
+                          num_experts_per_tok=spec.num_experts_per_tok,
+                          intermediate_size=spec.moe_intermediate_size,
+                          shared_intermediate_size=spec.shared_intermediate_size)
     elif spec.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.sliding_window is not None:
@@ -202,6 +216,7 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
             raise ValueError(f"a {spec.architecture} checkpoint has no sliding window.")
         kwargs.update(use_sliding_window=True, sliding_window=spec.sliding_window,
                       max_window_layers=spec.max_window_layers)
+    kwargs.update(dict(spec.config_overrides))
     config: transformers.PretrainedConfig
     if spec.architecture == "LlamaForCausalLM":
         config = transformers.LlamaConfig(**kwargs)
@@ -225,6 +240,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.Gemma3TextConfig(**kwargs)
     elif spec.architecture == "BambaForCausalLM":
         config = transformers.BambaConfig(**kwargs)
+    elif spec.architecture == "GraniteMoeHybridForCausalLM":
+        config = transformers.GraniteMoeHybridConfig(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raylm.runner.models.gemma_config import GemmaTraits, gemma_traits
+from raylm.runner.models.granite_config import GRANITE_HYBRID, GraniteTraits, granite_traits
 from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
 from raylm.scheduler.config.mamba2_shape import Mamba2Shape
@@ -53,6 +54,9 @@ class DecoderConfig:
     # Per layer: attention or a Mamba2 mixer (hybrid models: Bamba), and the mixers' shape
     layer_mixers: tuple[LayerMixer, ...] = ()
     mamba: Mamba2Shape | None = None
+    # Granite 4 (None for the others): multipliers, RoPE or none, the shared MLP's size
+    granite: GraniteTraits | None = field(default=None, compare=False, repr=False)
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert's sigmoid gate
 
     @property
     def rope_config(self) -> dict[str, Any]:
@@ -77,6 +81,11 @@ class DecoderConfig:
         attention_bias = bool(hf.get("attention_bias", False))
         moe = moe_traits(arch, hf)
         mixers = layer_mixers(arch, hf)
+        granite = granite_traits(hf) if arch == GRANITE_HYBRID else None
+        # Granite without experts: its shared MLP is the layer's dense MLP.
+        intermediate = (granite.shared_intermediate_size
+                        if granite is not None and not moe.num_experts
+                        else int(hf["intermediate_size"]))
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         # Qwen2 always has q/k/v biases; Qwen2-MoE as its qkv_bias says (transformers 5)
         qkv_bias = bool(hf.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else qwen2
@@ -84,7 +93,7 @@ class DecoderConfig:
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=intermediate,
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
@@ -107,5 +116,7 @@ class DecoderConfig:
             hf_config=hf,
             layer_mixers=tuple(mixers),
             mamba=Mamba2Shape.from_hf(hf) if "mamba2" in mixers else None,
+            granite=granite,
+            shared_expert_gated=moe.shared_expert_gated,
         )
 

@@ -30,6 +30,7 @@ from raylm.parallel.layers import (
     VocabParallelEmbedding,
     Weight,
     get_pp_layer_range,
+    read_whole,
     replicated_weight_loader,
 )
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
@@ -152,7 +153,11 @@ class LlamaAttention(nn.Module):
                                             dtype)
             self.k_norm = ProjectionRMSNorm(self.kv_size, kv_shard, cfg.rms_norm_eps, ctx,
                                             dtype)
-        scale = cfg.gemma.attn_scale if cfg.gemma is not None else d ** -0.5
+        scale = (cfg.gemma.attn_scale if cfg.gemma is not None
+                 else cfg.granite.attention_multiplier if cfg.granite is not None
+                 else d ** -0.5)
+        # Granite 4 without position embeddings ("nope"): no rotation at all.
+        self.use_rope = cfg.granite is None or cfg.granite.use_rope
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=scale,
                               sliding_window=sliding_window,
                               softcap=cfg.gemma.attn_logit_softcapping if cfg.gemma else None)
@@ -170,7 +175,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary(*cos_sin, q, k)
+        if self.use_rope:
+            q, k = self.ops.rotary(*cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -196,12 +202,16 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device)
             self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device)
         self.rope = cfg.gemma.layer_rope[layer] if cfg.gemma is not None else 0
+        # Granite 4 scales the mixer's and the MLP's outputs before each residual add.
+        self.residual_multiplier = (cfg.granite.residual_multiplier
+                                    if cfg.granite is not None else None)
         self.mlp: LlamaMLP | SparseMoeBlock = LlamaMLP(cfg, ctx, dtype)
         if cfg.moe_layers[layer]:
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.norm_topk_prob, ctx, dtype,
-                                      cfg.shared_expert_intermediate_size)
+                                      cfg.shared_expert_intermediate_size,
+                                      cfg.shared_expert_gated)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
@@ -217,6 +227,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             assert self.self_attn is not None  # every layer has one of the two mixers
             hidden_states = self.self_attn(cos_sin, hidden_states, meta)
+        if self.residual_multiplier is not None:
+            hidden_states, residual = self.post_attention_layernorm(
+                hidden_states * self.residual_multiplier, residual)
+            return self.mlp(hidden_states) * self.residual_multiplier, residual
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
             return self.mlp(hidden_states), residual
@@ -243,7 +257,9 @@ class LlamaModel(nn.Module):
             for hf in rope_configs)
         # Gemma scales the embedding by sqrt(hidden), cast to the weights' dtype as HF does.
         self.embed_scale = (torch.tensor(cfg.gemma.embed_scale).to(dtype).item()
-                            if cfg.gemma is not None else None)
+                            if cfg.gemma is not None
+                            else cfg.granite.embedding_multiplier if cfg.granite is not None
+                            else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, ctx, dtype, ops, i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
@@ -295,6 +311,10 @@ _BAMBA_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_att
                   (".mamba.conv1d.bias", ".mamba.conv_bias"),
                   (".mamba.norm.weight", ".mamba.norm_weight"))
 _MAMBA_IN_PROJ = re.compile(r"model\.layers\.(\d+)\.mamba\.in_proj\.weight")
+# Granite 4's fused tensors: the shared MLP's [gate; up] and down, the experts' router and
+# their [E, gate; up, hidden] and [E, hidden, intermediate] stacks.
+_GRANITE_FUSED = re.compile(r"model\.layers\.(\d+)\.(shared_mlp|block_sparse_moe)\."
+                            r"(input_linear|output_linear|router\.layer)\.weight")
 
 
 def canonical_weight_name(name: str) -> str:
@@ -380,6 +400,8 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.gemma.final_logit_softcapping if self.config.gemma else None
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
+        if self.config.granite is not None:
+            logits = logits / self.config.granite.logits_scaling
         return logits
 
     def needs_weight(self, name: str) -> bool:
@@ -403,6 +425,43 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.norm."):
             return ctx.is_last_pp_rank
         return "rotary_emb.inv_freq" not in name
+
+    def _load_granite_fused(self, layer: int, block: str, part: str, tensor: Weight
+                            ) -> list[str]:
+        """One of Granite 4's fused MLP tensors into its parameters; returns the names of
+        the parameters it completed."""
+        mlp = cast(LlamaDecoderLayer, self.model.layers[layer]).mlp
+        prefix = f"model.layers.{layer}.mlp."
+        if block == "shared_mlp":
+            # Dense (no experts): the layer's MLP; else the sparse block's shared expert.
+            target = mlp if isinstance(mlp, LlamaMLP) else mlp.shared_expert
+            if isinstance(mlp, SparseMoeBlock):
+                prefix += "shared_expert."
+            if target is None:
+                raise ValueError(f"layer {layer}: its sparse block has no shared expert.")
+            if part == "output_linear":
+                target.down_proj.weight_loader(target.down_proj.weight, tensor)
+                return [prefix + "down_proj.weight"]
+            half = tensor.shape[0] // 2
+            for shard in (0, 1):
+                target.gate_up_proj.weight_loader(target.gate_up_proj.weight,
+                                                  tensor.narrow(0, shard * half, half), shard)
+            return [prefix + "gate_up_proj.weight"]
+        if not isinstance(mlp, SparseMoeBlock):
+            raise ValueError(f"checkpoint tensor of layer {layer}'s block_sparse_moe: the "
+                             "layer has no experts (num_local_experts=0).")
+        if part == "router.layer":
+            replicated_weight_loader(mlp.gate.weight, tensor)
+            return [prefix + "gate.weight"]
+        whole = read_whole(tensor)
+        for expert in mlp.local_experts:
+            if part == "output_linear":
+                mlp.load_expert_weight(expert, "down_proj", whole[expert])
+            else:
+                gate, up = whole[expert].chunk(2, dim=0)
+                mlp.load_expert_weight(expert, "gate_proj", gate)
+                mlp.load_expert_weight(expert, "up_proj", up)
+        return [prefix + "w13", prefix + "w2"] if mlp.all_expert_weights_loaded else []
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Load HF-named tensors, real or lazy (each loader reads only this rank's part of
@@ -430,6 +489,11 @@ class LlamaForCausalLM(nn.Module):
             if name.split(".")[0:2] == ["model", "embed_tokens"] and not self.ctx.is_first_pp_rank:
                 continue
             if name.startswith(("model.norm.", "lm_head.")) and not self.ctx.is_last_pp_rank:
+                continue
+            fused = _GRANITE_FUSED.fullmatch(name)
+            if fused is not None:
+                loaded.update(self._load_granite_fused(int(fused[1]), fused[2], fused[3],
+                                                       tensor))
                 continue
             in_proj = _MAMBA_IN_PROJ.fullmatch(name)
             if in_proj is not None:

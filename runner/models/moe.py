@@ -1,7 +1,7 @@
 """A sparse mixture-of-experts MLP (Qwen3-MoE's, Qwen2-MoE's, Mixtral's, OLMoE's): a softmax
 router picks each token's top-k experts, each expert is a SwiGLU MLP, and a token's output
 is the weighted sum of its experts' outputs, plus, for Qwen2-MoE, a dense shared expert's
-output scaled by a sigmoid gate.
+output scaled by a sigmoid gate (Granite 4's shared MLP: ungated).
 
 The experts run grouped by expert: one pair of matmuls per expert over the tokens routed
 to it (no per-token loop), their outputs added in expert order as transformers adds them.
@@ -37,7 +37,8 @@ from raylm.parallel.layers import (
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, ctx: ParallelContext, dtype: torch.dtype,
-                 shared_expert_intermediate_size: int = 0) -> None:
+                 shared_expert_intermediate_size: int = 0,
+                 shared_expert_gated: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], "
@@ -76,7 +77,8 @@ class SparseMoeBlock(nn.Module):
         if shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size, ctx,
                                               dtype)
-            self.shared_expert_gate = _Router(1, hidden_size, ctx, dtype)
+            if shared_expert_gated:  # Granite's shared MLP runs ungated
+                self.shared_expert_gate = _Router(1, hidden_size, ctx, dtype)
 
     @property
     def local_experts(self) -> range:
@@ -133,10 +135,17 @@ class SparseMoeBlock(nn.Module):
         if self.dp_group is not None:
             return self._forward_across_dp(x, weights, experts, self.dp_group)
         out = self._run_local_experts(x, weights, experts)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
             # This rank's share of the shared expert, summed by the same all-reduce.
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out += self._shared(x)
         return tp_all_reduce(out, self.ctx)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared_expert is not None  # callers check
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(self.shared_expert_gate(x)) * shared
 
     def _forward_across_dp(self, x: torch.Tensor, weights: torch.Tensor,
                            experts: torch.Tensor, group: DPExpertGroup) -> torch.Tensor:
@@ -147,8 +156,8 @@ class SparseMoeBlock(nn.Module):
         out = group.all_reduce_sum(self._run_local_experts(all_x, all_weights, all_experts))
         start = sum(sizes[:group.dp_rank])
         out = out[start:start + x.shape[0]]
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            out = out + self._shared(x)
         return out
 
     def dummy_pass(self) -> None:

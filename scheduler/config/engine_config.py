@@ -151,6 +151,11 @@ class ModelConfig:
         return uniform_window(self.architecture, self.hf_config)
 
     @functools.cached_property
+    def num_experts(self) -> int:
+        """Routed experts per sparse layer (0: a dense model)."""
+        return moe_traits(self.architecture, self.hf_config).num_experts
+
+    @functools.cached_property
     def has_state_layers(self) -> bool:
         """Whether some layer keeps recurrent state (Mamba2): state_layout.py."""
         return has_state_layers(self.architecture, self.hf_config)
@@ -284,9 +289,12 @@ class EngineConfig:
         self._check_kv_transfer()
         self._check_expert_parallel()
         self._check_state_layers()
-        if self.lora_config is not None and self.model_config.architecture in MOE_ARCHITECTURES:
-            raise ValueError(f"enable_lora is not supported for {self.model_config.architecture} "
-                             "(LoRA adapts dense MLPs; this model's are sparse experts).")
+        model = self.model_config
+        if self.lora_config is not None and (model.num_experts
+                                             or model.architecture in STATE_SPACE_ARCHITECTURES):
+            raise ValueError(f"enable_lora is not supported for {model.architecture} (LoRA "
+                             "adapts Llama-named attention and dense MLPs; this model has "
+                             "sparse experts or Mamba2 mixers).")
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
@@ -296,7 +304,7 @@ class EngineConfig:
         pc, arch = self.parallel_config, self.model_config.architecture
         if not pc.enable_expert_parallel:
             return
-        if arch not in MOE_ARCHITECTURES:
+        if not self.model_config.num_experts:
             raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts model; "
                              f"{arch} has no experts.")
         # The experts spread over the TP ranks of one engine, or over the DP ranks when
@@ -330,8 +338,7 @@ class EngineConfig:
             return
         arch = model.architecture
         for name, value in (("speculative_config", self.speculative_config),
-                            ("kv_transfer_config", self.kv_transfer_config),
-                            ("enable_lora", self.lora_config)):
+                            ("kv_transfer_config", self.kv_transfer_config)):
             if value is not None:
                 raise ValueError(f"{name} is not supported for {arch}: its Mamba2 layers keep "
                                  "a per-request state that it cannot roll back or move.")

@@ -7,6 +7,9 @@ read from config.json as transformers reads it for each family.
 - Mixtral: every layer, ``num_local_experts`` experts of ``intermediate_size``, top-k always
   renormalised.
 - OLMoE: every layer, top-k renormalised when ``norm_topk_prob``.
+- Granite 4 (GraniteMoeHybrid): every layer when ``num_local_experts`` > 0, experts of
+  ``intermediate_size``, top-k always renormalised (a softmax over the top-k logits), and a
+  shared MLP of ``shared_intermediate_size`` added ungated.
 
 A field that would change the computation and that raylm does not implement is refused by
 name (ValueError), never ignored.
@@ -19,6 +22,8 @@ from typing import Any
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
                      "OlmoeForCausalLM")
+# Granite 4: experts when num_local_experts > 0 (else its shared MLP alone, dense)
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 # Families whose sparse layers follow decoder_sparse_step / mlp_only_layers.
 _STEPPED = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
@@ -30,11 +35,12 @@ class MoETraits:
     intermediate_size: int  # one routed expert's
     norm_topk_prob: bool
     shared_expert_intermediate_size: int  # 0: no shared expert
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; Granite's runs ungated
 
 
 def moe_traits(architecture: str, hf: dict[str, Any]) -> MoETraits:
     """The router and expert shapes; ValueError naming a field raylm cannot honour."""
-    if architecture not in MOE_ARCHITECTURES:
+    if architecture not in (*MOE_ARCHITECTURES, GRANITE_HYBRID):
         return MoETraits(0, 0, 0, False, 0)
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     top_k = int(hf.get("num_experts_per_tok") or 0)
@@ -43,6 +49,10 @@ def moe_traits(architecture: str, hf: dict[str, Any]) -> MoETraits:
                          f"got {top_k}.")
     if architecture == "MixtralForCausalLM":
         return MoETraits(num_experts, top_k, int(hf.get("intermediate_size") or 0), True, 0)
+    if architecture == GRANITE_HYBRID:
+        return MoETraits(num_experts, top_k, int(hf.get("intermediate_size") or 0), True,
+                         int(hf.get("shared_intermediate_size", 1024)) if num_experts else 0,
+                         shared_expert_gated=False)
     if architecture == "OlmoeForCausalLM":
         if hf.get("clip_qkv") is not None:
             raise ValueError(f"clip_qkv={hf['clip_qkv']!r} is not supported for OLMoE "

@@ -18,7 +18,6 @@ from typing import Any
 
 from raylm.scheduler.async_scheduler import AsyncScheduler
 from raylm.scheduler.config.engine_config import EngineConfig
-from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES
 from raylm.scheduler.core.batch_queue import BatchQueue, InFlightStep, StepState
 from raylm.scheduler.core.executor_base import EngineDeadError, Executor
 from raylm.scheduler.core_outputs import (
@@ -290,7 +289,7 @@ class EngineCore:
         metrics.update(s.kv_transfer.metrics())
         metrics.update(s.lora_metrics())
         metrics[device_info_key(self.device_info)] = float(self.device_info.get("count", 1))
-        if self.config.model_config.architecture in MOE_ARCHITECTURES:
+        if self.config.model_config.num_experts:
             metrics.update(expert_load_metrics(self.executor.expert_load()))
         return metrics
 

@@ -128,7 +128,7 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     # Qwen2-MoE with expert parallelism: each TP rank runs 4 of the 8 experts whole and
     # its slice of the gated shared expert, all summed by one all-reduce.
     pytest.param(dict(architecture="Qwen2MoeForCausalLM", num_hidden_layers=3,
-                      mlp_only_layers=(1,), norm_topk_prob=False, seed=34),
+                      mlp_only_layers=(1,), norm_topk_prob=False, num_experts=8, seed=34),
                  {"enable_expert_parallel": True}, id="qwen2-moe-ep"),
     # Mixtral's weight names read per stage; OLMoE's q/k norm over the whole projection,
     # its mean square summed over the TP ranks' heads.
@@ -152,6 +152,16 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     pytest.param(dict(architecture="BambaForCausalLM", num_hidden_layers=3,
                       attn_layer_indices=(1,), seed=39), {},
                  id="bamba"),
+    # Granite 4: experts split whole over the TP ranks (expert parallelism) beside the
+    # ungated shared MLP split like a dense one; its multipliers on every stage.
+    pytest.param(dict(architecture="GraniteMoeHybridForCausalLM", num_hidden_layers=3,
+                      layer_types=("mamba", "attention", "mamba"), num_experts=4, seed=47,
+                      config_overrides=(("embedding_multiplier", 3.0),
+                                        ("residual_multiplier", 0.5),
+                                        ("attention_multiplier", 0.3),
+                                        ("logits_scaling", 2.0),
+                                        ("position_embedding_type", "rope"))),
+                 {"enable_expert_parallel": True}, id="granite-hybrid-ep"),
 ])
 def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
@@ -165,23 +175,31 @@ def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine)
         metrics = llm.get_metrics()
         assert metrics["raylm:num_preemptions"] > 0
         if engine.get("enable_expert_parallel"):
-            _assert_experts_split_over_tp_ranks(llm, metrics)
+            _assert_experts_split_over_tp_ranks(llm, metrics, spec)
     finally:
         llm.shutdown()
 
 
-def _assert_experts_split_over_tp_ranks(llm: LLM, metrics: dict) -> None:
-    """Qwen2-MoE, 8 experts, sparse layers 0 (stage 0) and 2 (stage 1): TP rank t of each
-    stage ran experts 4t..4t+3 only; the engine's counters cover all 8 of both layers."""
+def _assert_experts_split_over_tp_ranks(llm: LLM, metrics: dict, spec: dict) -> None:
+    """TP rank t of each stage ran the t-th half of the experts of its stage's sparse
+    layers only (Qwen2-MoE: 8 experts, layers 0 and 2, one per stage; Granite: 4 experts,
+    layers 0 and 1 on stage 0, 2 on stage 1); the engine's counters cover every expert of
+    every sparse layer."""
+    experts = spec["num_experts"]
+    half = experts // 2
+    sparse = [i for i in range(spec["num_hidden_layers"])
+              if i not in spec.get("mlp_only_layers", ())]
+    stage_layers = ([i for i in sparse if i < 2], [i for i in sparse if i >= 2])
     core = llm.llm_engine.core
     workers = ray.get(core.ranks[0].worker_handles.remote(), timeout=30)
     loads = ray.get([w.call.remote("expert_load") for w in workers], timeout=30)
-    assert [{layer: sorted(experts) for layer, experts in load.items()} for load in loads] == [
-        {0: [0, 1, 2, 3]}, {0: [4, 5, 6, 7]}, {2: [0, 1, 2, 3]}, {2: [4, 5, 6, 7]}]
+    assert [{layer: sorted(e) for layer, e in load.items()} for load in loads] == [
+        {layer: list(range(t * half, (t + 1) * half)) for layer in stage_layers[stage]}
+        for stage in (0, 1) for t in (0, 1)]
     assert all(sum(load[layer].values()) > 0 for load in loads for layer in load)
     counted = sorted(key for key in metrics if key.startswith("raylm:moe_expert_tokens{"))
     assert counted == sorted(f'raylm:moe_expert_tokens{{layer="{layer}",expert="{e}"}}'
-                             for layer in (0, 2) for e in range(8))
+                             for layer in sparse for e in range(experts))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
