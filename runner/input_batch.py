@@ -37,7 +37,10 @@ class CachedRequestState:
     min_tokens_stop_ids: tuple[int, ...] = ()
     row: int | None = None  # row in the InputBatch; None once the request is dropped
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
-    state_slot: int = -1  # hybrid models: its Mamba2 state slot (runner/state_cache.py)
+    # Hybrid models (runner/state_cache.py): its group of Mamba2 state slots, and the
+    # position whose state its first slot holds
+    state_group: int = -1
+    state_base: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:

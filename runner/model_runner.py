@@ -79,10 +79,12 @@ class ModelRunner:
             self.input_batch, self.block_size, sched.max_num_batched_tokens, self.device,
             needs_input_ids=ctx.is_first_pp_rank,
             max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem),
-            attention_backend=attention_backend, needs_state=decoder.mamba is not None)
-        # Hybrid models: one Mamba2 state slot per request the worker holds.
-        self.state_slots = (StateSlots(sched.max_num_seqs) if decoder.mamba is not None
-                            else None)
+            attention_backend=attention_backend,
+            state_slots_per_request=(1 + engine_config.num_spec_tokens
+                                     if decoder.mamba is not None else 0))
+        # Hybrid models: Mamba2 state slots for each request the worker holds.
+        self.state_slots = (StateSlots(sched.max_num_seqs, 1 + engine_config.num_spec_tokens)
+                            if decoder.mamba is not None else None)
         self.max_num_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).
@@ -427,7 +429,7 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids), min_tokens_stop_ids=stop_ids,
                 lora_request=new.lora_request)
             if self.state_slots is not None:
-                new_state.state_slot = self.state_slots.assign(new.req_id)
+                new_state.state_group = self.state_slots.assign(new.req_id)
             if self.lora is not None:
                 self.lora.add_request(new.lora_request)
             self.requests[new.req_id] = new_state

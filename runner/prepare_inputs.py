@@ -18,7 +18,7 @@ import torch
 
 from raylm.runner.attention.paged_attention import AttentionMetadata, build_attention_metadata
 from raylm.runner.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
-from raylm.runner.state_cache import StateMetadata
+from raylm.runner.state_cache import StateMetadata, state_read_slots
 from raylm.scheduler.core_outputs import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -64,9 +64,11 @@ class InputPreparer:
     def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
                  device: torch.device, needs_input_ids: bool = True,
                  max_ragged_pairs: int | None = None, attention_backend: str = "native",
-                 needs_state: bool = False) -> None:
+                 state_slots_per_request: int = 0) -> None:
         self.input_batch = input_batch
-        self.needs_state = needs_state  # a hybrid model: each row's Mamba2 state slot
+        # A hybrid model: each request's Mamba2 state slots (0: none)
+        self.state_slots_per_request = state_slots_per_request
+        self.needs_state = state_slots_per_request > 0
         self.max_ragged_pairs = max_ragged_pairs  # the torch ragged kernel's chunk
         self.attention_backend = attention_backend
         # Only the first pipeline stage embeds token ids; later stages take hidden states,
@@ -209,11 +211,23 @@ class InputPreparer:
                                             self.block_size, max_pairs=self.max_ragged_pairs,
                                             backend=self.attention_backend)
         if self.needs_state:
-            slots = np.fromiter((ib.states[r].state_slot for r in rows.tolist()), np.int64,
-                                rows.size)
-            meta.state = StateMetadata.build(query_start_loc, slots, num_computed, self.device)
+            meta.state = self._state_metadata(rows, query_start_loc, num_computed, num_sched)
         return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
                          self.positions[:n], meta, logits_indices, padded_rows=padded)
+
+    def _state_metadata(self, rows: np.ndarray, query_start_loc: np.ndarray,
+                        num_computed: np.ndarray, num_sched: np.ndarray) -> StateMetadata:
+        """Each row's state slots (a hybrid model's Mamba2 layers), and where the step
+        leaves the states (runner/state_cache.py)."""
+        states = [self.input_batch.states[r] for r in rows.tolist()]
+        groups = np.fromiter((st.state_group for st in states), np.int64, len(states))
+        bases = np.fromiter((st.state_base for st in states), np.int64, len(states))
+        reads, new_bases = state_read_slots(bases, groups, num_computed, num_sched,
+                                            self.state_slots_per_request)
+        for st, base in zip(states, new_bases.tolist(), strict=True):
+            st.state_base = base
+        return StateMetadata.build(query_start_loc, reads, groups,
+                                   self.state_slots_per_request, self.device)
 
     def dummy_decode(self, num_rows: int) -> AttentionMetadata:
         """A decode step of ``num_rows`` padding rows only, in the fixed buffers: what a CUDA

@@ -1,17 +1,23 @@
-"""Recurrent state of state-space layers (Mamba2): one slot per running request.
+"""Recurrent state of state-space layers (Mamba2): a group of slots per running request.
 
 A request's state is one fixed-size tensor per layer, whatever its length, so it is held in
-a slot, not in KV blocks (vLLM's ``mamba_cache_mode="none"``: no prefix caching of
-states). A request takes a slot when the worker adds it and gives it back when the worker
+slots, not in KV blocks (vLLM's ``mamba_cache_mode="none"``: no prefix caching of
+states). A request takes a group when the worker adds it and gives it back when the worker
 drops it (finished, aborted or preempted: a preempted request recomputes from its first
-token, so its state restarts from zero). The worker never holds more requests than
-``max_num_seqs``, so that many slots suffice. Under async scheduling a slot given back may
-still be written by a step in flight; the request that takes it next starts from zeros
-(``has_state`` False) and its writes come later in the device's order, so the stale
-state is never read.
+token, so its state restarts from zeros). The worker never holds more requests than
+``max_num_seqs``, so that many groups suffice. Under async scheduling a group given back may
+still be written by a step in flight; the request that takes it next starts from zeros and
+its writes come later in the device's order, so the stale state is never read.
 
-``StateMetadata`` is one step's view for the layers: which rows continue a state (a
-decode or a later prefill chunk), which start one, and their slots.
+With speculative decoding a group has 1 + k slots: a verification step leaves the state
+after each of its tokens in its own slot, and the next step reads the one after the last
+accepted token. Which one is known on the host before the next step is prepared: the
+worker's own verified count (the step's output is copied back before the step returns), so
+nothing is read from an in-flight copy; and the slots belong to the request, not to a
+batch row, so rows moving (condense) cannot send a row another request's state.
+
+``StateMetadata`` is one step's view for the layers: rows that start a state or run a long
+span (the chunked scan), and rows that continue one for a few tokens (the recurrence).
 """
 
 from __future__ import annotations
@@ -23,28 +29,38 @@ import torch
 
 
 class StateSlots:
-    """Slot numbers of the requests a worker holds."""
+    """Each request the worker holds owns a group of ``slots_per_request`` consecutive
+    slots: one, or with speculative decoding one per position a verification step runs
+    (the state after each of its tokens; the next step continues from the one after the
+    last accepted token)."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0 first
+    def __init__(self, num_requests: int, slots_per_request: int = 1) -> None:
+        self.num_requests = num_requests
+        self.slots_per_request = slots_per_request
+        self._free = list(range(num_requests - 1, -1, -1))  # pop() hands out 0 first
         self._held: dict[str, int] = {}
 
+    @property
+    def num_slots(self) -> int:
+        return self.num_requests * self.slots_per_request
+
     def assign(self, req_id: str) -> int:
+        """The request's group; its slots are ``group * slots_per_request + j``."""
         if req_id in self._held:
-            raise ValueError(f"request {req_id!r} already holds state slot "
+            raise ValueError(f"request {req_id!r} already holds state group "
                              f"{self._held[req_id]}.")
         if not self._free:
-            raise RuntimeError(f"all {self.num_slots} state slots are held (max_num_seqs): "
-                               f"the worker holds more requests than the scheduler runs.")
-        slot = self._free.pop()
-        self._held[req_id] = slot
-        return slot
+            raise RuntimeError(f"all {self.num_requests} state groups are held "
+                               "(max_num_seqs): the worker holds more requests than the "
+                               "scheduler runs.")
+        group = self._free.pop()
+        self._held[req_id] = group
+        return group
 
     def release(self, req_id: str) -> None:
-        slot = self._held.pop(req_id, None)
-        if slot is not None:
-            self._free.append(slot)
+        group = self._held.pop(req_id, None)
+        if group is not None:
+            self._free.append(group)
 
     @property
     def num_held(self) -> int:
@@ -53,35 +69,80 @@ class StateSlots:
 
 @dataclass(frozen=True)
 class StateSpan:
-    """A row that runs through the chunked scan: tokens [start, end), its slot, whether it
-    continues a state (a later prefill chunk) or starts from zeros."""
+    """A row that runs through the chunked scan: tokens [start, end), the slot its state
+    comes from (-1: zeros, it starts the request) and the slot its final state goes to."""
 
     start: int
     end: int
-    slot: int
-    has_state: bool
+    read_slot: int
+    write_slot: int
+
+
+@dataclass
+class RecurrentRows:
+    """Rows that continue a state for at most ``slots_per_request`` tokens (decodes,
+    verification steps), run together one token offset at a time, longest rows first:
+    at offset j the first ``len(tokens[j])`` rows run their j-th token and leave the
+    state after it in ``write_slots[j]``."""
+
+    read_slots: torch.Tensor  # [R] where each row's state is
+    tokens: list[torch.Tensor]  # per offset: the rows' token index in the step
+    write_slots: list[torch.Tensor]
 
 
 @dataclass
 class StateMetadata:
     spans: list[StateSpan]
-    # One-token rows that continue a state (decodes), run together: their token index in
-    # the step and their slot, on the device.
-    decode_tokens: torch.Tensor | None
-    decode_slots: torch.Tensor | None
+    recurrent: RecurrentRows | None
 
     @classmethod
-    def build(cls, query_start_loc: np.ndarray, slots: np.ndarray, num_computed: np.ndarray,
-              device: torch.device) -> StateMetadata:
-        """``query_start_loc`` [B + 1], ``slots`` and ``num_computed`` [B] (host)."""
+    def build(cls, query_start_loc: np.ndarray, read_slots: np.ndarray,
+              groups: np.ndarray, slots_per_request: int, device: torch.device
+              ) -> StateMetadata:
+        """Host arrays per row: ``query_start_loc`` [B + 1], ``read_slots`` [B] (-1: the
+        row starts its request from zeros), ``groups`` [B]."""
         lengths = np.diff(query_start_loc)
-        decode = (lengths == 1) & (num_computed > 0)
+        recurrent = (read_slots >= 0) & (lengths <= slots_per_request) & (lengths > 0)
+        base = groups * slots_per_request
         spans = [StateSpan(int(query_start_loc[i]), int(query_start_loc[i + 1]),
-                           int(slots[i]), bool(num_computed[i] > 0))
-                 for i in np.flatnonzero(~decode & (lengths > 0)).tolist()]
-        rows = np.flatnonzero(decode)
+                           int(read_slots[i]), int(base[i]))
+                 for i in np.flatnonzero(~recurrent & (lengths > 0)).tolist()]
+        rows = np.flatnonzero(recurrent)
         if rows.size == 0:
-            return cls(spans, None, None)
-        tokens = torch.from_numpy(query_start_loc[rows].astype(np.int64)).to(device)
-        slot_t = torch.from_numpy(slots[rows].astype(np.int64)).to(device)
-        return cls(spans, tokens, slot_t)
+            return cls(spans, None)
+        rows = rows[np.argsort(-lengths[rows], kind="stable")]
+
+        def up(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+        tokens, writes = [], []
+        for j in range(int(lengths[rows[0]])):
+            active = rows[lengths[rows] > j]
+            tokens.append(up(query_start_loc[active] + j))
+            writes.append(up(base[active] + j))
+        return cls(spans, RecurrentRows(up(read_slots[rows]), tokens, writes))
+
+
+def state_read_slots(bases: np.ndarray, groups: np.ndarray, num_computed: np.ndarray,
+                     num_scheduled: np.ndarray, slots_per_request: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each row's state is, from the first position of the step that wrote it
+    (``bases``: the position whose state is in the group's slot 0, the state after
+    position ``base + j`` in slot j) and the row's computed count, which the worker knows
+    on the host (with speculative decoding: its own verified count, settled before the
+    step returned). Returns (read slots, -1 for rows that start from zeros; the rows'
+    new bases)."""
+    fresh = num_computed == 0
+    index = num_computed - 1 - bases
+    bad = ~fresh & ((index < 0) | (index >= slots_per_request))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise RuntimeError(f"row {i}: the state after position {int(num_computed[i]) - 1} "
+                           f"is not among its slots (written from position "
+                           f"{int(bases[i])}, {slots_per_request} slots).")
+    reads = np.where(fresh, -1, groups * slots_per_request + index)
+    recurrent = ~fresh & (num_scheduled <= slots_per_request)
+    # A recurrent row leaves the state after its j-th token in slot j; a span its final
+    # state in slot 0.
+    new_bases = np.where(recurrent, num_computed, num_computed + num_scheduled - 1)
+    return reads, new_bases

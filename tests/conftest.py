@@ -79,6 +79,49 @@ def loopy_draft_path(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def loopy_bamba_path(tmp_path_factory) -> str:
+    """A random Bamba (Mamba2 at layers 0, 2, 3, attention at 1) whose mixers' outputs are
+    scaled down 100x: greedy text falls into loops that prompt lookup predicts, partly
+    (speculative decoding on a hybrid: partial acceptance), and the mixers still change
+    the tokens (a verification step's next step continuing from the wrong state fails
+    the equality tests)."""
+    from raylm.runner.loading.checkpoint import scale_attention_output
+
+    path = _write(tmp_path_factory, "loopy_bamba",
+                  CheckpointSpec(architecture="BambaForCausalLM", num_hidden_layers=4,
+                                 attn_layer_indices=(1,), seed=41))
+    scale_attention_output(path, 0.01, ("o_proj.weight", "out_proj.weight"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def bamba_mlp_draft_path(loopy_bamba_path, tmp_path_factory) -> str:
+    """A Llama draft for ``loopy_bamba_path`` made of its embedding, norms, MLPs and LM
+    head with silent attention: it proposes what the target's loops mostly are (a draft
+    model for a hybrid target, with partial acceptance)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _write(tmp_path_factory, "bamba_mlp_draft", CheckpointSpec(num_hidden_layers=4,
+                                                                         seed=42))
+    target = load_file(os.path.join(loopy_bamba_path, "model.safetensors"))
+    draft_file = os.path.join(path, "model.safetensors")
+    draft = load_file(draft_file)
+    renames = ((".feed_forward.", ".mlp."),
+               (".pre_ff_layernorm.", ".post_attention_layernorm."),
+               ("model.final_layernorm.", "model.norm."))
+    for name, tensor in target.items():
+        for old, new in renames:
+            name = name.replace(old, new)
+        if name in draft:
+            draft[name] = tensor
+    for name in draft:
+        if name.endswith("o_proj.weight"):
+            draft[name] = draft[name] * 0.0
+    save_file(draft, draft_file, metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="session", params=["llama", "llama_mha_tied", "qwen2", "qwen3"])
 def any_model_path(request) -> str:
     return request.getfixturevalue(f"{request.param}_path")

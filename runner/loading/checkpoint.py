@@ -257,9 +257,11 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
     return path
 
 
-def scale_attention_output(path: str, factor: float) -> None:
-    """Multiply every layer's attention output projection (``o_proj``) of the checkpoint
-    at ``path`` by ``factor``, in place. A small factor makes the next token depend mostly
+def scale_attention_output(path: str, factor: float,
+                           projections: tuple[str, ...] = ("o_proj.weight",)) -> None:
+    """Multiply every layer's attention output projection (``o_proj``; a hybrid's Mamba2
+    mixers too with ``"out_proj.weight"`` among ``projections``) of the checkpoint at
+    ``path`` by ``factor``, in place. A small factor makes the next token depend mostly
     on the current one, so greedy text falls into loops (what prompt lookup predicts);
     attention still contributes, so misplaced KV still changes the tokens."""
     from safetensors.torch import load_file, save_file
@@ -267,6 +269,6 @@ def scale_attention_output(path: str, factor: float) -> None:
     weights_file = os.path.join(path, "model.safetensors")
     weights = load_file(weights_file)
     for name in weights:
-        if name.endswith("o_proj.weight"):
+        if name.endswith(projections):
             weights[name] = weights[name] * factor
     save_file(weights, weights_file, metadata={"format": "pt"})

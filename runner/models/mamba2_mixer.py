@@ -2,8 +2,9 @@
 
 in_proj gives, per token, the gate z, the convolution's input (x, B, C) and dt. Each
 prefill or chunk span convolves and scans from its slot's state (zeros when it starts the
-request) and leaves its final state there; one-token decodes run together through the
-recurrence. Then the gated RMS norm (per group) and out_proj. Checkpoint names and
+request) and leaves its final state in the request's first slot; decodes and verification
+steps run together through the recurrence, leaving the state after each token in a slot
+of its own (runner/state_cache.py). Then the gated RMS norm (per group) and out_proj. Checkpoint names and
 layouts are transformers' (BambaMixer, GraniteMoeHybridMambaLayer).
 """
 
@@ -28,7 +29,7 @@ from raylm.runner.models.ssd import (
     ssd_chunked,
     ssd_decode,
 )
-from raylm.runner.state_cache import StateMetadata
+from raylm.runner.state_cache import RecurrentRows, StateMetadata
 from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 
 
@@ -107,26 +108,39 @@ class Mamba2Mixer(nn.Module):
                                     dtype=torch.float32)
         for span in meta.spans:
             rows = slice(span.start, span.end)
-            conv_in = self.conv_state[span.slot] if span.has_state else None
+            fresh = span.read_slot < 0
+            conv_in = None if fresh else self.conv_state[span.read_slot]
             conv_out, history = causal_conv_span(xbc[rows], conv_in, self.conv_weight,
                                                  self.conv_bias)
-            self.conv_state[span.slot] = history
+            self.conv_state[span.write_slot] = history
             x, B, C = self._xbc(conv_out)
-            state = self.ssm_state[span.slot] if span.has_state else None
+            state = None if fresh else self.ssm_state[span.read_slot]
             y[rows], final = ssd_chunked(x, dt[rows], A, B, C, self.D, self.dt_bias,
                                          s.chunk_size, state, s.time_step_limit)
-            self.ssm_state[span.slot] = final
-        if meta.decode_tokens is not None and meta.decode_slots is not None:
-            tokens, slots = meta.decode_tokens, meta.decode_slots
-            conv_out, history = causal_conv_decode(xbc[tokens], self.conv_state[slots],
-                                                   self.conv_weight, self.conv_bias)
-            self.conv_state[slots] = history
-            x, B, C = self._xbc(conv_out)
-            y[tokens], new_state = ssd_decode(x, dt[tokens], A, B, C, self.D, self.dt_bias,
-                                              self.ssm_state[slots])
-            self.ssm_state[slots] = new_state
+            self.ssm_state[span.write_slot] = final
+        if meta.recurrent is not None:
+            self._recurrent(meta.recurrent, xbc, dt, A, y)
         out = self._gated_norm(y.reshape(y.shape[0], -1), gate)
         return self.out_proj(out.to(hidden_states.dtype))
+
+    def _recurrent(self, rows: RecurrentRows, xbc: torch.Tensor, dt: torch.Tensor,
+                   A: torch.Tensor, y: torch.Tensor) -> None:
+        """Rows that continue their state, one token offset at a time: the state after
+        each token stays in its own slot (a verification step's next step reads the one
+        after its last accepted token)."""
+        assert self.conv_state is not None and self.ssm_state is not None  # forward checks
+        history = self.conv_state.index_select(0, rows.read_slots)
+        state = self.ssm_state.index_select(0, rows.read_slots)
+        for tokens, slots in zip(rows.tokens, rows.write_slots, strict=True):
+            n = tokens.shape[0]  # the longest rows come first
+            conv_out, history_n = causal_conv_decode(xbc[tokens], history[:n],
+                                                     self.conv_weight, self.conv_bias)
+            x, B, C = self._xbc(conv_out)
+            y[tokens], state_n = ssd_decode(x, dt[tokens], A, B, C, self.D, self.dt_bias,
+                                            state[:n])
+            history, state = history_n, state_n
+            self.conv_state[slots] = history
+            self.ssm_state[slots] = state
 
     def _split(self, projected: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

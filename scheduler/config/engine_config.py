@@ -337,11 +337,15 @@ class EngineConfig:
         if not model.has_state_layers:
             return
         arch = model.architecture
-        for name, value in (("speculative_config", self.speculative_config),
-                            ("kv_transfer_config", self.kv_transfer_config)):
-            if value is not None:
-                raise ValueError(f"{name} is not supported for {arch}: its Mamba2 layers keep "
-                                 "a per-request state that it cannot roll back or move.")
+        if self.kv_transfer_config is not None:
+            raise ValueError(f"kv_transfer_config is not supported for {arch}: its Mamba2 "
+                             "layers keep a per-request state that a KV connector does not "
+                             "move.")
+        if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(f"speculative_config with pipeline_parallel_size="
+                             f"{self.parallel_config.pipeline_parallel_size} is not supported "
+                             f"for {arch}: an earlier stage learns a step's accepted drafts "
+                             "after its next step, and its Mamba2 state continues from them.")
         Mamba2Shape.from_hf(model.hf_config).check_tp(
             self.parallel_config.tensor_parallel_size)
         if self.cache_config.enable_prefix_caching:

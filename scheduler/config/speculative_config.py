@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from raylm.scheduler.config.state_layout import STATE_SPACE_ARCHITECTURES
 from raylm.scheduler.config.validation import check_config_dict
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -92,3 +93,7 @@ class SpeculativeConfig:
             raise _bad("model", self.model,
                        f"has vocab_size={draft.get('vocab_size')}; the target model has "
                        f"{target_hf_config.get('vocab_size')} (they must share a tokenizer)")
+        arch = next(iter(draft.get("architectures") or []), "")
+        if arch in STATE_SPACE_ARCHITECTURES:
+            raise _bad("model", self.model,
+                       f"is a {arch} (Mamba2 layers); a draft model must be attention-only")

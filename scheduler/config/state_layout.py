@@ -3,12 +3,12 @@ attention, read from config.json as transformers reads it.
 
 Bamba: attention at ``attn_layer_indices``, Mamba2 everywhere else. Granite 4
 (GraniteMoeHybrid): per ``layer_types`` entry, "mamba" (transformers 5 writes
-"linear_attention") or "attention" ("full_attention"); all Mamba2 when absent. A model with such
-layers keeps per-request recurrent state (runner/state_cache.py), which today means: no
-prefix caching (a state is not cached per block), no speculative decoding (a state
-cannot roll back rejected drafts), no KV connector (a loaded prefix would arrive without
-its state) and no LoRA on the mixers; the engine refuses the last three by name and turns
-prefix caching off.
+"linear_attention") or "attention" ("full_attention"); all Mamba2 when absent. A model with
+such layers keeps per-request recurrent state (runner/state_cache.py), which today means:
+no prefix caching (a state is not cached per block), no KV connector (a loaded prefix
+would arrive without its state), no LoRA on the mixers, and speculative decoding without
+pipeline parallelism; the engine refuses the last three by name and turns prefix caching
+off.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Bamba, a Mamba2 + attention hybrid: greedy tokens equal transformers' BambaForCausalLM in
 sync and async, with prefills chunked into spans that carry the state across steps,
 forced preemption (a preempted request's state restarts from zeros as it recomputes), and
-the partial rotary embedding of its attention layer; prefix caching is off for it (no
-state per block), and what its per-request state rules out is refused by name.
+the partial rotary embedding of its attention layer; with speculative decoding (ngram, a
+draft model) drafts partly accepted; prefix caching is off for it (no state per block),
+and what its per-request state rules out is refused by name.
 TP=2 x PP=2 on Ray: tests/actors/test_pp_ray.py."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import shutil
 
 import pytest
+from engine_idle import idle_metrics
 
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
@@ -47,7 +49,7 @@ def test_bamba_equals_transformers(bamba_path, async_scheduling, hf_oracle):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                              for n in LENGTHS])
-        metrics = llm.get_metrics()
+        metrics = idle_metrics(llm)
         caching = llm.llm_engine.engine_config.cache_config.enable_prefix_caching
     for p, n, out in zip(PROMPTS, LENGTHS, outs, strict=True):
         assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
@@ -79,17 +81,53 @@ def test_the_state_layers_and_the_partial_rotary_change_the_models_tokens(
         assert out[0].outputs[0].token_ids == want
 
 
-@pytest.mark.parametrize("field, value", [
-    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
-    ("kv_transfer_config", {"kv_connector": "OffloadingConnector",
-                            "kv_connector_extra_config": {"num_cpu_blocks": 8}}),
-    ("enable_lora", True),
-    ("tensor_parallel_size", 4),  # 2 groups cannot split over 4 ranks
+LOOP_PROMPTS = [[412, 7, 99], list(range(40, 57)), list(range(300, 330)), [5, 9, 13, 21]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculation_on_a_hybrid_equals_transformers(loopy_bamba_path, bamba_mlp_draft_path,
+                                                     hf_oracle, method, async_scheduling):
+    """The seed's case: drafts verified on a Mamba2 hybrid, some accepted and some not, so
+    each next step continues from the state after its last accepted token (a slot of its
+    own). A 10-token budget chunks the prompts and 24 blocks force preemptions."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 3} if method == "ngram" else
+            {"method": "draft_model", "model": bamba_mlp_draft_path,
+             "num_speculative_tokens": 3})
+    oracle = hf_oracle(loopy_bamba_path)
+    with LLM(loopy_bamba_path, block_size=4, num_kv_blocks=24, max_num_batched_tokens=10,
+             max_num_seqs=4, async_scheduling=async_scheduling,
+             speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in LOOP_PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        m = idle_metrics(llm)  # steps booked for finished requests may still be in flight
+    for p, out in zip(LOOP_PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, 40), f"prompt of {len(p)} tokens"
+    accepted, drafted = (m["raylm:spec_decode_num_accepted_tokens"],
+                         m["raylm:spec_decode_num_draft_tokens"])
+    assert 0 < accepted < drafted, m  # partial acceptance: every slot index is exercised
+    assert m["raylm:num_preemptions"] > 0 and m["raylm:kv_cache_usage_perc"] == 0.0
+
+
+def test_a_hybrid_draft_model_is_refused(loopy_bamba_path):
+    with pytest.raises(ValueError, match="a draft model must be attention-only"):
+        LLM(loopy_bamba_path, speculative_config={"method": "draft_model",
+                                                  "model": loopy_bamba_path,
+                                                  "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("engine, name", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+      "pipeline_parallel_size": 2}, "speculative_config with pipeline_parallel_size"),
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                             "kv_connector_extra_config": {"num_cpu_blocks": 8}}},
+     "kv_transfer_config"),
+    ({"enable_lora": True}, "enable_lora"),
+    ({"tensor_parallel_size": 4}, "mamba_n_groups"),  # 2 groups cannot split over 4 ranks
 ])
-def test_what_the_state_rules_out_is_refused_by_name(bamba_path, field, value):
-    name = "mamba_n_groups" if field == "tensor_parallel_size" else field
+def test_what_the_state_rules_out_is_refused_by_name(bamba_path, engine, name):
     with pytest.raises(ValueError, match=name):
-        LLM(bamba_path, **{field: value})
+        LLM(bamba_path, **engine)
 
 
 @pytest.mark.parametrize("field, value", [("mamba_proj_bias", True),

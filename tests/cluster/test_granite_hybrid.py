@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+from engine_idle import idle_metrics
 
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
@@ -53,7 +54,7 @@ def test_granite_hybrid_equals_transformers(granite_path, async_scheduling, hf_o
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                              for n in LENGTHS])
-        metrics = llm.get_metrics()
+        metrics = idle_metrics(llm)
     for p, n, out in zip(PROMPTS, LENGTHS, outs, strict=True):
         assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
     assert metrics["raylm:num_preemptions"] > 0

@@ -60,15 +60,21 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [passage * 3, passage[:6] * 4, [5, 9, 13, 21, 34, 55, 89]]
 
 
+@pytest.mark.parametrize("model", ["llama", "bamba"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "none"])
-def test_steady_async_steps_read_the_device_only_through_the_copier(llama_path, hf_oracle,
-                                                                     method):
+def test_steady_async_steps_read_the_device_only_through_the_copier(request, hf_oracle,
+                                                                     method, model):
+    """``bamba``: a Mamba2 hybrid, whose next step after a verification continues from the
+    state its accepted count names, read from nothing but the worker's settled count."""
+    path = request.getfixturevalue("llama_path" if model == "llama" else "loopy_bamba_path")
+    draft = request.getfixturevalue("llama_path" if model == "llama"
+                                    else "bamba_mlp_draft_path")
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                       "prompt_lookup_max": 3},
-            "draft_model": {"method": "draft_model", "model": llama_path,
+            "draft_model": {"method": "draft_model", "model": draft,
                             "num_speculative_tokens": 3},
             "none": None}[method]
-    llm = LLM(llama_path, async_scheduling=True, block_size=4, num_kv_blocks=96,
+    llm = LLM(path, async_scheduling=True, block_size=4, num_kv_blocks=96,
               speculative_config=spec)
     try:
         prompts = _prompts(llm.llm_engine.model_config.vocab_size)
@@ -83,7 +89,7 @@ def test_steady_async_steps_read_the_device_only_through_the_copier(llama_path, 
         metrics = llm.get_metrics()
     finally:
         llm.shutdown()
-    oracle = hf_oracle(llama_path)
+    oracle = hf_oracle(path)
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == oracle.greedy(p, 24)
     if spec is not None:  # drafts were verified in the recorded steps

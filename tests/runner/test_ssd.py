@@ -1,7 +1,8 @@
 """runner/models/ssd.py and runner/state_cache.py: Mamba2's chunked scan equals the
 token-by-token recurrence from any initial state, and transformers' torch scan and state
 update; the causal convolution's span and decode forms equal transformers'; a span cut in
-two carries state and history across the cut; state slots are handed out and back once."""
+two carries state and history across the cut; state slot groups are handed out and back
+once, and each step reads the slot holding the state after its last computed token."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from raylm.runner.models.ssd import (
     ssd_chunked,
     ssd_decode,
 )
-from raylm.runner.state_cache import StateMetadata, StateSlots, StateSpan
+from raylm.runner.state_cache import StateMetadata, StateSlots, StateSpan, state_read_slots
 
 H, P, G, N = 4, 3, 2, 5
 
@@ -104,25 +105,48 @@ def test_a_span_cut_in_two_carries_its_state_and_history():
     torch.testing.assert_close(hist_rows[0], history)
 
 
-def test_state_slots_are_handed_out_once_and_come_back():
-    slots = StateSlots(2)
+def test_state_groups_are_handed_out_once_and_come_back():
+    slots = StateSlots(2, slots_per_request=4)
+    assert slots.num_slots == 8
     assert [slots.assign("a"), slots.assign("b")] == [0, 1]
     with pytest.raises(ValueError, match="'a' already holds"):
         slots.assign("a")
-    with pytest.raises(RuntimeError, match="all 2 state slots"):
+    with pytest.raises(RuntimeError, match="all 2 state groups"):
         slots.assign("c")
     slots.release("a")
     slots.release("a")  # a request dropped twice (finished, then in a later diff) is fine
     assert slots.assign("c") == 0 and slots.num_held == 2
 
 
-def test_the_step_metadata_runs_decodes_together_and_spans_alone():
-    # Rows: a fresh prefill (3 tokens), a decode, a later chunk (2 tokens), a fresh
-    # one-token prompt (its state starts from zeros: a span, not a decode), a decode.
-    qsl = np.array([0, 3, 4, 6, 7, 8])
-    meta = StateMetadata.build(qsl, np.array([5, 1, 2, 0, 3]), np.array([0, 9, 4, 0, 7]),
-                               torch.device("cpu"))
-    assert meta.spans == [StateSpan(0, 3, 5, False), StateSpan(4, 6, 2, True),
-                          StateSpan(6, 7, 0, False)]
-    assert meta.decode_tokens is not None and meta.decode_slots is not None
-    assert meta.decode_tokens.tolist() == [3, 7] and meta.decode_slots.tolist() == [1, 3]
+def test_each_row_reads_the_state_after_its_last_computed_token():
+    """Groups of 4 slots (3 drafts). Rows: a fresh prefill; a decode after a decode; a
+    verification step after one that accepted 2 of 3 drafts (its state after position 12
+    is in slot 2 of the four written from position 10); a chunk after a chunk (the state
+    in slot 0); a verification step's 4 tokens."""
+    bases = np.array([-1, 8, 10, 19, 30])
+    groups = np.array([0, 1, 2, 3, 4])
+    computed = np.array([0, 9, 13, 20, 31])
+    scheduled = np.array([7, 1, 4, 6, 4])
+    reads, new_bases = state_read_slots(bases, groups, computed, scheduled, 4)
+    assert reads.tolist() == [-1, 4, 8 + 2, 12, 16]
+    # Recurrent rows (at most 4 tokens, continuing) leave slot j = position base + j;
+    # spans their final state in slot 0.
+    assert new_bases.tolist() == [6, 9, 13, 25, 31]
+    with pytest.raises(RuntimeError, match="not among its slots"):
+        state_read_slots(np.array([10]), np.array([0]), np.array([15]), np.array([1]), 4)
+
+
+def test_the_step_metadata_runs_short_continuations_together_and_spans_alone():
+    # Rows: a fresh prefill (3 tokens); a decode; a later chunk (5 tokens: a span, longer
+    # than the 4 slots); a fresh one-token prompt (zeros: a span); a 3-token verification.
+    qsl = np.array([0, 3, 4, 9, 10, 13])
+    reads = np.array([-1, 5, 8, -1, 13])
+    meta = StateMetadata.build(qsl, reads, np.array([0, 1, 2, 3, 4]), 4, torch.device("cpu"))
+    assert meta.spans == [StateSpan(0, 3, -1, 0), StateSpan(4, 9, 8, 8),
+                          StateSpan(9, 10, -1, 12)]
+    rec = meta.recurrent
+    assert rec is not None
+    # Longest first: the verification (group 4), then the decode (group 1).
+    assert rec.read_slots.tolist() == [13, 5]
+    assert [t.tolist() for t in rec.tokens] == [[10, 3], [11], [12]]
+    assert [w.tolist() for w in rec.write_slots] == [[16, 4], [17], [18]]
