@@ -81,10 +81,10 @@ class ModelRunner:
             max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem),
             attention_backend=attention_backend,
             state_slots_per_request=(1 + engine_config.num_spec_tokens
-                                     if decoder.mamba is not None else 0))
+                                     if decoder.has_state_layers else 0))
         # Hybrid models: Mamba2 state slots for each request the worker holds.
         self.state_slots = (StateSlots(sched.max_num_seqs, 1 + engine_config.num_spec_tokens)
-                            if decoder.mamba is not None else None)
+                            if decoder.has_state_layers else None)
         self.max_num_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).
@@ -153,8 +153,7 @@ class ModelRunner:
         """The Mamba2 layers' state for every slot (0 without such layers)."""
         if self.state_slots is None:
             return 0
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.state_slots.num_slots * sum(m.shape.state_bytes(elem)
+        return self.state_slots.num_slots * sum(m.state_bytes()
                                                 for m in self.loaded_model.state_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

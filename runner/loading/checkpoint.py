@@ -37,8 +37,8 @@ class CheckpointSpec:
                           "MistralForCausalLM", "Qwen3MoeForCausalLM",
                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                           "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                          "BambaForCausalLM",
-                          "GraniteMoeHybridForCausalLM"] = "LlamaForCausalLM"
+                          "BambaForCausalLM", "GraniteMoeHybridForCausalLM",
+                          "Qwen3NextForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -173,14 +173,20 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = spec.rope_scaling
-    if spec.architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"):
+    qwen_moe = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+    if spec.architecture in (*qwen_moe, "OlmoeForCausalLM"):
         kwargs.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
                       norm_topk_prob=spec.norm_topk_prob)
-    if spec.architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+    if spec.architecture in qwen_moe:
         kwargs.update(moe_intermediate_size=spec.moe_intermediate_size,
                       mlp_only_layers=list(spec.mlp_only_layers))
-    if spec.architecture == "Qwen2MoeForCausalLM":
+    if spec.architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
         kwargs["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
+    if spec.architecture == "Qwen3NextForCausalLM":
+        # Gated delta net layers (every fourth layer attention): 2 key heads of 16, 4
+        # value heads of 16 (config_overrides changes them).
+        kwargs.update(linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16)
     if spec.architecture == "MixtralForCausalLM":
         kwargs.update(num_local_experts=spec.num_experts,
                       num_experts_per_tok=spec.num_experts_per_tok)
@@ -242,6 +248,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.BambaConfig(**kwargs)
     elif spec.architecture == "GraniteMoeHybridForCausalLM":
         config = transformers.GraniteMoeHybridConfig(**kwargs)
+    elif spec.architecture == "Qwen3NextForCausalLM":
+        config = transformers.Qwen3NextConfig(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

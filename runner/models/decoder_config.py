@@ -10,13 +10,17 @@ from raylm.runner.models.gemma_config import GemmaTraits, gemma_traits
 from raylm.runner.models.granite_config import GRANITE_HYBRID, GraniteTraits, granite_traits
 from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
+from raylm.scheduler.config.gdn_shape import GatedDeltaShape
 from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 from raylm.scheduler.config.moe_layout import moe_layers, moe_traits
 from raylm.scheduler.config.state_layout import LayerMixer, layer_mixers
 
 QKNorm = Literal["none", "head", "projection"]
 _QK_NORM: dict[str, QKNorm] = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head",
-                               "Gemma3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
+                               "Gemma3ForCausalLM": "head", "OlmoeForCausalLM": "projection",
+                               "Qwen3NextForCausalLM": "head"}
+# Partial rotary embeddings when the config does not say (transformers' defaults)
+_ROTARY_FACTOR = {"BambaForCausalLM": 0.5, "Qwen3NextForCausalLM": 0.25}
 
 
 @dataclass(frozen=True)
@@ -57,14 +61,27 @@ class DecoderConfig:
     # Granite 4 (None for the others): multipliers, RoPE or none, the shared MLP's size
     granite: GraniteTraits | None = field(default=None, compare=False, repr=False)
     shared_expert_gated: bool = True  # Qwen2-MoE's shared expert's sigmoid gate
+    # Qwen3-Next: gated delta net mixers' shape, norms scaling by 1 + weight (as Gemma's),
+    # and attention whose output is gated by sigmoid(a projection q_proj carries per head)
+    gated_delta: GatedDeltaShape | None = None
+    offset_norms: bool = False
+    attn_output_gate: bool = False
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether some layer is a recurrent mixer (Mamba2, gated delta net)."""
+        return self.mamba is not None or self.gated_delta is not None
 
     @property
     def rope_config(self) -> dict[str, Any]:
-        """The config RoPE reads: Bamba rotates half of each head unless its
-        ``rope_parameters`` say otherwise (transformers' BambaConfig default)."""
+        """The config RoPE reads: Bamba rotates half of each head and Qwen3-Next a quarter
+        unless the config says otherwise (transformers' defaults)."""
         hf = self.hf_config
-        if self.architecture == "BambaForCausalLM" and "partial_rotary_factor" not in hf:
-            return {**hf, "partial_rotary_factor": 0.5}
+        params = hf.get("rope_parameters")
+        given = "partial_rotary_factor" in hf or (isinstance(params, dict)
+                                                  and "partial_rotary_factor" in params)
+        if self.architecture in _ROTARY_FACTOR and not given:
+            return {**hf, "partial_rotary_factor": _ROTARY_FACTOR[self.architecture]}
         return hf
 
     @classmethod
@@ -116,6 +133,9 @@ class DecoderConfig:
             hf_config=hf,
             layer_mixers=tuple(mixers),
             mamba=Mamba2Shape.from_hf(hf) if "mamba2" in mixers else None,
+            gated_delta=GatedDeltaShape.from_hf(hf) if "gated_delta" in mixers else None,
+            offset_norms=gemma is not None or arch == "Qwen3NextForCausalLM",
+            attn_output_gate=arch == "Qwen3NextForCausalLM",
             granite=granite,
             shared_expert_gated=moe.shared_expert_gated,
         )

@@ -22,6 +22,7 @@ from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     PPMissingLayer,
@@ -36,9 +37,11 @@ from raylm.parallel.layers import (
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
+from raylm.runner.models.gated_delta_mixer import GatedDeltaNetMixer
 from raylm.runner.models.mamba2_mixer import Mamba2Mixer
 from raylm.runner.models.moe import SparseMoeBlock
 from raylm.runner.models.projection_norm import ProjectionRMSNorm
+from raylm.runner.models.recurrent_mixer import RecurrentMixer
 from raylm.runner.rotary import RotaryEmbedding
 
 
@@ -105,7 +108,7 @@ Norm = RMSNorm | GemmaRMSNorm
 
 def make_norm(cfg: DecoderConfig, size: int, dtype: torch.dtype, device: torch.device,
               ops: FusedOps = EAGER_OPS) -> Norm:
-    if cfg.gemma is not None:
+    if cfg.offset_norms:  # Gemma, Qwen3-Next
         return GemmaRMSNorm(size, cfg.rms_norm_eps, dtype, device)
     return RMSNorm(size, cfg.rms_norm_eps, dtype, device, ops)
 
@@ -137,6 +140,12 @@ class LlamaAttention(nn.Module):
                                           params_dtype=dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size,
                                         cfg.o_bias, ctx=ctx, params_dtype=dtype)
+        # Qwen3-Next: the output gated per channel by sigmoid of a projection that its
+        # checkpoint's q_proj carries beside each head's query.
+        self.attn_gate: ColumnParallelLinear | None = None
+        if cfg.attn_output_gate:
+            self.attn_gate = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * d,
+                                                  cfg.qkv_bias, ctx=ctx, params_dtype=dtype)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
@@ -177,7 +186,22 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.rotary(*cos_sin, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        out = self.attn(q, k, v, meta)
+        if self.attn_gate is not None:
+            out = out * torch.sigmoid(self.attn_gate(hidden_states))
+        return self.o_proj(out)
+
+    def load_gated_q_proj(self, tensor: Weight) -> None:
+        """Qwen3-Next's q_proj (weight or bias): per head its query then its gate."""
+        assert self.attn_gate is not None  # only for attention with an output gate
+        whole = read_whole(tensor)
+        heads = whole.reshape(-1, 2, self.head_dim, *whole.shape[1:])
+        query, gate = (heads[:, i].reshape(-1, *whole.shape[1:]) for i in (0, 1))
+        bias = whole.dim() == 1
+        for linear, part, shard in ((self.qkv_proj, query, "q"), (self.attn_gate, gate, None)):
+            target = linear.bias if bias else linear.weight
+            assert target is not None  # a q_proj bias comes with qkv_bias
+            linear.weight_loader(target, part, shard)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -187,10 +211,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
         # The token mixer: attention, or a Mamba2 mixer in a hybrid model's state layers.
         self.self_attn: LlamaAttention | None = None
-        self.mamba: Mamba2Mixer | None = None
-        if cfg.layer_mixers and cfg.layer_mixers[layer] == "mamba2":
+        self.mamba: Mamba2Mixer | None = None  # Bamba, Granite 4
+        self.linear_attn: GatedDeltaNetMixer | None = None  # Qwen3-Next
+        mixer = cfg.layer_mixers[layer] if cfg.layer_mixers else "attention"
+        if mixer == "mamba2":
             assert cfg.mamba is not None  # set with the mixers (DecoderConfig.from_hf)
             self.mamba = Mamba2Mixer(cfg.mamba, cfg.hidden_size, ctx, dtype)
+        elif mixer == "gated_delta":
+            assert cfg.gated_delta is not None  # set with the mixers
+            self.linear_attn = GatedDeltaNetMixer(cfg.gated_delta, cfg.hidden_size, ctx, dtype)
         else:
             self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
         # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with
@@ -213,6 +242,10 @@ class LlamaDecoderLayer(nn.Module):
                                       cfg.shared_expert_intermediate_size,
                                       cfg.shared_expert_gated)
 
+    @property
+    def recurrent_mixer(self) -> RecurrentMixer | None:
+        return self.mamba if self.mamba is not None else self.linear_attn
+
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
         if residual is None:
@@ -220,10 +253,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.mamba is not None:
+        recurrent = self.recurrent_mixer
+        if recurrent is not None:
             if meta.state is None:
-                raise RuntimeError("a Mamba2 layer ran without the step's state metadata.")
-            hidden_states = self.mamba(hidden_states, meta.state)
+                raise RuntimeError("a recurrent layer ran without the step's state metadata.")
+            hidden_states = recurrent(hidden_states, meta.state)
         else:
             assert self.self_attn is not None  # every layer has one of the two mixers
             hidden_states = self.self_attn(cos_sin, hidden_states, meta)
@@ -303,14 +337,20 @@ _MIXTRAL_WEIGHT = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate\.we
 _MIXTRAL_PROJ = ("gate_proj", "down_proj", "up_proj")
 
 
-# Bamba's names for Llama's parts, and its mixers' tensors that are parameters here under
-# another name (the fused in_proj is loaded by the mixer itself).
-_BAMBA_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+# Bamba's names for Llama's parts, and the recurrent mixers' tensors that are parameters
+# here under another name (Mamba2's fused in_proj is loaded by the mixer itself).
+_RECURRENT_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
                   ("model.final_layernorm.", "model.norm."),
                   (".mamba.conv1d.weight", ".mamba.conv_weight"),
                   (".mamba.conv1d.bias", ".mamba.conv_bias"),
-                  (".mamba.norm.weight", ".mamba.norm_weight"))
+                  (".mamba.norm.weight", ".mamba.norm_weight"),
+                  (".linear_attn.conv1d.weight", ".linear_attn.conv_weight"),
+                  (".linear_attn.norm.weight", ".linear_attn.norm_weight"))
 _MAMBA_IN_PROJ = re.compile(r"model\.layers\.(\d+)\.mamba\.in_proj\.weight")
+# Qwen3-Next: each head's query and output gate in one projection
+_Q_PROJ = re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)")
+# Checkpoint tensors no parameter here reads: Qwen3-Next's multi-token-prediction layer
+_NOT_LOADED = ("mtp.",)
 # Granite 4's fused tensors: the shared MLP's [gate; up] and down, the experts' router and
 # their [E, gate; up, hidden] and [E, hidden, intermediate] stacks.
 _GRANITE_FUSED = re.compile(r"model\.layers\.(\d+)\.(shared_mlp|block_sparse_moe)\."
@@ -320,7 +360,7 @@ _GRANITE_FUSED = re.compile(r"model\.layers\.(\d+)\.(shared_mlp|block_sparse_moe
 def canonical_weight_name(name: str) -> str:
     """The checkpoint tensor's name in the spelling the loader matches (Qwen-MoE's for
     experts, Llama's for Bamba's layers)."""
-    for old, new in _BAMBA_RENAMES:
+    for old, new in _RECURRENT_RENAMES:
         if old in name:
             return name.replace(old, new)
     match = _MIXTRAL_WEIGHT.fullmatch(name)
@@ -367,9 +407,10 @@ class LlamaForCausalLM(nn.Module):
                 if layer.self_attn is not None]
 
     @property
-    def state_layers(self) -> list[Mamba2Mixer]:
-        """This stage's Mamba2 mixers, in layer order (the state slots bind to them)."""
-        return [layer.mamba for layer in self._stage_layers() if layer.mamba is not None]
+    def state_layers(self) -> list[RecurrentMixer]:
+        """This stage's recurrent mixers, in layer order (the state slots bind to them)."""
+        return [m for m in (layer.recurrent_mixer for layer in self._stage_layers())
+                if m is not None]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -409,6 +450,8 @@ class LlamaForCausalLM(nn.Module):
         embedding on the first stage, norm and head on the last), so loaders that read lazily
         skip the rest without reading them. ``load_weights`` applies the same rules."""
         ctx, tied = self.ctx, self.config.tie_word_embeddings
+        if name.startswith(_NOT_LOADED):
+            return False
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
             if not self.model.start_layer <= layer < self.model.end_layer:
@@ -472,7 +515,7 @@ class LlamaForCausalLM(nn.Module):
         start, end = self.model.start_layer, self.model.end_layer
         tied = self.config.tie_word_embeddings
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or name.startswith(_NOT_LOADED):
                 continue
             name = canonical_weight_name(name)
             if name.startswith("model.layers."):
@@ -489,6 +532,15 @@ class LlamaForCausalLM(nn.Module):
             if name.split(".")[0:2] == ["model", "embed_tokens"] and not self.ctx.is_first_pp_rank:
                 continue
             if name.startswith(("model.norm.", "lm_head.")) and not self.ctx.is_last_pp_rank:
+                continue
+            gated_q = _Q_PROJ.fullmatch(name) if self.config.attn_output_gate else None
+            if gated_q is not None:
+                attn = cast(LlamaDecoderLayer, self.model.layers[int(gated_q[1])]).self_attn
+                if attn is None:
+                    raise ValueError(f"checkpoint tensor {name!r}: that layer is not attention.")
+                attn.load_gated_q_proj(tensor)
+                loaded.update({name.replace(".q_proj.", ".qkv_proj."),
+                               name.replace(".q_proj.", ".attn_gate.")})
                 continue
             fused = _GRANITE_FUSED.fullmatch(name)
             if fused is not None:

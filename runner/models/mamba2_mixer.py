@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from raylm.parallel.context import ParallelContext
 from raylm.parallel.layers import (
@@ -23,23 +22,18 @@ from raylm.parallel.layers import (
     read_whole,
     set_weight_loader,
 )
-from raylm.runner.models.ssd import (
-    causal_conv_decode,
-    causal_conv_span,
-    ssd_chunked,
-    ssd_decode,
-)
-from raylm.runner.state_cache import RecurrentRows, StateMetadata
+from raylm.runner.models.recurrent_mixer import PerToken, RecurrentMixer
+from raylm.runner.models.ssd import ssd_chunked, ssd_decode
+from raylm.runner.state_cache import StateMetadata
 from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     def __init__(self, shape: Mamba2Shape, hidden_size: int, ctx: ParallelContext,
                  dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(ctx)
         self.full = shape
         self.shape = s = shape.per_rank(ctx.tp_size)
-        self.ctx = ctx
         gn = shape.n_groups * shape.d_state
         # Checkpoint order: z, x, B, C, dt.
         self.in_proj = MergedColumnParallelLinear(
@@ -57,10 +51,6 @@ class Mamba2Mixer(nn.Module):
                       self.norm_weight):
             if param is not None:
                 set_weight_loader(param, self._load_sharded)
-        # Bound by the runner (initialize_state_cache): [slots, conv_dim, d_conv - 1] in
-        # the model dtype and [slots, heads, head_dim, d_state] float32.
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ loading
     def _load_sharded(self, param: torch.Tensor, loaded_weight: Weight,
@@ -89,63 +79,34 @@ class Mamba2Mixer(nn.Module):
             self.in_proj.weight_loader(self.in_proj.weight, loaded.narrow(0, offset, size), i)
             offset += size
 
-    def allocate_state(self, num_slots: int) -> None:
-        s = self.shape
-        self.conv_state = torch.zeros(num_slots, s.conv_dim, s.d_conv - 1,
-                                      dtype=self.conv_weight.dtype, device=self.ctx.device)
-        self.ssm_state = torch.zeros(num_slots, s.num_heads, s.head_dim, s.d_state,
-                                     dtype=torch.float32, device=self.ctx.device)
-
     # ------------------------------------------------------------------ forward
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.shape.num_heads, self.shape.head_dim, self.shape.d_state)
+
     def forward(self, hidden_states: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        if self.conv_state is None or self.ssm_state is None:
-            raise RuntimeError("the Mamba2 state cache is not allocated "
-                               "(initialize_kv_cache first).")
         s = self.shape
-        gate, xbc, dt = self._split(self.in_proj(hidden_states))
-        A = -torch.exp(self.A_log.float())
+        z, x, B, C, dt = self.in_proj(hidden_states).split(
+            self.in_proj.output_sizes_per_partition, dim=-1)
         y = hidden_states.new_empty(hidden_states.shape[0], s.num_heads, s.head_dim,
                                     dtype=torch.float32)
-        for span in meta.spans:
-            rows = slice(span.start, span.end)
-            fresh = span.read_slot < 0
-            conv_in = None if fresh else self.conv_state[span.read_slot]
-            conv_out, history = causal_conv_span(xbc[rows], conv_in, self.conv_weight,
-                                                 self.conv_bias)
-            self.conv_state[span.write_slot] = history
-            x, B, C = self._xbc(conv_out)
-            state = None if fresh else self.ssm_state[span.read_slot]
-            y[rows], final = ssd_chunked(x, dt[rows], A, B, C, self.D, self.dt_bias,
-                                         s.chunk_size, state, s.time_step_limit)
-            self.ssm_state[span.write_slot] = final
-        if meta.recurrent is not None:
-            self._recurrent(meta.recurrent, xbc, dt, A, y)
-        out = self._gated_norm(y.reshape(y.shape[0], -1), gate)
+        self.run_rows(meta, torch.cat([x, B, C], dim=-1), (dt,), y)
+        out = self._gated_norm(y.reshape(y.shape[0], -1), z)
         return self.out_proj(out.to(hidden_states.dtype))
 
-    def _recurrent(self, rows: RecurrentRows, xbc: torch.Tensor, dt: torch.Tensor,
-                   A: torch.Tensor, y: torch.Tensor) -> None:
-        """Rows that continue their state, one token offset at a time: the state after
-        each token stays in its own slot (a verification step's next step reads the one
-        after its last accepted token)."""
-        assert self.conv_state is not None and self.ssm_state is not None  # forward checks
-        history = self.conv_state.index_select(0, rows.read_slots)
-        state = self.ssm_state.index_select(0, rows.read_slots)
-        for tokens, slots in zip(rows.tokens, rows.write_slots, strict=True):
-            n = tokens.shape[0]  # the longest rows come first
-            conv_out, history_n = causal_conv_decode(xbc[tokens], history[:n],
-                                                     self.conv_weight, self.conv_bias)
-            x, B, C = self._xbc(conv_out)
-            y[tokens], state_n = ssd_decode(x, dt[tokens], A, B, C, self.D, self.dt_bias,
-                                            state[:n])
-            history, state = history_n, state_n
-            self.conv_state[slots] = history
-            self.ssm_state[slots] = state
+    def scan_span(self, conv_out: torch.Tensor, per_token: PerToken,
+                  state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x, B, C = self._xbc(conv_out)
+        return ssd_chunked(x, per_token[0], self._A(), B, C, self.D, self.dt_bias,
+                           self.shape.chunk_size, state, self.shape.time_step_limit)
 
-    def _split(self, projected: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        z, x, B, C, dt = projected.split(self.in_proj.output_sizes_per_partition, dim=-1)
-        return z, torch.cat([x, B, C], dim=-1), dt
+    def scan_step(self, conv_out: torch.Tensor, per_token: PerToken,
+                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, B, C = self._xbc(conv_out)
+        return ssd_decode(x, per_token[0], self._A(), B, C, self.D, self.dt_bias, state)
+
+    def _A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
 
     def _xbc(self, conv_out: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,19 +23,23 @@ from raylm.scheduler.config.checkpoint_quantization import (
 )
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
-from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout, moe_traits
 from raylm.scheduler.config.speculative_config import SpeculativeConfig
-from raylm.scheduler.config.state_layout import STATE_SPACE_ARCHITECTURES, has_state_layers
+from raylm.scheduler.config.state_layout import (
+    STATE_SPACE_ARCHITECTURES,
+    has_state_layers,
+    recurrent_shapes,
+)
 from raylm.scheduler.config.validation import check_at_least
 
 logger = logging.getLogger(__name__)
 
 # Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (a sliding window), Gemma 2 and 3 and the mixtures
 # of experts (scheduler/config/moe_layout.py) run on the Llama decoder with flags.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           *MOE_ARCHITECTURES, *STATE_SPACE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys((
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES,
+    *STATE_SPACE_ARCHITECTURES)))
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -113,8 +117,7 @@ class ModelConfig:
         arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
         check_attention_layout(arch, self.hf_config)
         check_moe_layout(arch, self.hf_config)
-        if has_state_layers(arch, self.hf_config):
-            Mamba2Shape.from_hf(self.hf_config)
+        recurrent_shapes(arch, self.hf_config)
         method = checkpoint_quantization(self.hf_config)
         if self.quantization in CHECKPOINT_METHODS and self.quantization != method:
             raise _bad("quantization", self.quantization,
@@ -346,8 +349,8 @@ class EngineConfig:
                              f"{self.parallel_config.pipeline_parallel_size} is not supported "
                              f"for {arch}: an earlier stage learns a step's accepted drafts "
                              "after its next step, and its Mamba2 state continues from them.")
-        Mamba2Shape.from_hf(model.hf_config).check_tp(
-            self.parallel_config.tensor_parallel_size)
+        for shape in recurrent_shapes(arch, model.hf_config):
+            shape.check_tp(self.parallel_config.tensor_parallel_size)
         if self.cache_config.enable_prefix_caching:
             logger.info("Prefix caching disabled: %s keeps Mamba2 states, which are not "
                         "cached per block.", arch)

@@ -79,12 +79,6 @@ class Mamba2Shape:
                            time_step_limit=self.time_step_limit,
                            norm_eps=self.norm_eps)
 
-    def state_bytes(self, conv_elem: int) -> int:
-        """One request's state in one layer on one rank: the convolution's last
-        ``d_conv - 1`` inputs (in the model dtype) and the SSM state (float32)."""
-        conv = self.conv_dim * (self.d_conv - 1) * conv_elem
-        return conv + self.num_heads * self.head_dim * self.d_state * 4
-
 
 def _number(value: Any) -> float:
     """A float from config.json, where transformers writes infinity as

@@ -1,9 +1,9 @@
 """Which layers of a checkpoint are sparse mixtures of experts, and how their router picks,
 read from config.json as transformers reads it for each family.
 
-- Qwen3-MoE, Qwen2-MoE: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``;
-  top-k renormalised when ``norm_topk_prob``; Qwen2-MoE adds a shared expert of
-  ``shared_expert_intermediate_size`` behind a sigmoid gate.
+- Qwen3-MoE, Qwen2-MoE, Qwen3-Next: every ``decoder_sparse_step``-th layer not in
+  ``mlp_only_layers``; top-k renormalised when ``norm_topk_prob``; Qwen2-MoE and Qwen3-Next
+  add a shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate.
 - Mixtral: every layer, ``num_local_experts`` experts of ``intermediate_size``, top-k always
   renormalised.
 - OLMoE: every layer, top-k renormalised when ``norm_topk_prob``.
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
-                     "OlmoeForCausalLM")
+                     "OlmoeForCausalLM", "Qwen3NextForCausalLM")
 # Granite 4: experts when num_local_experts > 0 (else its shared MLP alone, dense)
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 # Families whose sparse layers follow decoder_sparse_step / mlp_only_layers.
-_STEPPED = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+_STEPPED = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def moe_traits(architecture: str, hf: dict[str, Any]) -> MoETraits:
             raise ValueError(f"sliding_window={hf['sliding_window']!r} is not supported for "
                              "OLMoE (only null: full attention, as its mask is).")
     shared = (int(hf.get("shared_expert_intermediate_size") or 0)
-              if architecture == "Qwen2MoeForCausalLM" else 0)
+              if architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0)
     return MoETraits(num_experts, top_k, int(hf.get("moe_intermediate_size")
                                              or hf.get("intermediate_size") or 0),
                      bool(hf.get("norm_topk_prob", False)), shared)

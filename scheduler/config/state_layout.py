@@ -1,9 +1,11 @@
-"""Which layers of a hybrid checkpoint are state-space (Mamba2) mixers rather than
-attention, read from config.json as transformers reads it.
+"""Which layers of a hybrid checkpoint are recurrent mixers (Mamba2, gated delta net)
+rather than attention, read from config.json as transformers reads it.
 
 Bamba: attention at ``attn_layer_indices``, Mamba2 everywhere else. Granite 4
 (GraniteMoeHybrid): per ``layer_types`` entry, "mamba" (transformers 5 writes
-"linear_attention") or "attention" ("full_attention"); all Mamba2 when absent. A model with
+"linear_attention") or "attention" ("full_attention"); all Mamba2 when absent. Qwen3-Next:
+gated delta net layers where ``layer_types`` says "linear_attention" (by default every
+layer but each ``full_attention_interval``-th, 4). A model with
 such layers keeps per-request recurrent state (runner/state_cache.py), which today means:
 no prefix caching (a state is not cached per block), no KV connector (a loaded prefix
 would arrive without its state), no LoRA on the mixers, and speculative decoding without
@@ -15,8 +17,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-LayerMixer = Literal["attention", "mamba2"]
-STATE_SPACE_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+from raylm.scheduler.config.gdn_shape import GatedDeltaShape
+from raylm.scheduler.config.mamba2_shape import Mamba2Shape
+
+LayerMixer = Literal["attention", "mamba2", "gated_delta"]
+STATE_SPACE_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM",
+                             "Qwen3NextForCausalLM")
+_QWEN3_NEXT_KINDS: dict[str, LayerMixer] = {"linear_attention": "gated_delta",
+                                            "full_attention": "attention"}
 _GRANITE_KINDS: dict[str, LayerMixer] = {"mamba": "mamba2", "linear_attention": "mamba2",
                                          "attention": "attention",
                                          "full_attention": "attention"}
@@ -32,6 +40,16 @@ def layer_mixers(architecture: str, hf: dict[str, Any]) -> list[LayerMixer]:
             raise ValueError(f"layer_types must name {num_layers} layers, each one of "
                              f"{sorted(_GRANITE_KINDS)}; got {kinds!r}.")
         return [_GRANITE_KINDS[k] for k in kinds]
+    if architecture == "Qwen3NextForCausalLM":
+        interval = int(hf.get("full_attention_interval", 4))
+        kinds = hf.get("layer_types") or [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)]
+        unknown = sorted({k for k in kinds if k not in _QWEN3_NEXT_KINDS})
+        if unknown or len(kinds) != num_layers:
+            raise ValueError(f"layer_types must name {num_layers} layers, each one of "
+                             f"{sorted(_QWEN3_NEXT_KINDS)}; got {kinds!r}.")
+        return [_QWEN3_NEXT_KINDS[k] for k in kinds]
     if architecture != "BambaForCausalLM":
         return ["attention"] * num_layers
     indices = hf.get("attn_layer_indices") or []
@@ -43,4 +61,17 @@ def layer_mixers(architecture: str, hf: dict[str, Any]) -> list[LayerMixer]:
 
 
 def has_state_layers(architecture: str, hf: dict[str, Any]) -> bool:
-    return "mamba2" in layer_mixers(architecture, hf)
+    return any(m != "attention" for m in layer_mixers(architecture, hf))
+
+
+def recurrent_shapes(architecture: str, hf: dict[str, Any]
+                     ) -> list[Mamba2Shape | GatedDeltaShape]:
+    """The shapes of the model's recurrent mixers (one per kind it has); ValueError naming
+    a field raylm cannot honour."""
+    mixers = set(layer_mixers(architecture, hf))
+    shapes: list[Mamba2Shape | GatedDeltaShape] = []
+    if "mamba2" in mixers:
+        shapes.append(Mamba2Shape.from_hf(hf))
+    if "gated_delta" in mixers:
+        shapes.append(GatedDeltaShape.from_hf(hf))
+    return shapes

@@ -162,6 +162,13 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
                                         ("logits_scaling", 2.0),
                                         ("position_embedding_type", "rope"))),
                  {"enable_expert_parallel": True}, id="granite-hybrid-ep"),
+    # Qwen3-Next: gated delta layers 0-2 (each TP rank one key head and its two value
+    # heads), gated attention at 3 on stage 1 (with biases: each rank's heads' query and
+    # gate biases split from q_proj's), experts with a gated shared expert.
+    pytest.param(dict(architecture="Qwen3NextForCausalLM", num_hidden_layers=4, head_dim=16,
+                      num_experts=4, mlp_only_layers=(1,), seed=52,
+                      config_overrides=(("attention_bias", True),)), {},
+                 id="qwen3-next"),
 ])
 def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
