@@ -38,7 +38,7 @@ class CheckpointSpec:
                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                           "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                           "BambaForCausalLM", "GraniteMoeHybridForCausalLM",
-                          "Qwen3NextForCausalLM"] = "LlamaForCausalLM"
+                          "Qwen3NextForCausalLM", "FalconH1ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -204,12 +204,15 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
                       final_logit_softcapping=spec.final_logit_softcapping,
                       layer_types=["sliding_attention" if (i + 1) % spec.sliding_window_pattern
                                    else "full_attention" for i in range(spec.num_hidden_layers)])
-    elif spec.architecture in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
+    elif spec.architecture in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM",
+                               "FalconH1ForCausalLM"):
         kwargs.update(mamba_n_heads=spec.mamba_n_heads, mamba_n_groups=spec.mamba_n_groups,
                       mamba_d_state=spec.mamba_d_state, mamba_chunk_size=spec.mamba_chunk_size)
+        if spec.architecture == "FalconH1ForCausalLM":
+            kwargs["mamba_d_ssm"] = 2 * spec.hidden_size
         if spec.architecture == "BambaForCausalLM":
             kwargs["attn_layer_indices"] = list(spec.attn_layer_indices)
-        else:
+        elif spec.architecture == "GraniteMoeHybridForCausalLM":
             kwargs.update(layer_types=list(spec.layer_types),
                           num_local_experts=spec.num_experts,
                           num_experts_per_tok=spec.num_experts_per_tok,
@@ -250,6 +253,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.GraniteMoeHybridConfig(**kwargs)
     elif spec.architecture == "Qwen3NextForCausalLM":
         config = transformers.Qwen3NextConfig(**kwargs)
+    elif spec.architecture == "FalconH1ForCausalLM":
+        config = transformers.FalconH1Config(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raylm.runner.models.falcon_h1_config import FALCON_H1, FalconTraits, falcon_traits
 from raylm.runner.models.gemma_config import GemmaTraits, gemma_traits
 from raylm.runner.models.granite_config import GRANITE_HYBRID, GraniteTraits, granite_traits
 from raylm.runner.models.registry import resolve_architecture
@@ -66,6 +67,8 @@ class DecoderConfig:
     gated_delta: GatedDeltaShape | None = None
     offset_norms: bool = False
     attn_output_gate: bool = False
+    # Falcon-H1 (None for the others): its muP multipliers
+    falcon: FalconTraits | None = field(default=None, compare=False, repr=False)
 
     @property
     def has_state_layers(self) -> bool:
@@ -132,7 +135,9 @@ class DecoderConfig:
             gemma=gemma,
             hf_config=hf,
             layer_mixers=tuple(mixers),
-            mamba=Mamba2Shape.from_hf(hf) if "mamba2" in mixers else None,
+            mamba=(Mamba2Shape.from_hf(hf) if {"mamba2", "parallel"} & set(mixers)
+                   else None),
+            falcon=falcon_traits(hf) if arch == FALCON_H1 else None,
             gated_delta=GatedDeltaShape.from_hf(hf) if "gated_delta" in mixers else None,
             offset_norms=gemma is not None or arch == "Qwen3NextForCausalLM",
             attn_output_gate=arch == "Qwen3NextForCausalLM",

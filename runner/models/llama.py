@@ -122,11 +122,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, ctx=ctx,
                                            params_dtype=dtype)
         self.gelu_tanh = cfg.gemma is not None  # Gemma's gelu_pytorch_tanh, else SiLU
+        # Falcon-H1's muP: the gate scaled before the activation, the output after
+        self.multipliers = ((cfg.falcon.mlp_gate_multiplier, cfg.falcon.mlp_down_multiplier)
+                            if cfg.falcon is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
+        if self.multipliers is not None:
+            gate = gate * self.multipliers[0]
         act = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
-        return self.down_proj(act * up)
+        out = self.down_proj(act * up)
+        return out if self.multipliers is None else out * self.multipliers[1]
 
 
 class LlamaAttention(nn.Module):
@@ -167,6 +173,7 @@ class LlamaAttention(nn.Module):
                  else d ** -0.5)
         # Granite 4 without position embeddings ("nope"): no rotation at all.
         self.use_rope = cfg.granite is None or cfg.granite.use_rope
+        self.key_multiplier = cfg.falcon.key_multiplier if cfg.falcon is not None else 1.0
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, scale=scale,
                               sliding_window=sliding_window,
                               softcap=cfg.gemma.attn_logit_softcapping if cfg.gemma else None)
@@ -184,6 +191,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.key_multiplier != 1.0:  # Falcon-H1
+            k = k * self.key_multiplier
         if self.use_rope:
             q, k = self.ops.rotary(*cos_sin, q, k)
         out = self.attn(q, k, v, meta)
@@ -214,14 +223,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mamba: Mamba2Mixer | None = None  # Bamba, Granite 4
         self.linear_attn: GatedDeltaNetMixer | None = None  # Qwen3-Next
         mixer = cfg.layer_mixers[layer] if cfg.layer_mixers else "attention"
-        if mixer == "mamba2":
+        if mixer in ("mamba2", "parallel"):
             assert cfg.mamba is not None  # set with the mixers (DecoderConfig.from_hf)
             self.mamba = Mamba2Mixer(cfg.mamba, cfg.hidden_size, ctx, dtype)
+        if mixer == "parallel":  # Falcon-H1: attention beside the Mamba2 mixer
+            self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
         elif mixer == "gated_delta":
             assert cfg.gated_delta is not None  # set with the mixers
             self.linear_attn = GatedDeltaNetMixer(cfg.gated_delta, cfg.hidden_size, ctx, dtype)
-        else:
+        elif mixer == "attention":
             self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
+        self.falcon = cfg.falcon
         # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with
         # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
@@ -246,6 +258,26 @@ class LlamaDecoderLayer(nn.Module):
     def recurrent_mixer(self) -> RecurrentMixer | None:
         return self.mamba if self.mamba is not None else self.linear_attn
 
+    def _mix(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+             meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's token mixing: attention, a recurrent mixer, or (Falcon-H1) both
+        on the same input, scaled and summed."""
+        recurrent = self.recurrent_mixer
+        mixed = None
+        if recurrent is not None:
+            if meta.state is None:
+                raise RuntimeError("a recurrent layer ran without the step's state metadata.")
+            mixed = recurrent(x, meta.state)
+        if self.self_attn is None:
+            assert mixed is not None  # every layer has a mixer
+            return mixed
+        if self.falcon is None:
+            return self.self_attn(cos_sin, x, meta)
+        assert mixed is not None  # Falcon-H1's layers have both
+        attn = self.self_attn(cos_sin, x * self.falcon.attention_in_multiplier, meta)
+        return (mixed * self.falcon.ssm_out_multiplier
+                + attn * self.falcon.attention_out_multiplier)
+
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
         if residual is None:
@@ -253,14 +285,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        recurrent = self.recurrent_mixer
-        if recurrent is not None:
-            if meta.state is None:
-                raise RuntimeError("a recurrent layer ran without the step's state metadata.")
-            hidden_states = recurrent(hidden_states, meta.state)
-        else:
-            assert self.self_attn is not None  # every layer has one of the two mixers
-            hidden_states = self.self_attn(cos_sin, hidden_states, meta)
+        hidden_states = self._mix(cos_sin, hidden_states, meta)
         if self.residual_multiplier is not None:
             hidden_states, residual = self.post_attention_layernorm(
                 hidden_states * self.residual_multiplier, residual)
@@ -293,6 +318,7 @@ class LlamaModel(nn.Module):
         self.embed_scale = (torch.tensor(cfg.gemma.embed_scale).to(dtype).item()
                             if cfg.gemma is not None
                             else cfg.granite.embedding_multiplier if cfg.granite is not None
+                            else cfg.falcon.embedding_multiplier if cfg.falcon is not None
                             else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, ctx, dtype, ops, i)
@@ -443,6 +469,8 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         if self.config.granite is not None:
             logits = logits / self.config.granite.logits_scaling
+        if self.config.falcon is not None:
+            logits = logits * self.config.falcon.lm_head_multiplier
         return logits
 
     def needs_weight(self, name: str) -> bool:

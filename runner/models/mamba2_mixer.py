@@ -44,7 +44,9 @@ class Mamba2Mixer(RecurrentMixer):
         self.dt_bias = new_param((s.num_heads,), ctx, dtype)
         self.A_log = new_param((s.num_heads,), ctx, dtype)
         self.D = new_param((s.num_heads,), ctx, dtype)
-        self.norm_weight = new_param((s.intermediate_size,), ctx, dtype)
+        # Falcon-H1 without mamba_rms_norm gates the output without a norm.
+        self.norm_weight = (new_param((s.intermediate_size,), ctx, dtype)
+                            if shape.gated_norm != "none" else None)
         self.out_proj = RowParallelLinear(shape.intermediate_size, hidden_size, False,
                                           ctx=ctx, params_dtype=dtype)
         for param in (self.conv_weight, self.conv_bias, self.dt_bias, self.A_log, self.D,
@@ -86,8 +88,13 @@ class Mamba2Mixer(RecurrentMixer):
 
     def forward(self, hidden_states: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         s = self.shape
+        if s.in_multiplier != 1.0:  # Falcon-H1's muP
+            hidden_states = hidden_states * s.in_multiplier
         z, x, B, C, dt = self.in_proj(hidden_states).split(
             self.in_proj.output_sizes_per_partition, dim=-1)
+        if s.zxbcdt_multipliers != (1.0,) * 5:
+            z, x, B, C, dt = (t * m for t, m in zip((z, x, B, C, dt), s.zxbcdt_multipliers,
+                                                     strict=True))
         y = hidden_states.new_empty(hidden_states.shape[0], s.num_heads, s.head_dim,
                                     dtype=torch.float32)
         self.run_rows(meta, torch.cat([x, B, C], dim=-1), (dt,), y)
@@ -118,9 +125,18 @@ class Mamba2Mixer(RecurrentMixer):
                 B.reshape(rows, s.n_groups, s.d_state), C.reshape(rows, s.n_groups, s.d_state))
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """transformers' gated RMS norm: y * silu(z), normalised per group, scaled."""
+        """transformers' gated RMS norm, per group: y * silu(z) normalised and scaled
+        (Bamba, Granite); or normalised, scaled, then gated (Falcon-H1's
+        mamba_norm_before_gate); or gated alone (Falcon-H1 without mamba_rms_norm)."""
         s = self.shape
-        h = y.float() * F.silu(gate.float())
+        h = y.float()
+        silu = F.silu(gate.float())
+        if self.norm_weight is None:
+            return h * silu
+        if s.gated_norm == "gate_first":
+            h = h * silu
         grouped = h.reshape(h.shape[0], s.n_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + s.norm_eps)
-        return self.norm_weight * grouped.reshape(h.shape).to(self.norm_weight.dtype)
+        if s.gated_norm == "gate_first":
+            return self.norm_weight * grouped.reshape(h.shape).to(self.norm_weight.dtype)
+        return self.norm_weight * grouped.reshape(h.shape) * silu

@@ -5,7 +5,8 @@ Bamba: attention at ``attn_layer_indices``, Mamba2 everywhere else. Granite 4
 (GraniteMoeHybrid): per ``layer_types`` entry, "mamba" (transformers 5 writes
 "linear_attention") or "attention" ("full_attention"); all Mamba2 when absent. Qwen3-Next:
 gated delta net layers where ``layer_types`` says "linear_attention" (by default every
-layer but each ``full_attention_interval``-th, 4). A model with
+layer but each ``full_attention_interval``-th, 4). Falcon-H1: a Mamba2 mixer beside
+attention in every layer. A model with
 such layers keeps per-request recurrent state (runner/state_cache.py), which today means:
 no prefix caching (a state is not cached per block), no KV connector (a loaded prefix
 would arrive without its state), no LoRA on the mixers, and speculative decoding without
@@ -20,9 +21,10 @@ from typing import Any, Literal
 from raylm.scheduler.config.gdn_shape import GatedDeltaShape
 from raylm.scheduler.config.mamba2_shape import Mamba2Shape
 
-LayerMixer = Literal["attention", "mamba2", "gated_delta"]
+# "parallel": a Mamba2 mixer and attention side by side in one layer (Falcon-H1)
+LayerMixer = Literal["attention", "mamba2", "gated_delta", "parallel"]
 STATE_SPACE_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM",
-                             "Qwen3NextForCausalLM")
+                             "Qwen3NextForCausalLM", "FalconH1ForCausalLM")
 _QWEN3_NEXT_KINDS: dict[str, LayerMixer] = {"linear_attention": "gated_delta",
                                             "full_attention": "attention"}
 _GRANITE_KINDS: dict[str, LayerMixer] = {"mamba": "mamba2", "linear_attention": "mamba2",
@@ -50,6 +52,8 @@ def layer_mixers(architecture: str, hf: dict[str, Any]) -> list[LayerMixer]:
             raise ValueError(f"layer_types must name {num_layers} layers, each one of "
                              f"{sorted(_QWEN3_NEXT_KINDS)}; got {kinds!r}.")
         return [_QWEN3_NEXT_KINDS[k] for k in kinds]
+    if architecture == "FalconH1ForCausalLM":
+        return ["parallel"] * num_layers
     if architecture != "BambaForCausalLM":
         return ["attention"] * num_layers
     indices = hf.get("attn_layer_indices") or []
@@ -70,7 +74,7 @@ def recurrent_shapes(architecture: str, hf: dict[str, Any]
     a field raylm cannot honour."""
     mixers = set(layer_mixers(architecture, hf))
     shapes: list[Mamba2Shape | GatedDeltaShape] = []
-    if "mamba2" in mixers:
+    if mixers & {"mamba2", "parallel"}:
         shapes.append(Mamba2Shape.from_hf(hf))
     if "gated_delta" in mixers:
         shapes.append(GatedDeltaShape.from_hf(hf))

@@ -169,6 +169,13 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
                       num_experts=4, mlp_only_layers=(1,), seed=52,
                       config_overrides=(("attention_bias", True),)), {},
                  id="qwen3-next"),
+    # Falcon-H1: a Mamba2 mixer beside attention in every layer, each rank with its heads
+    # of both, and its multipliers on every stage.
+    pytest.param(dict(architecture="FalconH1ForCausalLM", num_hidden_layers=3, seed=62,
+                      config_overrides=(("mamba_rms_norm", True), ("key_multiplier", 0.7),
+                                        ("ssm_multipliers", [1.1, 0.9, 1.2, 0.8, 1.3]),
+                                        ("mlp_multipliers", [0.9, 1.1]))), {},
+                 id="falcon-h1"),
 ])
 def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine):
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
