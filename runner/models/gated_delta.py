@@ -30,7 +30,18 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      beta: torch.Tensor, state: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: ``state`` [R, Hv, Dk, Dv]. Returns (o [R, Hv, Dv] float32, the
-    new states)."""
+    new states). On CUDA one fused Triton kernel (recurrent_triton.py) does the same."""
+    if v.is_cuda:
+        from raylm.runner.models.recurrent_triton import gated_delta_step_triton
+
+        return gated_delta_step_triton(q, k, v, g, beta, state)
+    return gated_delta_step_torch(q, k, v, g, beta, state)
+
+
+def gated_delta_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated_delta_step`` in torch operations, on any device (the kernel's reference)."""
     q, k = _prepared(q, k, v.shape[-2])
     state = state.float() * g.float().exp()[..., None, None]
     remembered = (state * k[..., None]).sum(-2)  # [R, Hv, Dv]

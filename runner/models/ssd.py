@@ -98,7 +98,19 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: ``x`` [R, H, P], ``dt`` [R, H], ``B``/``C`` [R, G, N], ``state``
-    [R, H, P, N]. Returns (y [R, H, P] float32, the new states)."""
+    [R, H, P, N]. Returns (y [R, H, P] float32, the new states). On CUDA one fused Triton
+    kernel (recurrent_triton.py) does the same."""
+    if x.is_cuda:
+        from raylm.runner.models.recurrent_triton import mamba2_step
+
+        return mamba2_step(x, dt, A, B, C, D, dt_bias, state)
+    return ssd_decode_torch(x, dt, A, B, C, D, dt_bias, state)
+
+
+def ssd_decode_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ssd_decode`` in torch operations, on any device (the kernel's reference)."""
     heads = x.shape[1]
     dt = _discretized_dt(dt, dt_bias, None)  # [R, H]
     Bh, Ch = _per_head(B.float(), heads), _per_head(C.float(), heads)  # [R, H, N]
