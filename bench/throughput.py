@@ -71,7 +71,11 @@ def run_hf(path: str, wl: Workload, batch_size: int, repeats: int) -> float:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if path.endswith(".gguf"):  # transformers dequantizes a GGUF file to float32
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
     return median_rate(wl.num_output_tokens, repeats + 1,
                        lambda: _hf_static_batches(model, wl, order, batch_size))

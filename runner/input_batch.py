@@ -70,9 +70,12 @@ class InputBatch:
     is_greedy: np.ndarray  # [rows] bool
     needs_history: np.ndarray
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 num_kv_groups: int = 1) -> None:
         self.max_model_len = max_model_len
-        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        # Several KV cache groups: each logical block's ids, one per group, side by side.
+        self.num_kv_groups = num_kv_groups
+        self.max_num_blocks_per_req = -(-max_model_len // block_size) * num_kv_groups
         self.num_reqs = 0
         self.req_ids: list[str] = []
         self.states: list[CachedRequestState] = []

@@ -20,7 +20,11 @@ from raylm.runner.async_output import (
     AsyncOutputCopier,
     build_model_runner_output,
 )
-from raylm.runner.attention.paged_attention import allocate_kv_cache, resolve_attention_backend
+from raylm.runner.attention.paged_attention import (
+    Attention,
+    allocate_kv_cache,
+    resolve_attention_backend,
+)
 from raylm.runner.cuda_graphs import DecodeGraphs, setup_decode_padding
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.kv_transfer.steps import KVConnectorSteps
@@ -64,8 +68,10 @@ class ModelRunner:
         self.eos_token_ids = tuple(sorted(self.model_config.eos_token_ids))
         self.requests: dict[str, CachedRequestState] = {}
         sched = engine_config.scheduler_config
+        # Layers of different windows read different block tables (kv_cache_groups.py).
+        self.kv_cache_groups = engine_config.kv_cache_groups
         self.input_batch = InputBatch(sched.max_num_seqs, self.model_config.max_model_len,
-                                      self.block_size)
+                                      self.block_size, self.kv_cache_groups.num_groups)
         elem = torch.empty((), dtype=self.dtype).element_size()
         decoder = DecoderConfig.from_hf(self.model_config.hf_config)
         attn_shape = RankAttentionShape.of(decoder, ctx.tp_size)
@@ -109,7 +115,8 @@ class ModelRunner:
         # Decode steps padded to buckets: replayed as CUDA graphs on a GPU (Triton
         # attention, no PP or drafts: their steps' shapes are not the bucket's), or padded
         # eagerly where asked (RAYLM_PAD_DECODE_STEPS) to check and measure the padding.
-        plain = ctx.pp_size == 1 and self.speculator is None and self.state_slots is None
+        plain = (ctx.pp_size == 1 and self.speculator is None and self.state_slots is None
+                 and self.kv_cache_groups.num_groups == 1)
         # Sparse layers: the torch grouping reads the routing on the host; the Triton path
         # (CUDA) does not, but its capture is not yet checked on a GPU: no graphs for them.
         sparse = any(decoder.moe_layers)
@@ -147,7 +154,28 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         draft = self.speculator.kv_cache_bytes_per_block() if self.speculator else 0
         return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
-                           for a in self.loaded_model.attention_layers)
+                           for a in self._cache_tensor_layers().values())
+
+    def _cache_tensor_layers(self) -> dict[int, Attention]:
+        """This rank's cache tensors, each by the first layer that uses it: one per layer
+        with one KV cache group; with several, the layers at one place in their groups
+        share one (kv_cache_groups.py), which must hold the same page for each."""
+        layers = self.loaded_model.attention_layers
+        groups = self.kv_cache_groups
+        if groups.num_groups == 1:
+            return dict(enumerate(layers))
+        first: dict[int, Attention] = {}
+        for attn in layers:
+            group, tensor = groups.layer_slots[attn.decoder_layer]
+            attn.kv_group = group
+            other = first.setdefault(tensor, attn)
+            if (other.num_kv_heads, other.head_dim) != (attn.num_kv_heads, attn.head_dim):
+                raise ValueError(
+                    f"layers {other.decoder_layer} and {attn.decoder_layer} of "
+                    f"{self.model_config.model!r} share a KV cache tensor but their pages "
+                    f"differ ({other.num_kv_heads} x {other.head_dim} and "
+                    f"{attn.num_kv_heads} x {attn.head_dim} KV heads x head_dim).")
+        return first
 
     def state_cache_bytes(self) -> int:
         """The Mamba2 layers' state for every slot (0 without such layers)."""
@@ -165,9 +193,13 @@ class ModelRunner:
         self.kv_caches = []
         # Padded rows write and read one more block, which the scheduler never hands out.
         allocated = num_blocks + 1 if self.pad_decode_steps else num_blocks
-        for attn in self.loaded_model.attention_layers:
-            cache = allocate_kv_cache(allocated, self.block_size, attn.num_kv_heads,
-                                      attn.head_dim, self.dtype, self.device)
+        tensors = {t: allocate_kv_cache(allocated, self.block_size, attn.num_kv_heads,
+                                        attn.head_dim, self.dtype, self.device)
+                   for t, attn in self._cache_tensor_layers().items()}
+        groups = self.kv_cache_groups
+        for i, attn in enumerate(self.loaded_model.attention_layers):
+            cache = tensors[i if groups.num_groups == 1
+                            else groups.layer_slots[attn.decoder_layer][1]]
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         if self.speculator is not None:

@@ -183,12 +183,20 @@ class InputPreparer:
                     raise RuntimeError(f"input positions {np.flatnonzero(unknown).tolist()} "
                                        "have no token on the host or the device.")
             self.positions_cpu.numpy()[:num_tokens_total] = positions
-            block_ids = ib.block_table[token_rows, positions // self.block_size]
-            self.slot_mapping_cpu.numpy()[:num_tokens_total] = (
-                block_ids * self.block_size + positions % self.block_size)
             max_blocks = -(-int(seq_lens.max()) // self.block_size)
-            block_table = ib.block_table[rows, :max_blocks]  # host: attention uploads pairs
+            groups = ib.num_kv_groups
+            if groups == 1:
+                block_ids = ib.block_table[token_rows, positions // self.block_size]
+                self.slot_mapping_cpu.numpy()[:num_tokens_total] = (
+                    block_ids * self.block_size + positions % self.block_size)
+                block_table = ib.block_table[rows, :max_blocks]  # host: attention uploads pairs
+            else:
+                group_slots, group_tables = self._group_slots(token_rows, positions, rows,
+                                                              max_blocks)
+                self.slot_mapping_cpu.numpy()[:num_tokens_total] = group_slots[:, 0]
+                block_table = np.ascontiguousarray(group_tables[:, 0::groups])
             padded = self._padded_size(num_sched)
+            assert not (padded and groups > 1), "decode padding with several KV cache groups"
             n = padded or num_tokens_total
             if padded:
                 query_start_loc, seq_lens_all, block_table = self.pad_rows(
@@ -210,10 +218,39 @@ class InputPreparer:
                                             self.slot_mapping[:n], block_table,
                                             self.block_size, max_pairs=self.max_ragged_pairs,
                                             backend=self.attention_backend)
+        if ib.num_kv_groups > 1:
+            meta._group_builder = self._group_metadata(query_start_loc, seq_lens_all,
+                                                       group_slots, group_tables)
         if self.needs_state:
             meta.state = self._state_metadata(rows, query_start_loc, num_computed, num_sched)
         return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
                          self.positions[:n], meta, logits_indices, padded_rows=padded)
+
+    def _group_slots(self, token_rows: np.ndarray, positions: np.ndarray, rows: np.ndarray,
+                     max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """Several KV cache groups: each new token's slot in every group ``[T, G]``, and the
+        rows' block tables, the groups' ids side by side ``[B, max_blocks * G]``."""
+        ib = self.input_batch
+        groups = ib.num_kv_groups
+        cols = (positions // self.block_size) * groups
+        blocks = ib.block_table[token_rows[:, None], cols[:, None] + np.arange(groups)]
+        slots = blocks.astype(np.int64) * self.block_size + (positions % self.block_size)[:, None]
+        return slots, ib.block_table[rows, :max_blocks * groups]
+
+    def _group_metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                        group_slots: np.ndarray, group_tables: np.ndarray
+                        ) -> Callable[[int], AttentionMetadata]:
+        """Builds group ``g``'s metadata of this step (its layers' writes and reads) from
+        copies of the step's host inputs."""
+        groups = self.input_batch.num_kv_groups
+
+        def build(group: int) -> AttentionMetadata:
+            slots = self._to_device(np.ascontiguousarray(group_slots[:, group]))
+            table = np.ascontiguousarray(group_tables[:, group::groups])
+            return build_attention_metadata(query_start_loc, seq_lens, slots, table,
+                                            self.block_size, max_pairs=self.max_ragged_pairs,
+                                            backend=self.attention_backend)
+        return build
 
     def _state_metadata(self, rows: np.ndarray, query_start_loc: np.ndarray,
                         num_computed: np.ndarray, num_sched: np.ndarray) -> StateMetadata:

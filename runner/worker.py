@@ -209,7 +209,7 @@ class Worker:
             budget -= state
             what += (f", less {state / GIB:.2f} GiB of Mamba2 state for "
                      f"max_num_seqs={config.scheduler_config.max_num_seqs}")
-        windowed = config.kv_free_window is not None
+        windowed = any(w is not None for w in config.kv_cache_groups.windows)
         return num_kv_blocks_for(budget, per_block, cache.block_size, max_len, what,
                                  config.kv_blocks_per_request(max_len) if windowed else None)
 

@@ -57,7 +57,7 @@ class Scheduler:
         self.block_size = config.cache_config.block_size
         self.enable_caching = config.cache_config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(self.block_size, num_kv_blocks, self.enable_caching,
-                                               config.kv_free_window)
+                                               config.kv_cache_groups.windows)
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -86,6 +86,21 @@ class AttentionMetadata:
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
     # Hybrid models: the step's rows for the Mamba2 layers (runner/state_cache.py)
     state: StateMetadata | None = None
+    # KV cache groups after the first (scheduler/config/kv_cache_groups.py): each has its
+    # own block table, so its own writes and reads, built by its first layer of the step.
+    _group_builder: Callable[[int], AttentionMetadata] | None = None
+    _groups: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The step's metadata for the layers of KV cache group ``group`` (this one is
+        group 0's)."""
+        if group == 0:
+            return self
+        if group not in self._groups:
+            if self._group_builder is None:
+                raise ValueError(f"KV cache group {group} has no block table in this step.")
+            self._groups[group] = self._group_builder(group)
+        return self._groups[group]
 
     def for_window(self, window: int) -> AttentionMetadata:
         """The step's metadata for a layer whose tokens see only their last ``window``
@@ -282,6 +297,10 @@ class Attention(nn.Module):
         # the cache when one is configured): waited on before the cache is touched.
         self.kv_connector: KVConnectorWorker | None = None
         self.layer_index = 0
+        # Its decoder layer's index in the model, and the KV cache group whose block table
+        # it reads (bound with the cache; scheduler/config/kv_cache_groups.py).
+        self.decoder_layer = 0
+        self.kv_group = 0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -289,6 +308,8 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
         key_cache, value_cache = self.kv_cache
+        if self.kv_group:
+            meta = meta.for_group(self.kv_group)
         connector = self.kv_connector
         if connector is not None:
             connector.wait_for_layer_load(self.layer_index)

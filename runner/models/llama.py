@@ -233,6 +233,8 @@ class LlamaDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNetMixer(cfg.gated_delta, cfg.hidden_size, ctx, dtype)
         elif mixer == "attention":
             self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
+        if self.self_attn is not None:
+            self.self_attn.attn.decoder_layer = layer
         self.falcon = cfg.falcon
         # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with
         # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.

@@ -16,11 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-from raylm.scheduler.config.attention_layout import check_attention_layout, uniform_window
+from raylm.scheduler.config.attention_layout import (
+    check_attention_layout,
+    layer_windows,
+    uniform_window,
+)
 from raylm.scheduler.config.checkpoint_quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
 )
+from raylm.scheduler.config.kv_cache_groups import KVCacheGroups
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout, moe_traits
@@ -152,6 +157,11 @@ class ModelConfig:
         """The sliding window every layer honours, or None (attention_layout.py); read
         once (every request's admission asks, through kv_blocks_per_request)."""
         return uniform_window(self.architecture, self.hf_config)
+
+    @functools.cached_property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None where it attends to every key."""
+        return tuple(layer_windows(self.architecture, self.hf_config))
 
     @functools.cached_property
     def num_experts(self) -> int:
@@ -418,30 +428,40 @@ class EngineConfig:
         return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
             else 0
 
+    @functools.cached_property
+    def kv_cache_groups(self) -> KVCacheGroups:
+        """The layers' block tables (kv_cache_groups.py). One table for every layer, which
+        keeps every block, where a KV connector sends or offloads the blocks, a draft
+        model reads them with attention of its own, or state layers sit between them;
+        else one per group of layers of one window, windowed groups freeing the blocks
+        behind their window as the request decodes."""
+        spec = self.speculative_config
+        model = self.model_config
+        windows = model.layer_windows
+        if self.kv_transfer_config is not None or model.has_state_layers or (
+                spec is not None and spec.method == "draft_model"):
+            return KVCacheGroups.single(len(windows), None)
+        return KVCacheGroups.of(windows)
+
     @property
     def kv_free_window(self) -> int | None:
-        """The window behind which a request's KV blocks go back to the pool as it decodes
-        (every layer windowed: its blocks are all layers'); None keeps every block: some
-        layer attends to all keys, a KV connector sends or offloads the blocks, or a draft
-        model reads them with attention of its own."""
-        spec = self.speculative_config
-        if self.kv_transfer_config is not None or (
-                spec is not None and spec.method == "draft_model"):
-            return None
-        return self.model_config.uniform_window
+        """The window of a model whose every layer shares one (one block table, its
+        blocks behind the window freed); None otherwise."""
+        groups = self.kv_cache_groups
+        return groups.windows[0] if groups.num_groups == 1 else None
 
     def kv_blocks_per_request(self, num_tokens: int) -> int:
         """The most blocks a request of ``num_tokens`` tokens (drafts' slots included) holds
-        at once: all of them, or with kv_free_window a window's worth plus what the steps
-        in flight and the next one may add before their tokens settle."""
+        at once, over every group: a full-attention group all of them, a windowed one a
+        window's worth plus what the steps in flight and the next one may add before
+        their tokens settle."""
         block_size = self.cache_config.block_size
         full = -(-num_tokens // block_size)
-        window = self.kv_free_window
-        if window is None:
-            return full
         unsettled = (self.max_concurrent_batches + 1) * (
             self.scheduler_config.max_num_batched_tokens + self.num_lookahead_tokens)
-        return min(full, -(-(window - 1 + unsettled) // block_size) + 1)
+        return sum(full if window is None
+                   else min(full, -(-(window - 1 + unsettled) // block_size) + 1)
+                   for window in self.kv_cache_groups.windows)
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -74,12 +74,15 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         max_len = self.config.model_config.max_model_len
         per_request = self.config.kv_blocks_per_request(max_len)
-        window = self.config.kv_free_window
-        logger.info("KV cache: %d blocks of %d tokens; a request of max_model_len=%d holds at "
-                    "most %d of them%s: maximum concurrency %.2fx", num_blocks,
-                    self.config.cache_config.block_size, max_len, per_request,
-                    f" (sliding window {window}: blocks behind it are freed)" if window else "",
-                    num_blocks / per_request)
+        windows = sorted({w for w in self.config.kv_cache_groups.windows if w is not None})
+        groups = self.config.kv_cache_groups.num_groups
+        logger.info("KV cache: %d blocks of %d tokens%s; a request of max_model_len=%d holds "
+                    "at most %d of them%s: maximum concurrency %.2fx", num_blocks,
+                    self.config.cache_config.block_size,
+                    f" in {groups} groups of layers" if groups > 1 else "", max_len,
+                    per_request,
+                    f" (sliding window {windows}: blocks behind it are freed)" if windows
+                    else "", num_blocks / per_request)
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------

@@ -137,15 +137,17 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     pytest.param(dict(architecture="OlmoeForCausalLM", norm_topk_prob=False, seed=36), {},
                  id="olmoe"),
     # Gemma 2: soft-capped attention scores on every rank's heads, sliding layers 0 and 2.
+    # Gemma 2 and 3 here: three KV cache groups of one layer each, so a block is one
+    # layer's page (30 of them: less memory than the others' 20 blocks of three layers).
     pytest.param(dict(architecture="Gemma2ForCausalLM", num_hidden_layers=3, sliding_window=5,
                       head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=0.5,
-                      seed=38), {},
+                      seed=38), {"num_kv_blocks": 30},
                  id="gemma2"),
     # Gemma 3: two sliding layers on stage 0 with their RoPE base, the global one on stage 1;
     # the scaled embedding on the first stage, the soft-capped logits on the last.
     pytest.param(dict(architecture="Gemma3ForCausalLM", num_hidden_layers=3, sliding_window=5,
                       sliding_window_pattern=3, head_dim=16, final_logit_softcapping=30.0,
-                      seed=33), {},
+                      seed=33), {"num_kv_blocks": 30},
                  id="gemma3"),
     # Bamba: Mamba2 layers 0 and 2 around attention layer 1, so stage 1 holds a state
     # layer alone (no KV); each TP rank scans its heads and groups, its state in its slots.
@@ -183,7 +185,7 @@ def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine)
     path = write_random_checkpoint(str(tmp_path_factory.mktemp("family")), CheckpointSpec(**spec))
     expected = [hf_oracle(path).greedy(p, m) for p, m in zip(_prompts(), MAX_TOKENS, strict=True)]
     llm = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True,
-              **ENGINE, **engine)
+              **{**ENGINE, **engine})
     try:
         assert _generate(llm) == expected
         metrics = llm.get_metrics()

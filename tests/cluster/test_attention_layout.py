@@ -172,12 +172,23 @@ def test_requests_longer_than_the_pool_run_as_the_window_frees_their_blocks(
         assert metrics["raylm:spec_decode_num_draft_tokens"] > 0
 
 
-def test_a_request_longer_than_the_pool_is_refused_where_some_layer_reads_every_key(
-        windowed_paths):
-    """Qwen2 here windows one layer of two: the other reads every key, so every block is
-    kept and a request the pool cannot hold whole is refused by its block count."""
-    with LLM(windowed_paths["qwen2"], block_size=4, num_kv_blocks=16,
-             max_num_batched_tokens=16) as llm:
-        with pytest.raises(ValueError, match="needs 38 KV blocks .* pool holds only 16"):
+def test_the_windowed_layer_of_a_mixed_model_frees_its_blocks_the_full_one_keeps_them(
+        windowed_paths, hf_oracle):
+    """Qwen2 here windows one layer of two: two KV cache groups of one layer each. The
+    full group keeps every block (38 for 152 tokens), the windowed one its window's and
+    what is in flight (14 at most): a request needing 58 + 14 blocks is refused by that
+    count, one needing 38 + 14 runs in a pool of 56 (the whole table would hold 76), its
+    windowed group's blocks freed as it grows, and equals transformers."""
+    path = windowed_paths["qwen2"]
+    with LLM(path, block_size=4, num_kv_blocks=56, max_num_batched_tokens=16) as llm:
+        kv = llm.llm_engine.core.engine_core.scheduler.kv_cache_manager
+        assert kv.group_windows == (None, 5)
+        with pytest.raises(ValueError, match="needs 72 KV blocks .* pool holds only 56"):
             llm.generate([{"prompt_token_ids": PROMPT}],
-                         SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+                         SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        out = llm.generate([{"prompt_token_ids": PROMPT}],
+                           SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+        metrics = llm.get_metrics()
+    assert out[0].outputs[0].token_ids == hf_oracle(path).greedy(PROMPT, 120)
+    assert kv.num_window_freed_blocks >= 38 - 14
+    assert metrics["raylm:kv_cache_usage_perc"] == 0.0

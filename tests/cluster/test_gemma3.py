@@ -55,13 +55,14 @@ def test_the_window_and_the_local_rope_change_the_models_tokens(gemma3_path, tmp
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_gemma3_equals_transformers(gemma3_path, async_scheduling, hf_oracle):
     """Chunked prefill (a 16-token budget), prefix hits (a shared 20-token start) and
-    preemption (30 blocks of 4 tokens)."""
+    preemption (45 blocks of 4 tokens; the layers are three KV cache groups of one layer
+    each, so a block is one layer's page)."""
     shared = list(range(100, 120))
     prompts = [shared + [7, 8, 9], shared + list(range(200, 230)), PROMPT, [5, 6],
                list(range(300, 341))]
     assert_greedy_equals_transformers(
         gemma3_path, hf_oracle(gemma3_path), prompts, [14, 9, 16, 20, 11],
-        async_scheduling=async_scheduling, block_size=4, num_kv_blocks=30,
+        async_scheduling=async_scheduling, block_size=4, num_kv_blocks=45,
         max_num_batched_tokens=16, max_num_seqs=5)
 
 

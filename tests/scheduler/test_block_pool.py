@@ -205,7 +205,7 @@ def test_sliding_window_frees_blocks_behind_the_settled_window_behind_the_fence(
     the next token (p >= 14) needs keys from 9 on: blocks 0 and 1 (keys 0-7) go back. Tokens
     in flight do not count (a rejected draft could roll them back), and a block a step in
     flight may read returns to the pool only when that step has returned."""
-    kv = KVCacheManager(block_size=4, num_blocks=12, enable_caching=True, sliding_window=6)
+    kv = KVCacheManager(block_size=4, num_blocks=12, enable_caching=True, group_windows=(6,))
     req = make_request("w", list(range(100, 114)), max_tokens=20)  # 14 prompt tokens
     kv.begin_step(1)
     blocks, _ = _admit(kv, req)  # 4 blocks, nothing freed at admission
@@ -249,4 +249,4 @@ def test_without_a_window_no_block_is_freed_early():
     assert all(b is not kv.null_block for b in kv.req_to_blocks["f"])
     assert kv.num_window_freed_blocks == 0 and kv.block_pool.get_num_free_blocks() == 4
     with pytest.raises(ValueError, match="sliding_window must be at least 1"):
-        KVCacheManager(block_size=4, num_blocks=4, enable_caching=False, sliding_window=0)
+        KVCacheManager(block_size=4, num_blocks=4, enable_caching=False, group_windows=(0,))
