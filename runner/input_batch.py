@@ -41,6 +41,8 @@ class CachedRequestState:
     # position whose state its first slot holds
     state_group: int = -1
     state_base: int = -1
+    # The snapshot slot its first step reads its state from (a prefix hit), -1: none
+    state_snapshot: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:

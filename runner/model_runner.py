@@ -87,10 +87,13 @@ class ModelRunner:
             max_ragged_pairs=attn_shape.max_ragged_pairs(self.block_size, elem),
             attention_backend=attention_backend,
             state_slots_per_request=(1 + engine_config.num_spec_tokens
-                                     if decoder.has_state_layers else 0))
+                                     if decoder.has_state_layers else 0),
+            state_snapshot_base=sched.max_num_seqs * (1 + engine_config.num_spec_tokens))
         # Hybrid models: Mamba2 state slots for each request the worker holds.
         self.state_slots = (StateSlots(sched.max_num_seqs, 1 + engine_config.num_spec_tokens)
                             if decoder.has_state_layers else None)
+        # Prefix caching of their states: snapshot slots after the requests' slots.
+        self.num_state_snapshots = engine_config.num_state_snapshots
         self.max_num_blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
         # Each sampled request's row in the latest step's sampled ids (every stage books it;
         # the PP layer pairs it with the ids it broadcasts).
@@ -181,7 +184,7 @@ class ModelRunner:
         """The Mamba2 layers' state for every slot (0 without such layers)."""
         if self.state_slots is None:
             return 0
-        return self.state_slots.num_slots * sum(m.state_bytes()
+        return (self.state_slots.num_slots + self.num_state_snapshots) * sum(m.state_bytes()
                                                 for m in self.loaded_model.state_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -189,7 +192,7 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
         if self.state_slots is not None:
             for mixer in self.loaded_model.state_layers:
-                mixer.allocate_state(self.state_slots.num_slots)
+                mixer.allocate_state(self.state_slots.num_slots + self.num_state_snapshots)
         self.kv_caches = []
         # Padded rows write and read one more block, which the scheduler never hands out.
         allocated = num_blocks + 1 if self.pad_decode_steps else num_blocks
@@ -461,6 +464,7 @@ class ModelRunner:
                 lora_request=new.lora_request)
             if self.state_slots is not None:
                 new_state.state_group = self.state_slots.assign(new.req_id)
+                new_state.state_snapshot = new.state_snapshot
             if self.lora is not None:
                 self.lora.add_request(new.lora_request)
             self.requests[new.req_id] = new_state

@@ -64,11 +64,13 @@ class InputPreparer:
     def __init__(self, input_batch: InputBatch, block_size: int, max_num_tokens: int,
                  device: torch.device, needs_input_ids: bool = True,
                  max_ragged_pairs: int | None = None, attention_backend: str = "native",
-                 state_slots_per_request: int = 0) -> None:
+                 state_slots_per_request: int = 0, state_snapshot_base: int = 0) -> None:
         self.input_batch = input_batch
         # A hybrid model: each request's Mamba2 state slots (0: none)
         self.state_slots_per_request = state_slots_per_request
         self.needs_state = state_slots_per_request > 0
+        # Snapshot slot s of the states is slot state_snapshot_base + s (state_cache.py).
+        self.state_snapshot_base = state_snapshot_base
         self.max_ragged_pairs = max_ragged_pairs  # the torch ragged kernel's chunk
         self.attention_backend = attention_backend
         # Only the first pipeline stage embeds token ids; later stages take hidden states,
@@ -222,7 +224,8 @@ class InputPreparer:
             meta._group_builder = self._group_metadata(query_start_loc, seq_lens_all,
                                                        group_slots, group_tables)
         if self.needs_state:
-            meta.state = self._state_metadata(rows, query_start_loc, num_computed, num_sched)
+            meta.state = self._state_metadata(rows, query_start_loc, num_computed, num_sched,
+                                              so.state_snapshot_saves, req_ids)
         return StepBatch(req_ids, rows, num_sched, seq_lens, sample_mask, self.input_ids[:n],
                          self.positions[:n], meta, logits_indices, padded_rows=padded)
 
@@ -253,18 +256,31 @@ class InputPreparer:
         return build
 
     def _state_metadata(self, rows: np.ndarray, query_start_loc: np.ndarray,
-                        num_computed: np.ndarray, num_sched: np.ndarray) -> StateMetadata:
-        """Each row's state slots (a hybrid model's Mamba2 layers), and where the step
-        leaves the states (runner/state_cache.py)."""
+                        num_computed: np.ndarray, num_sched: np.ndarray,
+                        saves: dict[str, int], req_ids: list[str]) -> StateMetadata:
+        """Each row's state slots (a hybrid model's recurrent layers), where the step
+        leaves the states, and the snapshots it saves (runner/state_cache.py)."""
         states = [self.input_batch.states[r] for r in rows.tolist()]
         groups = np.fromiter((st.state_group for st in states), np.int64, len(states))
         bases = np.fromiter((st.state_base for st in states), np.int64, len(states))
+        restores = np.fromiter((st.state_snapshot for st in states), np.int64, len(states))
+        restores = np.where(restores >= 0, restores + self.state_snapshot_base, -1)
         reads, new_bases = state_read_slots(bases, groups, num_computed, num_sched,
-                                            self.state_slots_per_request)
+                                            self.state_slots_per_request, restores)
         for st, base in zip(states, new_bases.tolist(), strict=True):
             st.state_base = base
+            st.state_snapshot = -1  # read once, by its first step
+        save_pairs = None
+        if saves:
+            index = {rid: i for i, rid in enumerate(req_ids)}
+            where = [index[rid] for rid in saves]
+            # The state after a row's last token: its slot of the group (state_read_slots).
+            last = (num_computed + num_sched - 1 - new_bases)[where]
+            save_pairs = (groups[where] * self.state_slots_per_request + last,
+                          np.fromiter(saves.values(), np.int64, len(saves))
+                          + self.state_snapshot_base)
         return StateMetadata.build(query_start_loc, reads, groups,
-                                   self.state_slots_per_request, self.device)
+                                   self.state_slots_per_request, self.device, save_pairs)
 
     def dummy_decode(self, num_rows: int) -> AttentionMetadata:
         """A decode step of ``num_rows`` padding rows only, in the fixed buffers: what a CUDA

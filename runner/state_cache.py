@@ -94,13 +94,19 @@ class RecurrentRows:
 class StateMetadata:
     spans: list[StateSpan]
     recurrent: RecurrentRows | None
+    # Prefix caching: (from slots, to snapshot slots) copied once the layer's rows ran
+    saves: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, query_start_loc: np.ndarray, read_slots: np.ndarray,
-              groups: np.ndarray, slots_per_request: int, device: torch.device
-              ) -> StateMetadata:
+              groups: np.ndarray, slots_per_request: int, device: torch.device,
+              saves: tuple[np.ndarray, np.ndarray] | None = None) -> StateMetadata:
         """Host arrays per row: ``query_start_loc`` [B + 1], ``read_slots`` [B] (-1: the
-        row starts its request from zeros), ``groups`` [B]."""
+        row starts its request from zeros), ``groups`` [B]; ``saves``: the slots whose
+        states the step copies to snapshot slots."""
+        copies = None if saves is None else (
+            torch.from_numpy(np.ascontiguousarray(saves[0], dtype=np.int64)).to(device),
+            torch.from_numpy(np.ascontiguousarray(saves[1], dtype=np.int64)).to(device))
         lengths = np.diff(query_start_loc)
         recurrent = (read_slots >= 0) & (lengths <= slots_per_request) & (lengths > 0)
         base = groups * slots_per_request
@@ -109,7 +115,7 @@ class StateMetadata:
                  for i in np.flatnonzero(~recurrent & (lengths > 0)).tolist()]
         rows = np.flatnonzero(recurrent)
         if rows.size == 0:
-            return cls(spans, None)
+            return cls(spans, None, copies)
         rows = rows[np.argsort(-lengths[rows], kind="stable")]
 
         def up(array: np.ndarray) -> torch.Tensor:
@@ -120,27 +126,31 @@ class StateMetadata:
             active = rows[lengths[rows] > j]
             tokens.append(up(query_start_loc[active] + j))
             writes.append(up(base[active] + j))
-        return cls(spans, RecurrentRows(up(read_slots[rows]), tokens, writes))
+        return cls(spans, RecurrentRows(up(read_slots[rows]), tokens, writes), copies)
 
 
 def state_read_slots(bases: np.ndarray, groups: np.ndarray, num_computed: np.ndarray,
-                     num_scheduled: np.ndarray, slots_per_request: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+                     num_scheduled: np.ndarray, slots_per_request: int,
+                     restores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Where each row's state is, from the first position of the step that wrote it
     (``bases``: the position whose state is in the group's slot 0, the state after
     position ``base + j`` in slot j) and the row's computed count, which the worker knows
     on the host (with speculative decoding: its own verified count, settled before the
-    step returned). Returns (read slots, -1 for rows that start from zeros; the rows'
-    new bases)."""
-    fresh = num_computed == 0
+    step returned); a row that starts from a prefix hit reads its snapshot slot
+    (``restores``, -1 elsewhere). Returns (read slots, -1 for rows that start from zeros;
+    the rows' new bases)."""
+    restored = (np.zeros(num_computed.shape, bool) if restores is None else restores >= 0)
+    fresh = (num_computed == 0) & ~restored
     index = num_computed - 1 - bases
-    bad = ~fresh & ((index < 0) | (index >= slots_per_request))
+    bad = ~fresh & ~restored & ((index < 0) | (index >= slots_per_request))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise RuntimeError(f"row {i}: the state after position {int(num_computed[i]) - 1} "
                            f"is not among its slots (written from position "
                            f"{int(bases[i])}, {slots_per_request} slots).")
     reads = np.where(fresh, -1, groups * slots_per_request + index)
+    if restores is not None:
+        reads = np.where(restored, restores, reads)
     recurrent = ~fresh & (num_scheduled <= slots_per_request)
     # A recurrent row leaves the state after its j-th token in slot j; a span its final
     # state in slot 0.

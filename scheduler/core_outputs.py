@@ -35,6 +35,9 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_seed: int  # explicit seed, or one drawn for the request at arrival
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    # Hybrid models: the snapshot slot its recurrent state starts from (a prefix hit;
+    # scheduler/kv/state_snapshots.py), -1: zeros
+    state_snapshot: int = -1
 
 
 @dataclass
@@ -77,6 +80,9 @@ class SchedulerOutput:
     pending_structured_output_tokens: bool = False
     # The KV connector's per-step orders to the workers (loads, saves, sends; None: none).
     kv_connector_metadata: Any = None
+    # Hybrid models with prefix caching: requests whose state after this step goes to a
+    # snapshot slot (their chunk ends at a block boundary), by request id.
+    state_snapshot_saves: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

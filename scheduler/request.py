@@ -127,6 +127,9 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of the full blocks of known tokens (prefix caching).
         self.block_hashes: list[int] = []
+        # Hybrid models: the state snapshot its prefix hit starts from (set at admission,
+        # sent with its NewRequestData; scheduler/kv/state_snapshots.py), -1: none.
+        self.state_snapshot = -1
         # The grammar is told max_tokens so JSON mode can close in time; not under
         # min_tokens, whose masked stop token the closing might need before it is allowed.
         self.structured_output_request = (

@@ -31,6 +31,7 @@ from raylm.scheduler.core_outputs import (
 from raylm.scheduler.kv.block_pool import KVCacheBlock
 from raylm.scheduler.kv.kv_cache_manager import KVCacheManager
 from raylm.scheduler.kv.kv_cache_utils import update_block_hashes
+from raylm.scheduler.kv.state_snapshots import StateSnapshots
 from raylm.scheduler.kv_transfer.factory import make_connector_scheduler
 from raylm.scheduler.kv_transfer.kv_transfer_scheduling import KVTransferScheduling
 from raylm.scheduler.lora import LoRAAdmission, lora_requests_info
@@ -58,6 +59,9 @@ class Scheduler:
         self.enable_caching = config.cache_config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(self.block_size, num_kv_blocks, self.enable_caching,
                                                config.kv_cache_groups.windows)
+        # Hybrid models with prefix caching: the recurrent states' snapshots by block.
+        self.state_snapshots = (StateSnapshots(config.num_state_snapshots)
+                                if config.num_state_snapshots else None)
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -217,8 +221,38 @@ class Scheduler:
             self.num_spec_tokens if self.send_sampled_token_ids else None)
         self.finished_req_ids = set()
         self.kv_transfer.build_meta(out, self.requests)
+        if self.state_snapshots is not None:
+            self._plan_state_saves(out)
         self._update_after_schedule(out)
         return out
+
+    def _plan_state_saves(self, out: SchedulerOutput) -> None:
+        """A prefill chunk that ends at a block boundary saves the state there (each
+        block's at most once), so later requests with that prefix start from it."""
+        snapshots = self.state_snapshots
+        assert snapshots is not None  # only called with them
+        bs = self.block_size
+        for rid, n in out.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            end = request.num_computed_tokens + n
+            if end % bs or end > request.num_prompt_tokens or end // bs > len(
+                    request.block_hashes):
+                continue
+            block_hash = request.block_hashes[end // bs - 1]
+            if snapshots.wants(block_hash):
+                slot = snapshots.reserve(out.step_id, block_hash)
+                if slot >= 0:
+                    out.state_snapshot_saves[rid] = slot
+
+    def _aligned(self, request: Request, computed: int, num_new: int) -> int:
+        """Hybrid models with prefix caching: a prefill chunk from ``computed`` ends at a
+        block boundary where it can (the prompt's last full block included, its tail the
+        next step), so the state there can be saved (vLLM's "align" mode)."""
+        prompt = request.num_prompt_tokens
+        if self.state_snapshots is None or computed >= prompt:
+            return num_new
+        boundary = min(computed + num_new, prompt) // self.block_size * self.block_size
+        return boundary - computed if boundary > computed else num_new
 
     def _begin_step(self) -> int:
         self.current_step += 1
@@ -271,7 +305,7 @@ class Scheduler:
         num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
         if num_spec > 0:
             num_new -= max(num_spec - num_useful_drafts(request), 0)
-        return num_new
+        return self._aligned(request, computed, num_new)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              plan: StepPlan) -> list[KVCacheBlock] | None:
@@ -325,10 +359,16 @@ class Scheduler:
                 hit_blocks, num_hit = [], request.num_computed_tokens
             else:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
+                if self.state_snapshots is not None:  # a hit needs the state where it ends
+                    num_blocks, request.state_snapshot = self.state_snapshots.longest_hit(
+                        request.block_hashes, num_hit // self.block_size)
+                    hit_blocks = hit_blocks[:num_blocks * kv.num_groups]
+                    num_hit = num_blocks * self.block_size
                 num_external, load_async = kv_transfer.match(request, num_hit)
             # Loaded tokens cost no budget; an asynchronous load computes nothing yet.
             num_new = 0 if load_async else min(request.num_tokens - num_hit - num_external,
                                                budget)  # chunked prefill
+            num_new = self._aligned(request, num_hit + num_external, num_new)
             if kv.allocate_slots(request, num_new + num_external, hit_blocks,
                                  self._lookahead(num_hit, num_new + num_external)) is None:
                 if kv_transfer.loaded and kv_transfer.reclaim_loaded(self.waiting,
@@ -395,6 +435,8 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Settle a returned step (the StepSettler) and emit its outputs with the stats."""
         outputs, any_stopped = self.step_settler.settle(scheduler_output, model_runner_output)
+        if self.state_snapshots is not None:
+            self.state_snapshots.on_step_processed(scheduler_output.step_id)
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
@@ -411,3 +453,5 @@ class Scheduler:
         check_scheduler_integrity(self.kv_cache_manager, self.requests, self.waiting,
                                   self.running, self.waiting_for_fsm, no_steps_in_flight,
                                   self.kv_transfer)
+        if self.state_snapshots is not None:
+            self.state_snapshots.check_integrity()

@@ -76,4 +76,5 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         num_computed_tokens=request.num_computed_tokens,
         sampling_seed=request.sampling_seed,
         lora_request=request.lora_request,
+        state_snapshot=request.state_snapshot,
     )

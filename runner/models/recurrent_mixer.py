@@ -86,6 +86,10 @@ class RecurrentMixer(nn.Module):
             self.ssm_state[span.write_slot] = final
         if meta.recurrent is not None:
             self._run_recurrent(meta.recurrent, conv_in, per_token, out)
+        if meta.saves is not None:  # prefix caching: states at block boundaries
+            src, dst = meta.saves
+            self.conv_state.index_copy_(0, dst, self.conv_state.index_select(0, src))
+            self.ssm_state.index_copy_(0, dst, self.ssm_state.index_select(0, src))
 
     def _run_recurrent(self, rows: RecurrentRows, conv_in: torch.Tensor,
                        per_token: PerToken, out: torch.Tensor) -> None:

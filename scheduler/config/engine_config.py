@@ -196,11 +196,15 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit pool size (tests force preemption with it)
     kv_cache_memory_bytes: int | None = None  # else: a share of free device memory
     gpu_memory_utilization: float = 0.9
+    # Hybrid models with prefix caching: snapshots of the recurrent states at block
+    # boundaries (scheduler/kv/state_snapshots.py); None: two per max_num_seqs.
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise _bad("block_size", self.block_size, "must be a positive power of two")
-        _check_at_least_1(self, "num_kv_blocks", "kv_cache_memory_bytes")
+        _check_at_least_1(self, "num_kv_blocks", "kv_cache_memory_bytes",
+                          "num_state_snapshots")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
 
@@ -361,11 +365,17 @@ class EngineConfig:
                              "after its next step, and its Mamba2 state continues from them.")
         for shape in recurrent_shapes(arch, model.hf_config):
             shape.check_tp(self.parallel_config.tensor_parallel_size)
-        if self.cache_config.enable_prefix_caching:
-            logger.info("Prefix caching disabled: %s keeps Mamba2 states, which are not "
-                        "cached per block.", arch)
-            object.__setattr__(self, "cache_config",
-                               replace(self.cache_config, enable_prefix_caching=False))
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """Snapshot slots of the recurrent states a hybrid model keeps for prefix caching
+        (scheduler/kv/state_snapshots.py); 0 without state layers or prefix caching."""
+        cache = self.cache_config
+        if not (self.model_config.has_state_layers and cache.enable_prefix_caching):
+            return 0
+        if cache.num_state_snapshots is not None:
+            return cache.num_state_snapshots
+        return 2 * self.scheduler_config.max_num_seqs
 
     def _check_kv_transfer(self) -> None:
         """Prefill/decode transfer pulls each rank's KV heads from the peer's worker

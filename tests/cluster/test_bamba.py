@@ -2,8 +2,9 @@
 sync and async, with prefills chunked into spans that carry the state across steps,
 forced preemption (a preempted request's state restarts from zeros as it recomputes), and
 the partial rotary embedding of its attention layer; with speculative decoding (ngram, a
-draft model) drafts partly accepted; prefix caching is off for it (no state per block),
-and what its per-request state rules out is refused by name.
+draft model) drafts partly accepted; prefix hits that start from a snapshot of the state
+at a block boundary (scheduler/kv/state_snapshots.py), and what its per-request state
+rules out is refused by name.
 TP=2 x PP=2 on Ray: tests/actors/test_pp_ray.py."""
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def _with_config(src: str, dst, **fields) -> str:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_bamba_equals_transformers(bamba_path, async_scheduling, hf_oracle):
-    """A 8-token budget chunks every long prompt into spans (the 41-token one into six),
-    and 18 blocks of 4 tokens for five requests force preemptions."""
+    """A 8-token budget chunks every long prompt into spans cut at block boundaries (the
+    41-token one into six), 18 blocks of 4 tokens for five requests force preemptions, and
+    prefix hits start from the states saved at those boundaries."""
     oracle = hf_oracle(bamba_path)
     with LLM(bamba_path, block_size=4, num_kv_blocks=18, max_num_batched_tokens=8,
              max_num_seqs=4, async_scheduling=async_scheduling) as llm:
@@ -55,8 +57,9 @@ def test_bamba_equals_transformers(bamba_path, async_scheduling, hf_oracle):
         assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
     assert metrics["raylm:num_preemptions"] > 0
     assert metrics["raylm:kv_cache_usage_perc"] == 0.0
-    # Two prompts share a 20-token start; with prefix caching off neither hits.
-    assert not caching and metrics["raylm:prefix_cache_hits"] == 0
+    # Two prompts share a 20-token start, and a preempted request recomputes its own
+    # prefix: hits start from the state snapshot where they end.
+    assert caching and metrics["raylm:prefix_cache_hits"] > 0
 
 
 def test_the_state_layers_and_the_partial_rotary_change_the_models_tokens(
@@ -107,6 +110,7 @@ def test_speculation_on_a_hybrid_equals_transformers(loopy_bamba_path, bamba_mlp
                          m["raylm:spec_decode_num_draft_tokens"])
     assert 0 < accepted < drafted, m  # partial acceptance: every slot index is exercised
     assert m["raylm:num_preemptions"] > 0 and m["raylm:kv_cache_usage_perc"] == 0.0
+    assert m["raylm:prefix_cache_hits"] > 0  # speculation does not zero the state's hits
 
 
 def test_a_hybrid_draft_model_is_refused(loopy_bamba_path):

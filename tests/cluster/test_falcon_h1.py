@@ -17,7 +17,9 @@ from engine_idle import idle_metrics
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
-PROMPTS = [list(range(40, 72)), [5, 6], list(range(100, 141)), [9], list(range(300, 320))]
+# The third shares the first's first 20 tokens: a prefix hit from a state snapshot.
+PROMPTS = [list(range(40, 72)), [5, 6], list(range(40, 60)) + list(range(100, 121)), [9],
+           list(range(300, 320))]
 LENGTHS = [16, 12, 9, 14, 10]
 MULTIPLIERS = (("embedding_multiplier", 2.0), ("key_multiplier", 0.7),
                ("attention_in_multiplier", 1.3), ("attention_out_multiplier", 0.8),
@@ -57,6 +59,8 @@ def test_falcon_h1_equals_transformers(falcon_path, async_scheduling, hf_oracle)
         assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
     assert metrics["raylm:num_preemptions"] > 0
     assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+    # The third prompt starts from the state saved where its hit on the first ends.
+    assert metrics["raylm:prefix_cache_hits"] > 0
 
 
 @pytest.mark.parametrize("falcon_path", ["norm-then-gate"], indirect=True)

@@ -15,7 +15,9 @@ from engine_idle import idle_metrics
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 
-PROMPTS = [list(range(40, 72)), [5, 6], list(range(100, 141)), [9], list(range(300, 320))]
+# The third shares the first's first 20 tokens: a prefix hit from a state snapshot.
+PROMPTS = [list(range(40, 72)), [5, 6], list(range(40, 60)) + list(range(100, 121)), [9],
+           list(range(300, 320))]
 LENGTHS = [16, 12, 9, 14, 10]
 MULTIPLIERS = (("embedding_multiplier", 3.0), ("residual_multiplier", 0.5),
                ("attention_multiplier", 0.3), ("logits_scaling", 2.0))
@@ -59,6 +61,8 @@ def test_granite_hybrid_equals_transformers(granite_path, async_scheduling, hf_o
         assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
     assert metrics["raylm:num_preemptions"] > 0
     assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+    # The third prompt starts from the state saved where its hit on the first ends.
+    assert metrics["raylm:prefix_cache_hits"] > 0
 
 
 def test_the_multipliers_change_the_models_tokens(granite_path, tmp_path, hf_oracle):

@@ -23,7 +23,9 @@ from raylm.runner.loading.checkpoint import (
 
 SPEC = CheckpointSpec(architecture="Qwen3NextForCausalLM", num_hidden_layers=4, head_dim=16,
                       num_experts=4, mlp_only_layers=(1,), seed=51)
-PROMPTS = [list(range(40, 72)), [5, 6], list(range(100, 141)), [9], list(range(300, 320))]
+# The third shares the first's first 20 tokens: a prefix hit from a state snapshot.
+PROMPTS = [list(range(40, 72)), [5, 6], list(range(40, 60)) + list(range(100, 121)), [9],
+           list(range(300, 320))]
 LENGTHS = [16, 12, 9, 14, 10]
 
 
@@ -53,6 +55,8 @@ def test_qwen3_next_equals_transformers(qwen3_next_path, async_scheduling, hf_or
         assert out.outputs[0].token_ids == oracle.greedy(p, n), f"prompt of {len(p)} tokens"
     assert metrics["raylm:num_preemptions"] > 0
     assert metrics["raylm:kv_cache_usage_perc"] == 0.0
+    # The third prompt starts from the state saved where its hit on the first ends.
+    assert metrics["raylm:prefix_cache_hits"] > 0
 
 
 def test_the_rotary_fraction_is_honoured(qwen3_next_path, tmp_path, hf_oracle):
@@ -89,6 +93,7 @@ def test_speculation_on_gated_delta_layers(tmp_path_factory, hf_oracle, async_sc
                          m["raylm:spec_decode_num_draft_tokens"])
     assert 0 < accepted < drafted, m
     assert m["raylm:kv_cache_usage_perc"] == 0.0
+    assert m["raylm:prefix_cache_hits"] > 0  # speculation does not zero the state's hits
 
 
 @pytest.mark.parametrize("field, value", [("linear_num_value_heads", 3),
