@@ -100,6 +100,13 @@ def check_correctness(root: str, quick: bool) -> None:
         "qwen3-moe": CheckpointSpec(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3,
                                     head_dim=32, mlp_only_layers=(1,), seed=31),
         "mixtral": CheckpointSpec(architecture="MixtralForCausalLM", num_experts=4, seed=35),
+        # Sliding windows and capped scores in the Triton kernel: Mistral's window on every
+        # layer; Gemma 2's on layers 0 and 2 (their own KV cache group), layer 1 global.
+        "mistral-window": CheckpointSpec(architecture="MistralForCausalLM", sliding_window=20,
+                                         seed=21),
+        "gemma2": CheckpointSpec(architecture="Gemma2ForCausalLM", num_hidden_layers=3,
+                                 sliding_window=20, head_dim=32, final_logit_softcapping=30.0,
+                                 attn_logit_softcapping=0.5, seed=38),
     }
     if quick:
         specs = {"llama-gqa": specs["llama-gqa"]}

@@ -124,9 +124,14 @@ def gemma3_270m_folder() -> str:
         return folder
     gguf = fetch_gemma3_270m_gguf(os.path.join(CACHE, "gemma3-270m"))
     where, name = os.path.dirname(gguf), os.path.basename(gguf)
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
-    AutoModelForCausalLM.from_pretrained(where, gguf_file=name,
-                                         dtype=torch.float32).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    # Dequantized now: saved as the plain float32 model it is.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    partial = folder + ".partial"
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(partial)
+    os.replace(partial, folder)
     return folder
 
 
@@ -153,8 +158,10 @@ def memory_per_request(path: str, contexts: list[int]) -> dict[int, int]:
     """Bytes one request of each context holds, from the runner's accounting."""
     from raylm import LLM
 
+    # Prefix caching off: its state snapshots are the engine's, not the request's.
     llm = LLM(path, max_num_seqs=1, dtype="float32", block_size=BLOCK_SIZE,
-              max_model_len=max(contexts), num_kv_blocks=1 + max(contexts) // BLOCK_SIZE)
+              max_model_len=max(contexts), num_kv_blocks=1 + max(contexts) // BLOCK_SIZE,
+              enable_prefix_caching=False)
     runner = llm.llm_engine.core.engine_core.executor.worker.model_runner
     per_block, state = runner.kv_cache_bytes_per_block(), runner.state_cache_bytes()
     llm.shutdown()
@@ -190,8 +197,9 @@ def window_memory(contexts: list[int]) -> list[tuple[int, int, int, float]]:
         sliding_share = (sliding_held * per_block) / (logical * num_sliding_layers * page)
         out.append((c, held * per_block, sliding_share))
     windowed.shutdown()
+    # Nothing runs on it: a small pool, its accounting read for max_len.
     full = LLM(checkpoint("gemma3-twin", all_attention=True), max_num_seqs=1,
-               dtype="float32", block_size=BLOCK_SIZE, max_model_len=max_len)
+               dtype="float32", block_size=BLOCK_SIZE, max_model_len=max_len, num_kv_blocks=16)
     full_core = full.llm_engine.core.engine_core
     full_per_block = full_core.executor.worker.model_runner.kv_cache_bytes_per_block()
     full_blocks = {c: full_core.config.kv_blocks_per_request(c) for c in contexts}
@@ -251,6 +259,7 @@ def main() -> None:
                 v = run_vllm(args.vllm_python, path, Plan(key, model, wl, batch), args.repeats)
                 if v is not None:
                     rows.append((key, VLLM, v))
+                    print(f"  {VLLM}: {v:.1f} tok/s", flush=True)
                 else:
                     print(f"  {VLLM}: did not run this model (its error above)", flush=True)
         if model == "gemma3-270m":

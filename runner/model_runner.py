@@ -76,11 +76,6 @@ class ModelRunner:
         decoder = DecoderConfig.from_hf(self.model_config.hf_config)
         attn_shape = RankAttentionShape.of(decoder, ctx.tp_size)
         attention_backend = resolve_attention_backend(self.device)
-        windows = sorted({w for w in decoder.layer_windows if w is not None})
-        if windows and attention_backend == "triton":
-            raise ValueError(f"sliding_window {windows} of model {self.model_config.model!r} "
-                             "is not supported on the Triton attention backend (CUDA); "
-                             "RAYLM_ATTENTION_BACKEND=native runs it.")
         self.input_preparer = InputPreparer(
             self.input_batch, self.block_size, sched.max_num_batched_tokens, self.device,
             needs_input_ids=ctx.is_first_pp_rank,

@@ -257,7 +257,8 @@ class InputPreparer:
 
     def _state_metadata(self, rows: np.ndarray, query_start_loc: np.ndarray,
                         num_computed: np.ndarray, num_sched: np.ndarray,
-                        saves: dict[str, int], req_ids: list[str]) -> StateMetadata:
+                        saves: dict[str, list[tuple[int, int]]], req_ids: list[str]
+                        ) -> StateMetadata:
         """Each row's state slots (a hybrid model's recurrent layers), where the step
         leaves the states, and the snapshots it saves (runner/state_cache.py)."""
         states = [self.input_batch.states[r] for r in rows.tolist()]
@@ -270,17 +271,25 @@ class InputPreparer:
         for st, base in zip(states, new_bases.tolist(), strict=True):
             st.state_base = base
             st.state_snapshot = -1  # read once, by its first step
-        save_pairs = None
+        copies: list[tuple[int, int]] = []  # (from slot, to snapshot slot) after the rows
+        cuts: dict[int, list[tuple[int, int]]] = {}  # row -> (span cut token, to slot)
         if saves:
             index = {rid: i for i, rid in enumerate(req_ids)}
-            where = [index[rid] for rid in saves]
-            # The state after a row's last token: its slot of the group (state_read_slots).
-            last = (num_computed + num_sched - 1 - new_bases)[where]
-            save_pairs = (groups[where] * self.state_slots_per_request + last,
-                          np.fromiter(saves.values(), np.int64, len(saves))
-                          + self.state_snapshot_base)
+            spr = self.state_slots_per_request
+            for rid, row_saves in saves.items():
+                i = index[rid]
+                for boundary, slot in row_saves:
+                    # The state after position boundary - 1: a slot of the row's group when
+                    # the step leaves it there (state_read_slots), else inside a span.
+                    j = boundary - 1 - int(new_bases[i])
+                    if 0 <= j < spr:
+                        copies.append((int(groups[i]) * spr + j,
+                                       slot + self.state_snapshot_base))
+                    else:
+                        cut = int(query_start_loc[i]) + boundary - int(num_computed[i])
+                        cuts.setdefault(i, []).append((cut, slot + self.state_snapshot_base))
         return StateMetadata.build(query_start_loc, reads, groups,
-                                   self.state_slots_per_request, self.device, save_pairs)
+                                   self.state_slots_per_request, self.device, copies, cuts)
 
     def dummy_decode(self, num_rows: int) -> AttentionMetadata:
         """A decode step of ``num_rows`` padding rows only, in the fixed buffers: what a CUDA

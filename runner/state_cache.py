@@ -70,12 +70,15 @@ class StateSlots:
 @dataclass(frozen=True)
 class StateSpan:
     """A row that runs through the chunked scan: tokens [start, end), the slot its state
-    comes from (-1: zeros, it starts the request) and the slot its final state goes to."""
+    comes from (-1: zeros, it starts the request) and the slot its final state goes to;
+    ``cuts``: (token, slot) where the scan stops to leave the state before that token in a
+    snapshot slot (prefix caching's "all" mode), in order."""
 
     start: int
     end: int
     read_slot: int
     write_slot: int
+    cuts: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -100,19 +103,27 @@ class StateMetadata:
     @classmethod
     def build(cls, query_start_loc: np.ndarray, read_slots: np.ndarray,
               groups: np.ndarray, slots_per_request: int, device: torch.device,
-              saves: tuple[np.ndarray, np.ndarray] | None = None) -> StateMetadata:
+              saves: list[tuple[int, int]] | None = None,
+              cuts: dict[int, list[tuple[int, int]]] | None = None) -> StateMetadata:
         """Host arrays per row: ``query_start_loc`` [B + 1], ``read_slots`` [B] (-1: the
-        row starts its request from zeros), ``groups`` [B]; ``saves``: the slots whose
-        states the step copies to snapshot slots."""
-        copies = None if saves is None else (
-            torch.from_numpy(np.ascontiguousarray(saves[0], dtype=np.int64)).to(device),
-            torch.from_numpy(np.ascontiguousarray(saves[1], dtype=np.int64)).to(device))
+        row starts its request from zeros), ``groups`` [B]; ``saves``: (slot, snapshot
+        slot) copies once the rows ran; ``cuts``: per span row, where its scan stops to
+        save a state (``StateSpan.cuts``)."""
+        copies = None
+        if saves:
+            pairs = np.array(saves, dtype=np.int64)
+            copies = (torch.from_numpy(np.ascontiguousarray(pairs[:, 0])).to(device),
+                      torch.from_numpy(np.ascontiguousarray(pairs[:, 1])).to(device))
+        cuts = cuts or {}
         lengths = np.diff(query_start_loc)
         recurrent = (read_slots >= 0) & (lengths <= slots_per_request) & (lengths > 0)
         base = groups * slots_per_request
+        span_rows = np.flatnonzero(~recurrent & (lengths > 0)).tolist()
+        # A recurrent row leaves the state after each of its tokens in a slot: no cuts.
+        assert set(cuts) <= set(span_rows), (sorted(cuts), span_rows)
         spans = [StateSpan(int(query_start_loc[i]), int(query_start_loc[i + 1]),
-                           int(read_slots[i]), int(base[i]))
-                 for i in np.flatnonzero(~recurrent & (lengths > 0)).tolist()]
+                           int(read_slots[i]), int(base[i]), tuple(sorted(cuts.get(i, ()))))
+                 for i in span_rows]
         rows = np.flatnonzero(recurrent)
         if rows.size == 0:
             return cls(spans, None, copies)

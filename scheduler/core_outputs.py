@@ -80,9 +80,9 @@ class SchedulerOutput:
     pending_structured_output_tokens: bool = False
     # The KV connector's per-step orders to the workers (loads, saves, sends; None: none).
     kv_connector_metadata: Any = None
-    # Hybrid models with prefix caching: requests whose state after this step goes to a
-    # snapshot slot (their chunk ends at a block boundary), by request id.
-    state_snapshot_saves: dict[str, int] = field(default_factory=dict)
+    # Hybrid models with prefix caching: per request, the states this step saves, each
+    # (token count it follows: a block boundary, snapshot slot).
+    state_snapshot_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

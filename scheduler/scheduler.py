@@ -227,29 +227,36 @@ class Scheduler:
         return out
 
     def _plan_state_saves(self, out: SchedulerOutput) -> None:
-        """A prefill chunk that ends at a block boundary saves the state there (each
-        block's at most once), so later requests with that prefix start from it."""
+        """A prefill chunk saves the state at the block boundary it ends on ("align"), or
+        at every one it passes ("all"), each block's at most once, so later requests with
+        that prefix start from it."""
         snapshots = self.state_snapshots
         assert snapshots is not None  # only called with them
         bs = self.block_size
+        every_boundary = self.config.cache_config.mamba_cache_mode == "all"
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests[rid]
-            end = request.num_computed_tokens + n
-            if end % bs or end > request.num_prompt_tokens or end // bs > len(
-                    request.block_hashes):
-                continue
-            block_hash = request.block_hashes[end // bs - 1]
-            if snapshots.wants(block_hash):
-                slot = snapshots.reserve(out.step_id, block_hash)
-                if slot >= 0:
-                    out.state_snapshot_saves[rid] = slot
+            start = request.num_computed_tokens
+            # Prompt tokens whose hashes are known: a boundary past them is not saved.
+            last = min(start + n, request.num_prompt_tokens, len(request.block_hashes) * bs)
+            first = start + 1 if every_boundary else start + n
+            saves = []
+            for end in range(-(-first // bs) * bs, last + 1, bs):
+                block_hash = request.block_hashes[end // bs - 1]
+                if snapshots.wants(block_hash):
+                    slot = snapshots.reserve(out.step_id, block_hash)
+                    if slot >= 0:
+                        saves.append((end, slot))
+            if saves:
+                out.state_snapshot_saves[rid] = saves
 
     def _aligned(self, request: Request, computed: int, num_new: int) -> int:
         """Hybrid models with prefix caching: a prefill chunk from ``computed`` ends at a
         block boundary where it can (the prompt's last full block included, its tail the
         next step), so the state there can be saved (vLLM's "align" mode)."""
         prompt = request.num_prompt_tokens
-        if self.state_snapshots is None or computed >= prompt:
+        if (self.state_snapshots is None or computed >= prompt
+                or self.config.cache_config.mamba_cache_mode != "align"):
             return num_new
         boundary = min(computed + num_new, prompt) // self.block_size * self.block_size
         return boundary - computed if boundary > computed else num_new

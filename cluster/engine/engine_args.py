@@ -26,6 +26,7 @@ from raylm.scheduler.config.engine_config import (
     DType,
     EngineConfig,
     ExecutorBackend,
+    MambaCacheMode,
     ModelConfig,
     ParallelConfig,
     PlacementStrategy,
@@ -74,6 +75,10 @@ class EngineArgs:
                            bounds=_AT_LEAST_1)
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
     num_kv_blocks: int | None = _arg(None, "cap on the KV-cache blocks", bounds=_AT_LEAST_1)
+    mamba_cache_mode: MambaCacheMode = _arg(
+        "align", "hybrid models' prefix caching: snapshot the recurrent states where a "
+                 "prefill chunk ends, chunks cut at block boundaries (align), or at every "
+                 "block boundary (all)")
     kv_cache_memory_bytes: int | None = _arg(None, "KV-cache size in bytes (default: a share "
                                                    "of free device memory)",
                                              bounds=_AT_LEAST_1)
@@ -263,6 +268,7 @@ class EngineArgs:
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            mamba_cache_mode=self.mamba_cache_mode,
         )
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -107,8 +107,8 @@ class AttentionMetadata:
         keys (themselves included): the same writes, fewer keys read."""
         if window not in self._windowed:
             if self._rebuild is None:
-                raise ValueError("sliding-window attention runs on the native (CPU) "
-                                 "attention backend only, not the Triton one.")
+                raise ValueError("this step's metadata has no windowed twin (the Triton "
+                                 "kernel applies a layer's window itself).")
             self._windowed[window] = self._rebuild(window)
         return self._windowed[window]
 
@@ -316,16 +316,12 @@ class Attention(nn.Module):
         if meta.tiles is not None:
             from raylm.runner.attention import triton_paged
 
-            if self.sliding_window is not None or self.softcap:
-                raise ValueError("sliding_window and attn_logit_softcapping are not supported "
-                                 "on the Triton attention backend (RAYLM_ATTENTION_BACKEND="
-                                 "native runs them).")
-
             triton_paged.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
             if connector is not None:
                 connector.save_kv_layer(self.layer_index)
             return triton_paged.paged_attention(query, key_cache, value_cache, meta.tiles,
-                                                self.scale)
+                                                self.scale, self.sliding_window or 0,
+                                                self.softcap)
         write = meta.write_index(self.num_kv_heads)
         tokens = (-1, self.head_dim)
         key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))

@@ -4,8 +4,8 @@ One program per (query tile, KV head): a tile is up to ``TILE_TOKENS`` consecuti
 tokens of one row (a decode is a tile of one; a speculative row of 1 + k, a chunk or a
 prompt is one or more tiles), and its rows are the tile's tokens x the G query heads that
 share the KV head (GQA). The program walks the row's KV blocks through its block table
-with an online softmax (float32), the causal limit inside the row applied per token; no
-K/V is copied. Its metadata is four int32 arrays per step (``TileMetadata``), the same
+with an online softmax (float32), the causal limit inside the row applied per token, and
+a layer's sliding window (the blocks before it skipped) and score cap; no K/V is copied. Its metadata is four int32 arrays per step (``TileMetadata``), the same
 for every layer. The cache write is one kernel per layer (``write_kv``).
 
 CI runs it on CPU under TRITON_INTERPRET=1 against the torch reference (small shapes).
@@ -116,12 +116,12 @@ class TileBuffers:
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
     tile_row_ptr, tile_q_start_ptr, tile_q_len_ptr, tile_pos0_ptr,
-    scale,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kh, stride_ks, stride_bt,
     GROUP: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -146,7 +146,10 @@ def _paged_attention_kernel(
     row_sum = tl.zeros((ROWS,), dtype=tl.float32)
     keys = pos0 + q_len  # keys of the tile's last token
     s = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(keys, BLOCK_SIZE)):
+    first = 0
+    if HAS_WINDOW:  # blocks wholly before the first token's window are never read
+        first = tl.maximum(pos0 - window + 1, 0) // BLOCK_SIZE
+    for j in range(first, tl.cdiv(keys, BLOCK_SIZE)):
         block = tl.load(block_table_ptr + row * stride_bt + j)
         base = block.to(tl.int64) * stride_kb + kv_head * stride_kh
         kv_offsets = base + s[:, None] * stride_ks + d[None, :]
@@ -156,8 +159,14 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION) * scale
+        if HAS_SOFTCAP:  # softcap * tanh(score / softcap), tanh from one exp (stable)
+            x = scores / softcap
+            t = tl.exp(-2.0 * tl.abs(x))
+            scores = softcap * tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t)
         key_pos = j * BLOCK_SIZE + s
         visible = (key_pos[None, :] <= q_pos[:, None]) & valid[:, None]
+        if HAS_WINDOW:  # each token sees its last `window` keys, itself included
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # Rows with nothing visible yet keep -inf; exp2 of (-inf) - (-inf) must not be NaN.
@@ -174,8 +183,14 @@ def _paged_attention_kernel(
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: TileMetadata, scale: float) -> torch.Tensor:
-    """query [T, Hq, D], caches [num_blocks, Hkv, bs, D] -> [T, Hq * D]."""
+                    meta: TileMetadata, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """query [T, Hq, D], caches [num_blocks, Hkv, bs, D] -> [T, Hq * D]. ``window`` > 0:
+    each token sees only its last ``window`` keys, itself included (a sliding-window
+    layer); ``softcap`` > 0: scores capped to softcap * tanh(score / softcap) (Gemma 2)."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and "
+                         f"{softcap}.")
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, cache_dim = key_cache.shape
     group = num_heads // num_kv_heads
@@ -191,7 +206,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _paged_attention_kernel[(meta.num_tiles, num_kv_heads)](
         out, query, key_cache, value_cache, meta.block_table,
         meta.row, meta.q_start, meta.q_len, meta.pos0,
-        scale,
+        scale, window, softcap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         meta.block_table.stride(0),
@@ -201,6 +216,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         # Triton's CPU interpreter multiplies 16-bit floats wrongly: it runs the products
         # in float32 (CI's runs), the GPU in the model's dtype with float32 accumulation.
         DOT_IN_FP32=_INTERPRETED and query.dtype != torch.float32,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
     )
     return out.view(num_tokens, num_heads * head_dim)
 

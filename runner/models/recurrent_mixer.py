@@ -74,16 +74,21 @@ class RecurrentMixer(nn.Module):
             raise RuntimeError("the recurrent state cache is not allocated "
                                "(initialize_kv_cache first).")
         for span in meta.spans:
-            rows = slice(span.start, span.end)
             fresh = span.read_slot < 0
-            conv_out, history = causal_conv_span(
-                conv_in[rows], None if fresh else self.conv_state[span.read_slot],
-                self.conv_weight, self.conv_bias)
-            self.conv_state[span.write_slot] = history
-            out[rows], final = self.scan_span(
-                conv_out, tuple(t[rows] for t in per_token),
-                None if fresh else self.ssm_state[span.read_slot])
-            self.ssm_state[span.write_slot] = final
+            history = None if fresh else self.conv_state[span.read_slot]
+            state = None if fresh else self.ssm_state[span.read_slot]
+            start = span.start
+            # Pieces of the span: up to each cut (a snapshot of the state there), then the
+            # rest; each continues the one before.
+            for end, slot in (*span.cuts, (span.end, span.write_slot)):
+                rows = slice(start, end)
+                conv_out, history = causal_conv_span(conv_in[rows], history,
+                                                     self.conv_weight, self.conv_bias)
+                self.conv_state[slot] = history
+                out[rows], state = self.scan_span(conv_out, tuple(t[rows] for t in per_token),
+                                                  state)
+                self.ssm_state[slot] = state
+                start = end
         if meta.recurrent is not None:
             self._run_recurrent(meta.recurrent, conv_in, per_token, out)
         if meta.saves is not None:  # prefix caching: states at block boundaries

@@ -55,6 +55,8 @@ DTYPES: tuple[str, ...] = get_args(DType)
 Quantization = Literal["gguf", "gptq", "awq", "none"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ExecutorBackend = Literal["uni", "ray"]
+MambaCacheMode = Literal["align", "all"]
+MAMBA_CACHE_MODES: tuple[str, ...] = get_args(MambaCacheMode)
 EXECUTOR_BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)
@@ -199,12 +201,18 @@ class CacheConfig:
     # Hybrid models with prefix caching: snapshots of the recurrent states at block
     # boundaries (scheduler/kv/state_snapshots.py); None: two per max_num_seqs.
     num_state_snapshots: int | None = None
+    # Where they are taken (vLLM's names): "align", where a prefill chunk ends (chunks cut
+    # at block boundaries); "all", at every block boundary a prefill passes.
+    mamba_cache_mode: MambaCacheMode = "align"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise _bad("block_size", self.block_size, "must be a positive power of two")
         _check_at_least_1(self, "num_kv_blocks", "kv_cache_memory_bytes",
                           "num_state_snapshots")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise _bad("mamba_cache_mode", self.mamba_cache_mode,
+                       f"must be one of {MAMBA_CACHE_MODES}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
 

@@ -137,13 +137,6 @@ def test_ngram_speculation_on_a_windowed_model_under_async_equals_transformers(
     assert metrics["raylm:spec_decode_num_draft_tokens"] > 0
 
 
-def test_the_triton_backend_refuses_a_windowed_model_by_name(windowed_paths, monkeypatch):
-    monkeypatch.setenv("RAYLM_ATTENTION_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match=r"sliding_window \[5\] .* Triton attention backend"):
-        LLM(windowed_paths["qwen2"])
-
-
 @pytest.mark.parametrize(("async_scheduling", "ngram"), [(False, False), (True, False),
                                                          (True, True)],
                          ids=["sync", "async", "async-ngram"])

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 from engine_idle import idle_metrics
+from family_check import assert_state_snapshot_hits
 
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
@@ -85,6 +86,12 @@ def test_the_state_layers_and_the_partial_rotary_change_the_models_tokens(
 
 
 LOOP_PROMPTS = [[412, 7, 99], list(range(40, 57)), list(range(300, 330)), [5, 9, 13, 21]]
+
+
+@pytest.mark.parametrize("mode, hits", [("align", 0), ("all", 8)])
+def test_all_mode_saves_the_state_at_every_block_boundary_a_prefill_passes(
+        bamba_path, hf_oracle, mode, hits):
+    assert_state_snapshot_hits(bamba_path, hf_oracle(bamba_path), mode, hits)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 from engine_idle import idle_metrics
+from family_check import assert_state_snapshot_hits
 
 from raylm import LLM, SamplingParams
 from raylm.runner.loading.checkpoint import (
@@ -71,6 +72,11 @@ def test_the_rotary_fraction_is_honoured(qwen3_next_path, tmp_path, hf_oracle):
         out = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
+
+
+def test_all_mode_saves_the_gated_delta_state_at_every_block_boundary(qwen3_next_path,
+                                                                     hf_oracle):
+    assert_state_snapshot_hits(qwen3_next_path, hf_oracle(qwen3_next_path), "all", 8)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -1,6 +1,7 @@
 """The whole engine on the Triton attention kernel (the CUDA path), run on CPU by Triton's
 interpreter: greedy tokens equal transformers through chunked prefill, a prefix-cache hit
-and preemption, sync and async; and the draft model's forwards take the same kernel."""
+and preemption, sync and async; a Gemma 2 with sliding-window and global layers (their own
+KV cache groups) and capped scores; and the draft model's forwards take the same kernel."""
 
 from __future__ import annotations
 
@@ -49,6 +50,35 @@ def test_chunks_prefix_hits_and_preemption_equal_hf(llama_path, hf_oracle, async
     m = llm.get_metrics()
     assert m["raylm:num_preemptions"] > 0, m
     assert m["raylm:prefix_cache_hits"] > 0, m
+    assert triton_backend["attention"] > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_sliding_windows_and_capped_scores_equal_hf(tmp_path_factory, hf_oracle,
+                                                    triton_backend):
+    """Gemma 2: layers 0 and 2 see their last 20 keys (blocks before a tile's window are
+    skipped, the window masks the rest), layer 1 all of them, every score capped; the
+    sliding layers' blocks freed behind their window. Async, a 16-token budget, a shared
+    start and a pool too small for every request at once."""
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    path = write_random_checkpoint(
+        str(tmp_path_factory.mktemp("gemma2_triton") / "m"),
+        CheckpointSpec(architecture="Gemma2ForCausalLM", num_hidden_layers=3,
+                       sliding_window=20, head_dim=16, final_logit_softcapping=30.0,
+                       attn_logit_softcapping=0.5, seed=38))
+    llm = LLM(path, async_scheduling=True, block_size=16, num_kv_blocks=20,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    vocab = llm.llm_engine.model_config.vocab_size
+    shared = _prompts(vocab, [32], seed=9)[0]
+    prompts = [shared + p for p in _prompts(vocab, [5, 13], seed=3)]
+    prompts += _prompts(vocab, [40, 2], seed=5)
+    _check_against_hf(llm, hf_oracle(path), prompts, [30, 24, 28, 20])
+    m = llm.get_metrics()
+    kv = llm.llm_engine.core.engine_core.scheduler.kv_cache_manager
+    assert kv.num_groups == 3 and kv.num_window_freed_blocks > 0
+    assert m["raylm:num_preemptions"] > 0 and m["raylm:prefix_cache_hits"] > 0, m
     assert triton_backend["attention"] > 0
     _assert_no_leak(llm)
     llm.shutdown()
