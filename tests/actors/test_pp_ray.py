@@ -120,6 +120,10 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     pytest.param(dict(architecture="Qwen2ForCausalLM", sliding_window=5, max_window_layers=1,
                       seed=23), {},
                  id="qwen2-sliding-window"),
+    # Mistral: the window on every layer, so every stage frees the blocks behind it; 18
+    # blocks (what a request may hold with 4 steps of 16 tokens unsettled) still preempt.
+    pytest.param(dict(architecture="MistralForCausalLM", sliding_window=5, seed=21),
+                 {"num_kv_blocks": 18}, id="mistral-sliding-window"),
     # Sparse expert MLPs with TP inside the experts (each rank every expert's slice of the
     # intermediate dimension, one all-reduce per layer), a dense layer between.
     pytest.param(dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, head_dim=32,
