@@ -25,6 +25,7 @@ NON_DEFAULTS = {
     "tokenizer": "/tok", "served_model_name": "mine", "dtype": "bfloat16",
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8,
     "enable_prefix_caching": False, "num_kv_blocks": 40, "kv_cache_memory_bytes": 1 << 20,
+    "mamba_cache_mode": "all",
     "enforce_eager": True, "compile_fused_ops": True, "quantization": "none",
     "gpu_memory_utilization": 0.5,
     "seed": 7, "async_scheduling": False,
