@@ -46,7 +46,7 @@ def test_raylm_serve_answers_with_gemma3_270m_as_transformers(gemma3_270m, hf_or
     proc = subprocess.Popen(
         [sys.executable, "-m", "raylm.cluster.cli", "serve", gemma3_270m, "--port", str(port),
          "--served-model-name", "gemma3", "--dtype", "float32", "--quantization", "none",
-         "--max-model-len", "512"],
+         "--max-model-len", "512", "--proxy", "ray"],  # HAProxy entries: test_serve_cli
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     base = f"http://127.0.0.1:{port}"
