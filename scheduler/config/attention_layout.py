@@ -90,16 +90,6 @@ def _checked(window: Any) -> int | None:
     return window
 
 
-def uniform_window(architecture: str, hf_config: dict[str, Any]) -> int | None:
-    """The window every layer honours (the largest, when they differ), or None when some
-    layer attends to every key: only then may a request's out-of-window blocks go back to
-    the pool (its blocks are shared by all layers)."""
-    windows = layer_windows(architecture, hf_config)
-    if not windows or any(w is None for w in windows):
-        return None
-    return max(w for w in windows if w is not None)
-
-
 def check_attention_layout(architecture: str, hf_config: dict[str, Any]) -> None:
     """ValueError naming the field when the checkpoint asks for a layer raylm cannot run."""
     layer_windows(architecture, hf_config)

@@ -19,7 +19,6 @@ from typing import Any, Literal, get_args
 from raylm.scheduler.config.attention_layout import (
     check_attention_layout,
     layer_windows,
-    uniform_window,
 )
 from raylm.scheduler.config.checkpoint_quantization import (
     CHECKPOINT_METHODS,
@@ -153,12 +152,6 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return supported_architecture(self.hf_config["architectures"], self.model)
-
-    @functools.cached_property
-    def uniform_window(self) -> int | None:
-        """The sliding window every layer honours, or None (attention_layout.py); read
-        once (every request's admission asks, through kv_blocks_per_request)."""
-        return uniform_window(self.architecture, self.hf_config)
 
     @functools.cached_property
     def layer_windows(self) -> tuple[int | None, ...]:

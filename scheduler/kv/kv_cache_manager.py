@@ -140,11 +140,13 @@ class KVCacheManager:
             if miss < 0:
                 break
             num_hit = miss
+        first = [0 if window is None else self._first_in_window(num_hit * self.block_size,
+                                                                  window)
+                 for window in self.group_windows]
         out: list[KVCacheBlock] = []
         for j in range(num_hit):
-            for g, window in enumerate(self.group_windows):
-                if window is not None and j < self._first_in_window(num_hit * self.block_size,
-                                                                    window):
+            for g in range(G):
+                if j < first[g]:
                     out.append(self.null_block)
                 else:
                     block = get(group_block_key(hashes[j], g))
