@@ -100,6 +100,10 @@ def check_correctness(root: str, quick: bool) -> None:
         "qwen3-moe": CheckpointSpec(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3,
                                     head_dim=32, mlp_only_layers=(1,), seed=31),
         "mixtral": CheckpointSpec(architecture="MixtralForCausalLM", num_experts=4, seed=35),
+        # DeepSeek-V3: absorbed latent attention (one KV head of 48 channels, padded in the
+        # Triton kernel, value read from the key cache) and the grouped sigmoid router.
+        "deepseek-v3": CheckpointSpec(architecture="DeepseekV3ForCausalLM",
+                                      num_hidden_layers=3, seed=41),
         # Sliding windows and capped scores in the Triton kernel: Mistral's window on every
         # layer; Gemma 2's on layers 0 and 2 (their own KV cache group), layer 1 global.
         "mistral-window": CheckpointSpec(architecture="MistralForCausalLM", sliding_window=20,

@@ -149,9 +149,8 @@ class ModelRunner:
         return self.model
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
         draft = self.speculator.kv_cache_bytes_per_block() if self.speculator else 0
-        return draft + sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+        return draft + sum(a.cache_bytes_per_block(self.block_size, self.dtype)
                            for a in self._cache_tensor_layers().values())
 
     def _cache_tensor_layers(self) -> dict[int, Attention]:
@@ -167,7 +166,8 @@ class ModelRunner:
             group, tensor = groups.layer_slots[attn.decoder_layer]
             attn.kv_group = group
             other = first.setdefault(tensor, attn)
-            if (other.num_kv_heads, other.head_dim) != (attn.num_kv_heads, attn.head_dim):
+            if ((other.num_kv_heads, other.head_dim, other.latent_cache)
+                    != (attn.num_kv_heads, attn.head_dim, attn.latent_cache)):
                 raise ValueError(
                     f"layers {other.decoder_layer} and {attn.decoder_layer} of "
                     f"{self.model_config.model!r} share a KV cache tensor but their pages "
@@ -192,7 +192,8 @@ class ModelRunner:
         # Padded rows write and read one more block, which the scheduler never hands out.
         allocated = num_blocks + 1 if self.pad_decode_steps else num_blocks
         tensors = {t: allocate_kv_cache(allocated, self.block_size, attn.num_kv_heads,
-                                        attn.head_dim, self.dtype, self.device)
+                                        attn.head_dim, self.dtype, self.device,
+                                        attn.latent_cache)
                    for t, attn in self._cache_tensor_layers().items()}
         groups = self.kv_cache_groups
         for i, attn in enumerate(self.loaded_model.attention_layers):

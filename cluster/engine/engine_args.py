@@ -323,9 +323,12 @@ def kv_bytes_per_block(hf_config: dict[str, Any], dtype: str, block_size: int) -
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    per_token = 2 * kv_heads * head_dim
+    if "kv_lora_rank" in hf_config:  # latent attention: the latent and the rotated key
+        per_token = int(hf_config["kv_lora_rank"]) + int(hf_config["qk_rope_head_dim"])
     name = dtype if dtype != "auto" else str(hf_config.get("torch_dtype", "float32"))
     elem = _DTYPE_BYTES.get(name, 4)
-    return 2 * int(hf_config["num_hidden_layers"]) * block_size * kv_heads * head_dim * elem
+    return int(hf_config["num_hidden_layers"]) * block_size * per_token * elem
 
 
 # ---- the surfaces derived from the fields ------------------------------------------------

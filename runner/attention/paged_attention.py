@@ -132,18 +132,22 @@ def head_rows(block_ids: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device | str
+                      dtype: torch.dtype, device: torch.device | str, latent: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's (key, value) cache ``[num_blocks, num_kv_heads, block_size, head_dim]``.
-    Zeros, not empty: masked positions of a partly filled block are still multiplied (by a
+    """One layer's (key, value) cache ``[num_blocks, num_kv_heads, block_size, head_dim]``;
+    ``latent`` (multi-head latent attention): one tensor, returned as both. Zeros, not
+    empty: masked positions of a partly filled block are still multiplied (by a
     zero weight), and 0 * NaN garbage would poison the attention output. On the CPU in
     huge pages (see ``huge_page_zeros``): decode reads scattered blocks."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if torch.device(device).type == "cpu":
-        prefault = envs.cpu_kv_prefault()
-        return huge_page_zeros(shape, dtype, prefault), huge_page_zeros(shape, dtype, prefault)
-    return (torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device))
+
+    def zeros() -> torch.Tensor:
+        if torch.device(device).type == "cpu":
+            return huge_page_zeros(shape, dtype, envs.cpu_kv_prefault())
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    key = zeros()
+    return (key, key) if latent else (key, zeros())
 
 
 class HostUpload:
@@ -272,8 +276,12 @@ class Attention(nn.Module):
     """Attention over the paged KV cache for one layer (this rank's heads only)."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 latent_cache: bool = False) -> None:
         super().__init__()
+        # Multi-head latent attention (runner/models/mla.py): the cache holds one tensor,
+        # the key, whose leading channels are also the value; no value is written.
+        self.latent_cache = latent_cache
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}.")
         if softcap is not None and not softcap > 0:
@@ -302,6 +310,16 @@ class Attention(nn.Module):
         self.decoder_layer = 0
         self.kv_group = 0
 
+    @property
+    def kv_tensors(self) -> int:
+        """Cache tensors per layer: 2 (key, value), or 1 for a latent cache."""
+        return 1 if self.latent_cache else 2
+
+    def cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """This layer's KV cache bytes per block."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.kv_tensors * block_size * self.num_kv_heads * self.head_dim * elem
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq * D]."""
@@ -325,7 +343,8 @@ class Attention(nn.Module):
         write = meta.write_index(self.num_kv_heads)
         tokens = (-1, self.head_dim)
         key_cache.view(tokens).index_copy_(0, write, key.reshape(tokens))
-        value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
+        if not self.latent_cache:
+            value_cache.view(tokens).index_copy_(0, write, value.reshape(tokens))
         if connector is not None:
             connector.save_kv_layer(self.layer_index)
         if self.sliding_window is not None:

@@ -120,8 +120,9 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kh, stride_ks, stride_bt,
     GROUP: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,13 +136,15 @@ def _paged_attention_kernel(
     token = m // GROUP
     head = kv_head * GROUP + m % GROUP
     valid = (token < q_len) & (token < TILE)
-    d = tl.arange(0, HEAD_DIM)
+    # Channels padded to a power of two (latent attention's 576), the padding masked.
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :], mask=valid[:, None], other=0.0)
+                + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     q_pos = pos0 + token  # the last key each row may see
-    acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((ROWS, HEAD_DIM_PAD), dtype=tl.float32)
     row_max = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((ROWS,), dtype=tl.float32)
     keys = pos0 + q_len  # keys of the tile's last token
@@ -153,8 +156,8 @@ def _paged_attention_kernel(
         block = tl.load(block_table_ptr + row * stride_bt + j)
         base = block.to(tl.int64) * stride_kb + kv_head * stride_kh
         kv_offsets = base + s[:, None] * stride_ks + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets)
-        v = tl.load(v_cache_ptr + kv_offsets)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=d_ok[None, :], other=0.0)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -179,7 +182,8 @@ def _paged_attention_kernel(
         row_max = new_max
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-             + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+             + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & d_ok[None, :])
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -211,6 +215,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         meta.block_table.stride(0),
         GROUP=group, TILE=tile, ROWS=rows, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         # float32 models keep IEEE products (TF32 would part from transformers' tokens).
         PRECISION="ieee" if query.dtype == torch.float32 or _INTERPRETED else "tf32",
         # Triton's CPU interpreter multiplies 16-bit floats wrongly: it runs the products
@@ -225,17 +230,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ch, stride_cs,
-                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # a padded token (slot -1) writes nothing
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = d < HEAD_DIM
         dst = (slot // BLOCK_SIZE) * stride_cb + head * stride_ch + (slot % BLOCK_SIZE) * stride_cs
-        k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d)
-        v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d)
-        tl.store(k_cache_ptr + dst + d, k)
-        tl.store(v_cache_ptr + dst + d, v)
+        k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=d_ok)
+        v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=d_ok)
+        tl.store(k_cache_ptr + dst + d, k, mask=d_ok)
+        tl.store(v_cache_ptr + dst + d, v, mask=d_ok)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -250,4 +257,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=key_cache.shape[2], HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )

@@ -25,6 +25,12 @@ from raylm.scheduler.kv_transfer.fault_injection import FaultInjectionMetadata
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value
 
 
+def layer_tensors(layer: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A layer's distinct cache tensors: key and value, or the one latent cache that a
+    latent-attention layer registers as both (runner/models/mla.py)."""
+    return layer[:1] if layer[0] is layer[1] else layer
+
+
 class KVConnectorWorker:
     def __init__(self, engine_config: EngineConfig, tp_rank: int = 0) -> None:
         kv = engine_config.kv_transfer_config

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from raylm.runner.kv_transfer.base import KVCaches, KVConnectorWorker
+from raylm.runner.kv_transfer.base import KVCaches, KVConnectorWorker, layer_tensors
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core_outputs import KVConnectorOutput
 from raylm.scheduler.kv_transfer.offloading import OffloadingMetadata
@@ -30,7 +30,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def __init__(self, engine_config: EngineConfig, tp_rank: int = 0) -> None:
         super().__init__(engine_config, tp_rank)
         self.num_cpu_blocks = self.config.num_cpu_blocks
-        self.host: KVCaches = []
+        self.host: list[tuple[torch.Tensor, ...]] = []  # per layer, its distinct tensors
         self._stream: torch.cuda.Stream | None = None
         self._events: list[torch.cuda.Event] = []
         self._pending_layers: set[int] = set()
@@ -49,7 +49,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             return torch.zeros((self.num_cpu_blocks, *cache.shape[1:]), dtype=cache.dtype,
                                pin_memory=pin)
 
-        self.host = [(host_copy(key), host_copy(value)) for key, value in kv_caches]
+        self.host = [tuple(host_copy(t) for t in layer_tensors(layer)) for layer in kv_caches]
         if pin:
             self._stream = torch.cuda.Stream(kv_caches[0][0].device)
 
@@ -100,7 +100,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def _copy_layer(self, layer: int) -> None:
         assert self._index is not None  # start_load_kv set it before any copy
         save_blocks, save_slots, load_slots, load_blocks = self._index
-        for cache, host in zip(self.kv_caches[layer], self.host[layer], strict=True):
+        for cache, host in zip(layer_tensors(self.kv_caches[layer]), self.host[layer],
+                               strict=True):
             if save_slots.numel():  # blocking: done before this step writes the blocks
                 host.index_copy_(0, save_slots, cache.index_select(0, save_blocks).cpu())
             if load_slots.numel():
@@ -111,7 +112,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
                 cache.index_copy_(0, load_blocks, staged.to(cache.device, non_blocking=True))
 
     def _account(self, meta: OffloadingMetadata) -> None:
-        per_block = sum(c[0].nbytes for c in self.host) * 2 // max(self.num_cpu_blocks, 1)
+        per_block = sum(t.nbytes for layer in self.host for t in layer) // max(
+            self.num_cpu_blocks, 1)
         seconds = time.perf_counter() - self._t0
         n = len(meta.saves) + len(meta.loads)
         if meta.saves:

@@ -38,7 +38,8 @@ class CheckpointSpec:
                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                           "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                           "BambaForCausalLM", "GraniteMoeHybridForCausalLM",
-                          "Qwen3NextForCausalLM", "FalconH1ForCausalLM"] = "LlamaForCausalLM"
+                          "Qwen3NextForCausalLM", "FalconH1ForCausalLM",
+                          "DeepseekV3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -80,6 +81,17 @@ class CheckpointSpec:
     # position_embedding_type)
     layer_types: tuple[str, ...] = ("mamba", "attention")
     shared_intermediate_size: int = 48
+    # DeepSeek-V3: latent attention's ranks and head dims (q_lora_rank None: a plain q_proj),
+    # the first dense layers, expert groups, shared experts; its MoE fields as above
+    q_lora_rank: int | None = 48
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 24
+    first_k_dense_replace: int = 1
+    n_group: int = 2
+    topk_group: int = 1
+    n_shared_experts: int = 1
     config_overrides: tuple[tuple[str, Any], ...] = ()
 
 
@@ -187,6 +199,18 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         # value heads of 16 (config_overrides changes them).
         kwargs.update(linear_num_key_heads=2, linear_num_value_heads=4,
                       linear_key_head_dim=16, linear_value_head_dim=16)
+    if spec.architecture == "DeepseekV3ForCausalLM":
+        # Every head has its own key and value from the latent (transformers repeats none).
+        kwargs.update(num_key_value_heads=spec.num_attention_heads,
+                      n_routed_experts=spec.num_experts,
+                      num_experts_per_tok=spec.num_experts_per_tok,
+                      norm_topk_prob=spec.norm_topk_prob,
+                      moe_intermediate_size=spec.moe_intermediate_size,
+                      q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                      qk_nope_head_dim=spec.qk_nope_head_dim,
+                      qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+                      first_k_dense_replace=spec.first_k_dense_replace, n_group=spec.n_group,
+                      topk_group=spec.topk_group, n_shared_experts=spec.n_shared_experts)
     if spec.architecture == "MixtralForCausalLM":
         kwargs.update(num_local_experts=spec.num_experts,
                       num_experts_per_tok=spec.num_experts_per_tok)
@@ -255,6 +279,8 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         config = transformers.Qwen3NextConfig(**kwargs)
     elif spec.architecture == "FalconH1ForCausalLM":
         config = transformers.FalconH1Config(**kwargs)
+    elif spec.architecture == "DeepseekV3ForCausalLM":
+        config = transformers.DeepseekV3Config(**kwargs)
     else:
         raise ValueError(f"architecture {spec.architecture!r} cannot be written.")
     torch.manual_seed(spec.seed)
@@ -265,6 +291,9 @@ def write_random_checkpoint(path: str, spec: CheckpointSpec = CheckpointSpec()) 
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * spec.initializer_range)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=gen) * spec.initializer_range)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

@@ -13,7 +13,13 @@ from raylm.runner.models.registry import resolve_architecture
 from raylm.scheduler.config.attention_layout import layer_windows
 from raylm.scheduler.config.gdn_shape import GatedDeltaShape
 from raylm.scheduler.config.mamba2_shape import Mamba2Shape
-from raylm.scheduler.config.moe_layout import moe_layers, moe_traits
+from raylm.scheduler.config.mla_shape import MLAShape
+from raylm.scheduler.config.moe_layout import (
+    DEEPSEEK_V3,
+    GroupedSigmoidRouting,
+    moe_layers,
+    moe_traits,
+)
 from raylm.scheduler.config.state_layout import LayerMixer, layer_mixers
 
 QKNorm = Literal["none", "head", "projection"]
@@ -69,6 +75,9 @@ class DecoderConfig:
     attn_output_gate: bool = False
     # Falcon-H1 (None for the others): its muP multipliers
     falcon: FalconTraits | None = field(default=None, compare=False, repr=False)
+    # DeepSeek-V3: latent attention's shape, and its grouped sigmoid router
+    mla: MLAShape | None = None
+    grouped_sigmoid: GroupedSigmoidRouting | None = None
 
     @property
     def has_state_layers(self) -> bool:
@@ -143,5 +152,7 @@ class DecoderConfig:
             attn_output_gate=arch == "Qwen3NextForCausalLM",
             granite=granite,
             shared_expert_gated=moe.shared_expert_gated,
+            mla=MLAShape.from_hf(hf) if arch == DEEPSEEK_V3 else None,
+            grouped_sigmoid=moe.grouped_sigmoid,
         )
 

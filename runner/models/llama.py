@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, the mixtures of experts
-Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, and the Mamba2 hybrid Bamba) over one flattened mixed
-batch.
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 with its latent attention, and the
+hybrids Bamba, Granite 4, Qwen3-Next, Falcon-H1) over one flattened mixed batch.
 
 ``forward(input_ids [T], positions [T], attn_metadata)`` runs every scheduled token of every
 request at once (prefills, chunks and decodes together). With pipeline parallelism the
@@ -39,6 +39,7 @@ from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
 from raylm.runner.models.gated_delta_mixer import GatedDeltaNetMixer
 from raylm.runner.models.mamba2_mixer import Mamba2Mixer
+from raylm.runner.models.mla import MLAAttention
 from raylm.runner.models.moe import SparseMoeBlock
 from raylm.runner.models.projection_norm import ProjectionRMSNorm
 from raylm.runner.models.recurrent_mixer import RecurrentMixer
@@ -219,7 +220,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
         # The token mixer: attention, or a Mamba2 mixer in a hybrid model's state layers.
-        self.self_attn: LlamaAttention | None = None
+        self.self_attn: LlamaAttention | MLAAttention | None = None
         self.mamba: Mamba2Mixer | None = None  # Bamba, Granite 4
         self.linear_attn: GatedDeltaNetMixer | None = None  # Qwen3-Next
         mixer = cfg.layer_mixers[layer] if cfg.layer_mixers else "attention"
@@ -231,6 +232,9 @@ class LlamaDecoderLayer(nn.Module):
         elif mixer == "gated_delta":
             assert cfg.gated_delta is not None  # set with the mixers
             self.linear_attn = GatedDeltaNetMixer(cfg.gated_delta, cfg.hidden_size, ctx, dtype)
+        elif mixer == "attention" and cfg.mla is not None:  # DeepSeek-V3
+            self.self_attn = MLAAttention(cfg.mla, cfg.hidden_size, cfg.num_attention_heads,
+                                          cfg.qkv_bias, cfg.rms_norm_eps, ctx, dtype)
         elif mixer == "attention":
             self.self_attn = LlamaAttention(cfg, ctx, dtype, ops, cfg.layer_windows[layer])
         if self.self_attn is not None:
@@ -254,7 +258,7 @@ class LlamaDecoderLayer(nn.Module):
                                       cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.norm_topk_prob, ctx, dtype,
                                       cfg.shared_expert_intermediate_size,
-                                      cfg.shared_expert_gated)
+                                      cfg.shared_expert_gated, cfg.grouped_sigmoid)
 
     @property
     def recurrent_mixer(self) -> RecurrentMixer | None:
@@ -387,7 +391,9 @@ _GRANITE_FUSED = re.compile(r"model\.layers\.(\d+)\.(shared_mlp|block_sparse_moe
 
 def canonical_weight_name(name: str) -> str:
     """The checkpoint tensor's name in the spelling the loader matches (Qwen-MoE's for
-    experts, Llama's for Bamba's layers)."""
+    experts, Llama's for Bamba's layers, Qwen2-MoE's for DeepSeek's shared experts)."""
+    if ".mlp.shared_experts." in name:
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     for old, new in _RECURRENT_RENAMES:
         if old in name:
             return name.replace(old, new)
@@ -484,6 +490,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
+            # (DeepSeek's multi-token-prediction layers come after the decoder's)
             if not self.model.start_layer <= layer < self.model.end_layer:
                 return False
             # Expert parallelism: another rank's expert stays unread.
@@ -544,6 +551,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         start, end = self.model.start_layer, self.model.end_layer
         tied = self.config.tie_word_embeddings
+        mla = self.config.mla is not None  # its q_proj is its own, not a q/k/v part
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or name.startswith(_NOT_LOADED):
                 continue
@@ -551,7 +559,7 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith("model.layers."):
                 index = int(name.split(".")[2])
                 if not start <= index < end:
-                    continue  # another pipeline stage's layer
+                    continue  # another pipeline stage's layer, or DeepSeek's MTP layers
             if name == "lm_head.weight" and tied:
                 continue  # tied: the LM head reads the embedding
             if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
@@ -566,7 +574,7 @@ class LlamaForCausalLM(nn.Module):
             gated_q = _Q_PROJ.fullmatch(name) if self.config.attn_output_gate else None
             if gated_q is not None:
                 attn = cast(LlamaDecoderLayer, self.model.layers[int(gated_q[1])]).self_attn
-                if attn is None:
+                if not isinstance(attn, LlamaAttention):
                     raise ValueError(f"checkpoint tensor {name!r}: that layer is not attention.")
                 attn.load_gated_q_proj(tensor)
                 loaded.update({name.replace(".q_proj.", ".qkv_proj."),
@@ -597,7 +605,7 @@ class LlamaForCausalLM(nn.Module):
                                    f"model.layers.{layer}.mlp.w2"))
                 continue
             for ckpt_part, param_part, shard_id in _STACKED_PARAMS:
-                if ckpt_part in name:
+                if ckpt_part in name and not (mla and isinstance(shard_id, str)):
                     target = name.replace(ckpt_part, param_part)
                     param = params[target]
                     _attached_loader(param).weight_loader(param, tensor, shard_id)

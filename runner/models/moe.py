@@ -1,7 +1,9 @@
 """A sparse mixture-of-experts MLP (Qwen3-MoE's, Qwen2-MoE's, Mixtral's, OLMoE's): a softmax
 router picks each token's top-k experts, each expert is a SwiGLU MLP, and a token's output
 is the weighted sum of its experts' outputs, plus, for Qwen2-MoE, a dense shared expert's
-output scaled by a sigmoid gate (Granite 4's shared MLP: ungated).
+output scaled by a sigmoid gate (Granite 4's shared MLP: ungated). DeepSeek-V3's router
+instead scores by sigmoid and picks within the best groups of experts
+(``grouped_sigmoid``; scheduler/config/moe_layout.py), in float32 as transformers does.
 
 The experts run grouped by expert: one pair of matmuls per expert over the tokens routed
 to it (no per-token loop), their outputs added in expert order as transformers adds them.
@@ -32,13 +34,15 @@ from raylm.parallel.layers import (
     replicated_weight_loader,
     set_weight_loader,
 )
+from raylm.scheduler.config.moe_layout import GroupedSigmoidRouting
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, ctx: ParallelContext, dtype: torch.dtype,
                  shared_expert_intermediate_size: int = 0,
-                 shared_expert_gated: bool = True) -> None:
+                 shared_expert_gated: bool = True,
+                 grouped_sigmoid: GroupedSigmoidRouting | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], "
@@ -62,7 +66,9 @@ class SparseMoeBlock(nn.Module):
             self.first_expert, self.num_local_experts = 0, num_experts
             self.intermediate = divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
         self.sliced = self.intermediate != intermediate_size
-        self.gate = _Router(num_experts, hidden_size, ctx, dtype)
+        self.grouped_sigmoid = grouped_sigmoid
+        self.gate = _Router(num_experts, hidden_size, ctx, dtype,
+                            score_correction=grouped_sigmoid is not None)
         # Per local expert: [gate; up] rows of this rank's slice, and down's columns of it.
         self.w13 = new_param((self.num_local_experts, 2 * self.intermediate, hidden_size), ctx,
                              dtype)
@@ -126,11 +132,7 @@ class SparseMoeBlock(nn.Module):
         self._loaded.add((expert, proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(x)
         weights = weights.to(x.dtype)
         if self.dp_group is not None:
             return self._forward_across_dp(x, weights, experts, self.dp_group)
@@ -139,6 +141,35 @@ class SparseMoeBlock(nn.Module):
             # This rank's share of the shared expert, summed by the same all-reduce.
             out += self._shared(x)
         return tp_all_reduce(out, self.ctx)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their float32 weights [T, k]."""
+        if self.grouped_sigmoid is not None:
+            return self._route_grouped_sigmoid(x, self.grouped_sigmoid)
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def _route_grouped_sigmoid(self, x: torch.Tensor, routing: GroupedSigmoidRouting
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3: the biased scores pick the groups (by their two best) and the
+        experts within them; the unbiased scores weigh them."""
+        assert self.gate.e_score_correction_bias is not None  # built with grouped_sigmoid
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias
+        grouped = choice.view(-1, routing.n_group, self.num_experts // routing.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, routing.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1),
+                                    float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * routing.routed_scaling_factor, experts
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         assert self.shared_expert is not None  # callers check
@@ -228,13 +259,20 @@ class SharedExpert(nn.Module):
 
 class _Router(nn.Module):
     """The router's linear (``mlp.gate.weight``, [num_experts, hidden]), whole on every rank;
-    also Qwen2-MoE's shared-expert gate ([1, hidden])."""
+    also Qwen2-MoE's shared-expert gate ([1, hidden]). DeepSeek-V3's adds
+    ``e_score_correction_bias``."""
 
     def __init__(self, num_experts: int, hidden_size: int, ctx: ParallelContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, score_correction: bool = False) -> None:
         super().__init__()
-        self.weight = new_param((num_experts, hidden_size), ctx, dtype)
+        # DeepSeek-V3 keeps its router in float32 (and the score bias beside it).
+        self.weight = new_param((num_experts, hidden_size), ctx,
+                                torch.float32 if score_correction else dtype)
         set_weight_loader(self.weight, replicated_weight_loader)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if score_correction:
+            self.e_score_correction_bias = new_param((num_experts,), ctx, torch.float32)
+            set_weight_loader(self.e_score_correction_bias, replicated_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

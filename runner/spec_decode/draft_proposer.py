@@ -75,14 +75,14 @@ class DraftModelProposer:
         return self.model
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+        return sum(a.cache_bytes_per_block(self.block_size, self.dtype)
                    for a in self.loaded_model.attention_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         for attn in self.loaded_model.attention_layers:
             attn.kv_cache = allocate_kv_cache(num_blocks, self.block_size, attn.num_kv_heads,
-                                              attn.head_dim, self.dtype, self.device)
+                                              attn.head_dim, self.dtype, self.device,
+                                              attn.latent_cache)
 
     # ---------------------------------------------------------------- per step
     def forget(self, req_id: str) -> None:

@@ -7,6 +7,7 @@ broadcast group and the ring (checked on the workers themselves)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import ray
 from engine_idle import idle_metrics
 
 from raylm import LLM, SamplingParams
+from raylm.runner.models.decoder_config import DecoderConfig
 
 pytestmark = pytest.mark.ray
 
@@ -135,6 +137,11 @@ def test_three_stages_async(tmp_path_factory, hf_oracle):
     pytest.param(dict(architecture="Qwen2MoeForCausalLM", num_hidden_layers=3,
                       mlp_only_layers=(1,), norm_topk_prob=False, num_experts=8, seed=34),
                  {"enable_expert_parallel": True}, id="qwen2-moe-ep"),
+    # DeepSeek-V3: each TP rank its two heads' absorbed latent attention over the whole
+    # latent cache, and 4 of the 8 experts whole beside its slice of the shared expert;
+    # layer 0 dense, the grouped sigmoid router on layers 1 and 2.
+    pytest.param(dict(architecture="DeepseekV3ForCausalLM", num_hidden_layers=3, seed=44),
+                 {"enable_expert_parallel": True}, id="deepseek-v3-ep"),
     # Mixtral's weight names read per stage; OLMoE's q/k norm over the whole projection,
     # its mean square summed over the TP ranks' heads.
     pytest.param(dict(architecture="MixtralForCausalLM", num_experts=4, seed=35), {},
@@ -197,20 +204,21 @@ def test_other_families_tp2xpp2_async(tmp_path_factory, hf_oracle, spec, engine)
         if spec["architecture"] != "MistralForCausalLM":
             assert metrics["raylm:num_preemptions"] > 0
         if engine.get("enable_expert_parallel"):
-            _assert_experts_split_over_tp_ranks(llm, metrics, spec)
+            _assert_experts_split_over_tp_ranks(llm, metrics, path)
     finally:
         llm.shutdown()
 
 
-def _assert_experts_split_over_tp_ranks(llm: LLM, metrics: dict, spec: dict) -> None:
+def _assert_experts_split_over_tp_ranks(llm: LLM, metrics: dict, path: str) -> None:
     """TP rank t of each stage ran the t-th half of the experts of its stage's sparse
     layers only (Qwen2-MoE: 8 experts, layers 0 and 2, one per stage; Granite: 4 experts,
-    layers 0 and 1 on stage 0, 2 on stage 1); the engine's counters cover every expert of
-    every sparse layer."""
-    experts = spec["num_experts"]
+    layers 0 and 1 on stage 0, 2 on stage 1; DeepSeek-V3: 8 experts, layers 1 and 2); the
+    engine's counters cover every expert of every sparse layer."""
+    with open(f"{path}/config.json") as f:
+        cfg = DecoderConfig.from_hf(json.load(f))
+    experts = cfg.num_experts
     half = experts // 2
-    sparse = [i for i in range(spec["num_hidden_layers"])
-              if i not in spec.get("mlp_only_layers", ())]
+    sparse = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     stage_layers = ([i for i in sparse if i < 2], [i for i in sparse if i >= 2])
     core = llm.llm_engine.core
     workers = ray.get(core.ranks[0].worker_handles.remote(), timeout=30)

@@ -1,7 +1,8 @@
 """The whole engine on the Triton attention kernel (the CUDA path), run on CPU by Triton's
 interpreter: greedy tokens equal transformers through chunked prefill, a prefix-cache hit
 and preemption, sync and async; a Gemma 2 with sliding-window and global layers (their own
-KV cache groups) and capped scores; and the draft model's forwards take the same kernel."""
+KV cache groups) and capped scores; DeepSeek-V3's latent attention; and the draft model's
+forwards take the same kernel."""
 
 from __future__ import annotations
 
@@ -79,6 +80,22 @@ def test_sliding_windows_and_capped_scores_equal_hf(tmp_path_factory, hf_oracle,
     kv = llm.llm_engine.core.engine_core.scheduler.kv_cache_manager
     assert kv.num_groups == 3 and kv.num_window_freed_blocks > 0
     assert m["raylm:num_preemptions"] > 0 and m["raylm:prefix_cache_hits"] > 0, m
+    assert triton_backend["attention"] > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_latent_attention_equals_hf(tmp_path_factory, hf_oracle, triton_backend):
+    """DeepSeek-V3's absorbed latent attention on the kernel: one KV head of 48 channels
+    (padded in the kernel), the value read from the key cache; chunked, async."""
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    path = write_random_checkpoint(
+        str(tmp_path_factory.mktemp("mla_triton") / "m"),
+        CheckpointSpec(architecture="DeepseekV3ForCausalLM", num_hidden_layers=2, seed=45))
+    llm = LLM(path, async_scheduling=True, block_size=16, max_num_batched_tokens=16)
+    vocab = llm.llm_engine.model_config.vocab_size
+    _check_against_hf(llm, hf_oracle(path), _prompts(vocab, [40, 3, 21], seed=4), [12, 16, 9])
     assert triton_backend["attention"] > 0
     _assert_no_leak(llm)
     llm.shutdown()

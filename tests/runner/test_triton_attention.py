@@ -40,12 +40,13 @@ def _reference(q, k_cache, v_cache, table, length, scale, group, window=0, softc
 
 
 def _run(lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, window=0,
-         softcap=0.0, null_before_window=False):
+         softcap=0.0, null_before_window=False, latent=False):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 8
     k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    v_cache = (k_cache if latent  # latent attention: the key is the value
+               else torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype))
     free = iter((1 + rng.permutation(num_blocks - 1)).tolist())  # block 0: the null block
     tables = [[next(free) for _ in range(-(-n // block_size))] for n in lens]
     width = max(len(t) for t in tables)
@@ -83,6 +84,14 @@ Q_LENS = [1, 1, 1, 1, 4, 12, 37]
 def test_every_row_kind_matches_the_reference_in_float32(heads, kv_heads, head_dim, block_size):
     meta, worst = _run(LENS, Q_LENS, heads, kv_heads, head_dim, block_size, torch.float32)
     assert meta.num_tiles == 4 + 1 + 1 + 3 and meta.max_q_len == 16
+    assert worst < 1e-5, worst
+
+
+def test_latent_attention_shape_matches_the_reference():
+    """DeepSeek's absorbed MLA: 8 query heads over one KV head of 48 channels (a latent of
+    32 and a rotated key of 16; not a power of two, so the kernel pads and masks), the
+    value read from the key cache itself."""
+    meta, worst = _run(LENS, Q_LENS, 8, 1, 48, 16, torch.float32, latent=True)
     assert worst < 1e-5, worst
 
 
@@ -128,3 +137,13 @@ def test_cache_write_is_one_kernel_and_skips_padding():
     triton_paged.write_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache[1, :, 1], key[0]) and torch.equal(v_cache[0, :, 5], value[2])
     assert int((k_cache != 0).any(-1).sum()) == 2 * 2  # two tokens x two heads, not three
+
+
+def test_cache_write_of_a_latent_head_leaves_the_padding_channels_alone():
+    """48 channels (padded to 64 in the kernel) into a cache row of 48: the next row, which
+    the padding would reach, is untouched."""
+    cache = torch.zeros(2, 1, 4, 48)
+    key = torch.randn(2, 1, 48)
+    triton_paged.write_kv(key, key, cache, cache, torch.tensor([1, 6]))
+    assert torch.equal(cache[0, 0, 1], key[0, 0]) and torch.equal(cache[1, 0, 2], key[1, 0])
+    assert int((cache != 0).any(-1).sum()) == 2
