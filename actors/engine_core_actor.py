@@ -129,8 +129,14 @@ class EngineCoreActor:
                                    ep_group=self.ep_group)
         from raylm.actors.ray_executor import RayExecutor
 
+        # Experts spread over the DP ranks' workers (EP = DP x TP): each worker loads its
+        # share now and joins its group across the DP ranks in join_dp_group.
+        expert_dp = ((self.dp_rank, self.dp_size)
+                     if self.config.parallel_config.enable_expert_parallel and self.dp_size > 1
+                     else None)
         return RayExecutor(self.rank_config, placement_group=self.placement_group,
-                           bundle_offset=self.bundle_offset, **self.executor_kwargs)
+                           bundle_offset=self.bundle_offset, expert_dp=expert_dp,
+                           **self.executor_kwargs)
 
     def publish_dp_rendezvous(self, timeout_s: float = DEFAULT_DP_TIMEOUT_S) -> tuple[str, int]:
         """Rank 0: host the DP group's store on this node; returns (host, port)."""
@@ -149,14 +155,20 @@ class EngineCoreActor:
                                       local_host=self.node_ip, rendezvous=self._rendezvous)
         coordinator, rank = self.coordinator, self.dp_rank
         dummy = None
+        executor = self.engine_core.executor
         if self.ep_group is not None:
             # Its own Gloo group: the forward runs on the executor's step thread, the wave
             # syncs on the loop thread.
             self.ep_group.attach(self.group.sibling_group("raylm-ep"))
             from raylm.runner.uniproc_executor import UniProcExecutor
 
-            executor = self.engine_core.executor
             assert isinstance(executor, UniProcExecutor)  # model_in_rank_actor
+            dummy = executor.execute_dummy_batch
+        elif self.config.parallel_config.enable_expert_parallel:
+            from raylm.actors.ray_executor import RayExecutor
+
+            assert isinstance(executor, RayExecutor)  # the model runs in worker actors
+            executor.join_expert_groups(host, port, timeout_s)
             dummy = executor.execute_dummy_batch
         self.loop = DPEngineCoreLoop(
             self.engine_core, dp_rank=rank, dp_size=self.dp_size,

@@ -26,7 +26,7 @@ from raylm.actors.worker_actor import WorkerActor, new_token, output_rank
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.core_outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import DummyBatch, ModelRunnerOutput, SchedulerOutput
 from raylm.scheduler.structured.manager import GrammarOutput
 
 if TYPE_CHECKING:
@@ -74,11 +74,13 @@ class RayExecutor:
                  placement_timeout_s: float | None = None,
                  init_timeout_s: float = 600.0, dist_timeout_s: float = 300.0,
                  health_timeout_s: float = 30.0,
-                 worker_cls: type[Worker] | None = None) -> None:
+                 worker_cls: type[Worker] | None = None,
+                 expert_dp: tuple[int, int] | None = None) -> None:
         """``placement_group``: use bundles ``[bundle_offset, bundle_offset + pp)`` (one per
         pipeline stage, holding its TP group: ``stage_bundles``) of a group the caller owns (the EngineCore actor sits in an earlier bundle);
         otherwise the executor creates and owns one. ``worker_cls`` replaces
-        ``raylm.runner.worker.Worker`` (tests, benchmarks)."""
+        ``raylm.runner.worker.Worker`` (tests, benchmarks). ``expert_dp``: (DP rank, DP
+        size) of this engine when the experts spread over the DP ranks' workers too."""
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}.")
         pc = config.parallel_config
@@ -95,6 +97,7 @@ class RayExecutor:
         self._serving = False  # the workers' torch threads run the stream (first step on)
         self._seq = 0
         self._owns_pg = placement_group is None
+        self.expert_dp = expert_dp
         placement.ensure_ray_initialized(self.world_size * cpus_per_worker)
         try:
             self._init_placement(placement_group, bundle_offset, resource, cpus_per_worker,
@@ -155,7 +158,8 @@ class RayExecutor:
             init_method = self._get(
                 [self.workers[0].publish_rendezvous.remote(self.world_size, dist_timeout_s)],
                 init_timeout_s, "publishing the rendezvous")[0]
-        self._get([w.init_worker.remote(self.config, init_method, 0, worker_cls, dist_timeout_s)
+        self._get([w.init_worker.remote(self.config, init_method, 0, worker_cls, dist_timeout_s,
+                                        self.expert_dp)
                    for w in self.workers], dist_timeout_s + 60, "joining torch.distributed")
         devices = self._get([w.load_model.remote() for w in self.workers], init_timeout_s,
                             "loading the model")
@@ -257,7 +261,7 @@ class RayExecutor:
         samples), so it stays ordered behind the step it samples."""
         return self._submit(grammar_output, non_block)
 
-    def _submit(self, message: SchedulerOutput | GrammarOutput, non_block: bool
+    def _submit(self, message: SchedulerOutput | GrammarOutput | DummyBatch, non_block: bool
                 ) -> Future[ModelRunnerOutput] | ModelRunnerOutput:
         if self._dead_error is not None:
             raise self._dead_error
@@ -280,6 +284,18 @@ class RayExecutor:
         """Call a public Worker method on every rank; results in rank order."""
         refs = [w.call.remote(method, *args, **(kwargs or {})) for w in self.workers]
         return self._get(refs, timeout_s or self.health_timeout_s, f"collective_rpc({method!r})")
+
+    def join_expert_groups(self, host: str, port: int, timeout_s: float) -> None:
+        """Collective with the other DP ranks' executors: each worker joins the Gloo group
+        of its (stage, TP rank) across the DP ranks, on DP rank 0's store."""
+        self._get([w.join_expert_group.remote(host, port, timeout_s) for w in self.workers],
+                  timeout_s + 30, "joining the expert-parallel groups")
+
+    def execute_dummy_batch(self) -> None:
+        """A wave step without a forward of this DP rank's own: every worker runs its
+        stage's sparse layers' collectives with no rows, in order behind the steps sent
+        before it; returns once every worker has."""
+        self._submit(DummyBatch(), non_block=False)
 
     def expert_load(self) -> dict[int, dict[int, int]]:
         """Every rank's layers and experts merged: a stage's TP ranks report the same

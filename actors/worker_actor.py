@@ -101,8 +101,11 @@ class WorkerActor:
 
     def init_worker(self, engine_config: EngineConfig, distributed_init_method: str | None,
                     local_rank: int = 0, worker_cls: type[Worker] | None = None,
-                    dist_timeout_s: float = 300.0) -> None:
-        """Join torch.distributed (world size > 1), build the Worker, bind its device."""
+                    dist_timeout_s: float = 300.0,
+                    expert_dp: tuple[int, int] | None = None) -> None:
+        """Join torch.distributed (world size > 1), build the Worker, bind its device.
+        ``expert_dp``: (DP rank, DP size) when the experts spread over the DP ranks too;
+        the group joins later (``join_expert_group``)."""
         from raylm.actors.gpu_assignment import current_device_assignment
 
         # Find this node's checkpoint before joining torch.distributed: a resolver that
@@ -132,7 +135,13 @@ class WorkerActor:
             engine_config, rank=self.rank, local_rank=local_rank,
             distributed_init_method=distributed_init_method)
         # The Worker sets torch's thread count itself; hand it this rank's CPU share.
-        worker.init_device(ctx, num_threads=self.num_threads, expect_cuda=device.expect_cuda)
+        if expert_dp is None:
+            worker.init_device(ctx, num_threads=self.num_threads, expect_cuda=device.expect_cuda)
+        else:
+            from raylm.parallel.expert_parallel import DPExpertGroup
+
+            worker.init_device(ctx, num_threads=self.num_threads, expect_cuda=device.expect_cuda,
+                               ep_group=DPExpertGroup(*expert_dp))
         if pp > 1:
             assert ctx is not None  # world_size > 1
             self._init_pp_transport(worker, engine_config, ctx, dist_timeout_s)
@@ -198,6 +207,12 @@ class WorkerActor:
 
         set_intra_op_threads(self.num_threads)  # torch's count is per thread: this one's too
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def join_expert_group(self, host: str, port: int, timeout_s: float) -> None:
+        """Join this rank's expert-parallel group across the DP ranks (Worker's method,
+        with this node's address for Gloo)."""
+        self._ready_worker().join_expert_group(host, port, timeout_s,
+                                               ray.util.get_node_ip_address())
 
     @ray.method(concurrency_group=KV)
     def read_kv(self, request_id: str, first_block: int, head_lo: int, head_hi: int) -> Any:

@@ -48,6 +48,18 @@ def _gloo_group(store: dist.Store, prefix: str, rank: int, size: int, device: ob
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
 
 
+def join_gloo_group(*, host: str, port: int, prefix: str, rank: int, size: int,
+                    timeout_s: float = DEFAULT_DP_TIMEOUT_S, local_host: str | None = None
+                    ) -> tuple[dist.ProcessGroupGloo, dist.Store]:
+    """Collective over ``size`` processes: a Gloo group on the store at (host, port) that
+    another process hosts (DP rank 0's), its keys under ``prefix``. Returns the group and
+    the store client, which must live as long as the group."""
+    check_rank("rank", rank, size)
+    timeout = store_timeout(timeout_s)
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    return _gloo_group(store, prefix, rank, size, gloo_device(host, local_host), timeout), store
+
+
 class DPSyncGroup:
     """One rank's handle on the DP Gloo group: small int all-reduces, bounded in time."""
 

@@ -8,6 +8,11 @@ own rows. Every rank must run each sparse layer's collectives in the same order,
 DP wave loop guarantees by running a dummy pass (no rows) on a rank without a forward of
 its own in a wave step (docs/architecture.md §5).
 
+With tensor parallelism inside each DP rank (EP = DP x TP) the group joins the workers of
+one (pipeline stage, TP rank) across the DP ranks: a TP rank's peers in other DP ranks hold
+other experts, and its TP peers in its own DP rank the rest (``ep_rank``); the TP
+all-reduce after the DP sum completes every token's output.
+
 The group is created unjoined, when the model is built (the experts a rank holds follow
 from its DP rank), and joined once the DP ranks have met (``attach``).
 """
@@ -26,10 +31,17 @@ class DPExpertGroup:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self._pg: Any = None
+        self._store: Any = None
 
-    def attach(self, pg: Any) -> None:
-        """The joined Gloo group over the DP ranks (rank order = DP rank)."""
+    def attach(self, pg: Any, store: Any = None) -> None:
+        """The joined Gloo group over the DP ranks (rank order = DP rank); ``store``: its
+        store client, kept alive with it."""
         self._pg = pg
+        self._store = store
+
+    def ep_rank(self, tp_rank: int, tp_size: int) -> tuple[int, int]:
+        """(rank, size) among every (DP, TP) rank that splits the experts."""
+        return self.dp_rank * tp_size + tp_rank, self.dp_size * tp_size
 
     @property
     def joined(self) -> bool:

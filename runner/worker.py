@@ -35,7 +35,12 @@ from raylm.runner.pp_ring import SampledTokenTransport
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core.executor_base import EngineDeadError
-from raylm.scheduler.core_outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
+from raylm.scheduler.core_outputs import (
+    DraftTokenIds,
+    DummyBatch,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from raylm.scheduler.structured.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
@@ -264,13 +269,17 @@ class Worker:
             runner.kv_steps.attach(out)  # reported with the step's forward
         return out if ctx.is_driver else None
 
-    def run(self, message: SchedulerOutput | GrammarOutput
+    def run(self, message: SchedulerOutput | GrammarOutput | DummyBatch
             ) -> ModelRunnerOutput | AsyncModelRunnerOutput | DraftTokenIds | None:
-        """One step message: a step, or the sampling of a step deferred for its bitmask.
-        Both executors call it as ``Worker.run(worker, message)``, so a stand-in worker
-        (tests, benchmarks) needs only ``execute_model`` and ``sample_tokens``."""
+        """One step message: a step, the sampling of a step deferred for its bitmask, or a
+        DP rank's dummy pass. Both executors call it as ``Worker.run(worker, message)``, so
+        a stand-in worker (tests, benchmarks) needs only ``execute_model`` and
+        ``sample_tokens``."""
         if isinstance(message, GrammarOutput):
             return self.sample_tokens(message)
+        if isinstance(message, DummyBatch):
+            self.execute_dummy_batch()
+            return None
         return self.execute_model(message)
 
     def _transport(self) -> PPTransport:
@@ -283,6 +292,23 @@ class Worker:
     def execute_dummy_batch(self) -> None:
         """A wave step without a forward of this DP rank's own (docs/architecture.md §5)."""
         self._runner.loaded_model.dummy_expert_pass()
+
+    def join_expert_group(self, host: str, port: int, timeout_s: float,
+                          local_host: str | None = None) -> None:
+        """Collective with this (stage, TP rank)'s workers in the other DP ranks: the Gloo
+        group its sparse layers dispatch over, on DP rank 0's store at (host, port);
+        ``local_host``: this node's address for Gloo to bind."""
+        from raylm.parallel.dp_sync import join_gloo_group
+
+        ctx = self._context
+        group = ctx.ep_group
+        if group is None:
+            raise RuntimeError(f"worker rank {self.rank} has no expert-parallel group to join.")
+        pg, store = join_gloo_group(
+            host=host, port=port, prefix=f"raylm-ep-pp{ctx.pp_rank}-tp{ctx.tp_rank}",
+            rank=group.dp_rank, size=group.dp_size, timeout_s=timeout_s,
+            local_host=local_host)
+        group.attach(pg, store)
 
     def expert_load(self) -> dict[int, dict[int, int]]:
         """Per sparse layer of this rank's stage: tokens routed to each of its experts."""

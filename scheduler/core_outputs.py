@@ -224,3 +224,9 @@ class SchedulerStats:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+
+
+@dataclass(frozen=True)
+class DummyBatch:
+    """A step message for a DP rank without a forward of its own in a wave step: every
+    worker of its executor joins its stage's expert-parallel collectives with no rows."""

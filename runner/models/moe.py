@@ -12,7 +12,9 @@ dimension (TP inside the experts; the shared expert is split the same way) and t
 sums are all-reduced once per layer. With expert parallelism (``ctx.expert_parallel``) each
 rank instead holds whole experts, a contiguous range of them, and runs the tokens routed to
 those: every rank has every token (TP ranks share the hidden states), so the same one
-all-reduce combines the experts' outputs and no all-to-all is needed.
+all-reduce combines the experts' outputs and no all-to-all is needed. Spread over DP ranks
+too (EP = DP x TP), a layer first gathers the DP ranks' tokens over its Gloo group, sums
+the partial outputs over it, then the TP all-reduce.
 """
 
 from __future__ import annotations
@@ -52,11 +54,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.dp_group: DPExpertGroup | None = ctx.ep_group if ctx.expert_parallel else None
-        if self.dp_group is not None:
-            if ctx.tp_size > 1:
-                raise ValueError("experts spread over DP ranks need tensor_parallel_size=1.")
+        if self.dp_group is not None:  # EP = DP x TP: whole experts per (DP, TP) rank
             self.first_expert, self.num_local_experts = expert_range(
-                num_experts, self.dp_group.dp_rank, self.dp_group.dp_size)
+                num_experts, *self.dp_group.ep_rank(ctx.tp_rank, ctx.tp_size))
             self.intermediate = intermediate_size
         elif ctx.expert_parallel and ctx.tp_size > 1:
             self.first_expert, self.num_local_experts = expert_range(num_experts, ctx.tp_rank,
@@ -189,7 +189,8 @@ class SparseMoeBlock(nn.Module):
         out = out[start:start + x.shape[0]]
         if self.shared_expert is not None:
             out = out + self._shared(x)
-        return out
+        # This TP rank's experts (and shared-expert slice); its TP peers hold the rest.
+        return tp_all_reduce(out, self.ctx)
 
     def dummy_pass(self) -> None:
         """Join this layer's collectives with no rows (a DP rank without a forward)."""

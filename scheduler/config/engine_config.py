@@ -325,24 +325,18 @@ class EngineConfig:
         if not self.model_config.num_experts:
             raise ValueError(f"enable_expert_parallel=True needs a mixture-of-experts model; "
                              f"{arch} has no experts.")
-        # The experts spread over the TP ranks of one engine, or over the DP ranks when
-        # each rank runs its model itself (TP = PP = 1).
+        # The experts spread over the TP ranks of one engine, or over every (DP, TP) rank
+        # (EP = DP x TP, each pipeline stage its own layers' experts).
         ranks, what = pc.tensor_parallel_size, "tensor_parallel_size"
         if pc.data_parallel_size > 1:
-            if pc.world_size > 1:
-                raise ValueError(
-                    "enable_expert_parallel=True with data_parallel_size="
-                    f"{pc.data_parallel_size} needs tensor_parallel_size=1 and "
-                    f"pipeline_parallel_size=1 (got {pc.tensor_parallel_size} and "
-                    f"{pc.pipeline_parallel_size}): experts spread over DP ranks whose "
-                    "models run in worker actors are not supported yet.")
             spec = self.speculative_config
             if spec is not None and spec.method == "draft_model":
                 raise ValueError("enable_expert_parallel=True with data_parallel_size > 1 "
                                  "does not run a draft model (speculative_config.method="
                                  "'draft_model'): its forward is not in the DP ranks' "
                                  "lockstep; use 'ngram'.")
-            ranks, what = pc.data_parallel_size, "data_parallel_size"
+            ranks = pc.data_parallel_size * pc.tensor_parallel_size
+            what = "data_parallel_size x tensor_parallel_size"
         num_experts = moe_traits(arch, self.model_config.hf_config).num_experts
         if num_experts < ranks:
             raise ValueError(f"enable_expert_parallel=True: num_experts={num_experts} cannot "

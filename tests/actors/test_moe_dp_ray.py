@@ -162,3 +162,44 @@ def test_speculation_into_max_model_len_on_both_ranks(async_client, moe_path, hf
     logs = [(r["num_waves_completed"], r["num_steps"], r["num_collectives"])
             for r in state["ranks"]]
     assert logs[0] == logs[1], logs
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["dp2xtp2", "dp2xpp2"])
+def test_experts_over_dp_and_tp_ranks_or_stages_equal_transformers(tmp_path_factory, hf_oracle,
+                                                                    tp, pp):
+    """EP = DP x TP with each DP rank's model in worker actors: DeepSeek-V3 (latent
+    attention, 8 experts on layers 1 and 2) at DP=2 x TP=2, each (DP, TP) rank 2 experts
+    whole, its TP peers the rest; and at DP=2 x PP=2, each stage's workers in a group of
+    their own across the DP ranks. Async; a long request alone on one rank at the end, so
+    the other's workers run dummy passes through the step stream."""
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("mla-dp")), CheckpointSpec(
+        architecture="DeepseekV3ForCausalLM", num_hidden_layers=3,
+        max_position_embeddings=MAX_MODEL_LEN, seed=46))
+    client = _client(path, True, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        batch = prompts(6, seed=4)
+        lengths = [8 + i % 4 for i in range(6)]
+        col = Collector(client)
+        for i, (p, n) in enumerate(zip(batch, lengths, strict=True)):
+            client.add_request(request(client.config, f"r{i}", p, n))
+        col.until_finished([f"r{i}" for i in range(6)])
+        hf = hf_oracle(path)
+        for i, (p, n) in enumerate(zip(batch, lengths, strict=True)):
+            assert col.tokens[f"r{i}"] == hf.greedy(p, n), f"r{i}"
+        before = [r["num_dummy_steps"] for r in wait_paused(client)["ranks"]]
+        lone = prompts(1, seed=5)[0]
+        rank = _add(client, "lone", lone, 30)
+        col.until_finished(["lone"])
+        assert col.tokens["lone"] == hf.greedy(lone, 30)
+        state = wait_paused(client)
+        assert state["ranks"][1 - rank]["num_dummy_steps"] - before[1 - rank] >= 10, state
+        logs = [(r["num_waves_completed"], r["num_steps"], r["num_collectives"])
+                for r in state["ranks"]]
+        assert logs[0] == logs[1], logs  # lockstep
+        # DP rank r's workers hold experts 4r..4r+3 of each sparse layer between them.
+        held = _experts_per_rank(client)
+        for r, keys in enumerate(held):
+            assert keys == {f'raylm:moe_expert_tokens{{layer="{layer}",expert="{e}"}}'
+                            for layer in (1, 2) for e in range(4 * r, 4 * r + 4)}
+    finally:
+        client.shutdown()
