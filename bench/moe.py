@@ -8,9 +8,9 @@ Models (random weights, written locally, float32):
 - moe:     Qwen3-MoE at the 6m model's width (hidden 256, 16 experts of 128, top 2, 3 of 4
            layers sparse)
 - mixtral: Mixtral's shape at that width (8 experts of 688, top 2, every layer sparse)
-- deepseek: DeepSeek-V3's shape at that width (latent attention: 8 heads, a latent of 128 +
-            a rotated key of 32 cached per token; 16 experts of 128 in 4 groups, top 2 of
-            2 groups, one shared expert; layer 0 dense)
+- deepseek: DeepSeek-V3's shape at that width (latent attention: 8 heads, DeepSeek's
+            cache row of a 512 latent + a 64 rotated key per token; 16 experts of 128 in
+            4 groups, top 2 of 2 groups, one shared expert; layer 0 dense)
 Workload: 64 requests, 32-token prompts, 64 output tokens, greedy, ignore_eos.
 raylm layouts: one process (async scheduling); TP=2 (experts' intermediate split over the
 ranks); TP=2 with enable_expert_parallel (4 or 8 whole experts per rank); DP=2 (each rank

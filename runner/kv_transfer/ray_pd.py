@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from raylm.runner.kv_transfer.base import KVConnectorWorker
+from raylm.runner.kv_transfer.base import KVConnectorWorker, layer_tensors
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.kv_transfer.ray_pd import RayKVMetadata, RecvSpec
 
@@ -106,9 +106,10 @@ class RayKVConnectorWorker(KVConnectorWorker):
         super().__init__(engine_config, tp_rank)
         self.tp_size = tp_size
         self.tp_group = tp_group
-        self.num_kv_heads = int(engine_config.model_config.hf_config.get(
-            "num_key_value_heads", engine_config.model_config.hf_config.get(
-                "num_attention_heads", 1)))
+        hf = engine_config.model_config.hf_config
+        # Latent attention caches one row per token, whole on every TP rank.
+        self.num_kv_heads = 1 if "kv_lora_rank" in hf else int(
+            hf.get("num_key_value_heads", hf.get("num_attention_heads", 1)))
         self.head_lo, self.head_hi = kv_head_range(tp_rank, tp_size, self.num_kv_heads)
         self.fetch_timeout_s = float(self.config.extra("fetch_timeout_s",
                                                        DEFAULT_FETCH_TIMEOUT_S))
@@ -132,10 +133,10 @@ class RayKVConnectorWorker(KVConnectorWorker):
             block_ids = self._sends[request_id][first_block:]
             index = torch.tensor(block_ids, dtype=torch.long)
             layers = []
-            for key, value in self.kv_caches:
-                index = index.to(key.device)
-                layer = torch.stack([key.index_select(0, index)[:, lo:hi],
-                                     value.index_select(0, index)[:, lo:hi]])
+            for kv in self.kv_caches:  # key and value, or a latent layer's one tensor
+                index = index.to(kv[0].device)
+                layer = torch.stack([t.index_select(0, index)[:, lo:hi]
+                                     for t in layer_tensors(kv)])
                 layers.append(layer if on_device else layer.cpu())
         return torch.stack(layers)
 
@@ -200,10 +201,10 @@ class RayKVConnectorWorker(KVConnectorWorker):
             failed_from = min(failed_from, n)
             index = torch.tensor(block_ids[:n], dtype=torch.long)
             lo, hi = head_lo - self.head_lo, head_lo - self.head_lo + data.shape[3]
-            for (key, value), layer in zip(self.kv_caches, data, strict=True):
-                index = index.to(key.device)
-                key[index, lo:hi] = layer[0, :n].to(key.device)
-                value[index, lo:hi] = layer[1, :n].to(value.device)
+            for kv, layer in zip(self.kv_caches, data, strict=True):
+                index = index.to(kv[0].device)
+                for cache, part in zip(layer_tensors(kv), layer, strict=True):
+                    cache[index, lo:hi] = part[:n].to(cache.device)
             nbytes = data.numel() * data.element_size()
             self.add_stat(BYTES, nbytes)
             self.add_stat(BYTES_BY_TRANSPORT.format(payload.get("transport", "object_store")),

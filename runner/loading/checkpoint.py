@@ -120,15 +120,18 @@ SPECS["mixtral"] = CheckpointSpec(architecture="MixtralForCausalLM", vocab_size=
                                   num_attention_heads=8, num_key_value_heads=4,
                                   max_position_embeddings=2048, initializer_range=0.05,
                                   num_experts=8, num_experts_per_tok=2)
-# DeepSeek-V3's shape at the same width (bench/moe.py): latent attention (8 heads, a query
-# rank of 192, a latent of 128 and a rotated key of 32 per token), 16 experts of 128 in 4
-# groups, top 2 from 2 groups, one shared expert, the first layer dense.
+# DeepSeek-V3's shape at the same width (bench/moe.py): latent attention with DeepSeek's
+# own cache row (a latent of 512 and a rotated key of 64 per token: the one head size
+# vLLM-CPU's MLA runs), 8 heads, a query rank of 192; 16 experts of 128 in 4 groups, top 2
+# from 2 groups, one shared expert, the first layer dense.
 SPECS["deepseek"] = CheckpointSpec(
     architecture="DeepseekV3ForCausalLM", vocab_size=4096, hidden_size=256,
     intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
     max_position_embeddings=2048, initializer_range=0.05, num_experts=16,
-    num_experts_per_tok=2, moe_intermediate_size=128, q_lora_rank=192, kv_lora_rank=128,
-    qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_group=4, topk_group=2)
+    num_experts_per_tok=2, moe_intermediate_size=128, q_lora_rank=192, kv_lora_rank=512,
+    qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_group=4, topk_group=2,
+    # As the hub's config.json says them (vLLM reads the router's bias only with these)
+    config_overrides=(("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")))
 # GPU benchmarks (bench/gpu_speed.py): Llama-3.2-1B's shape, Llama-3-8B's with 4 layers;
 # (hidden, intermediate, layers), with Llama-3's vocabulary and 32 / 8 heads.
 for _name, (_hidden, _inter, _layers) in {"1b": (2048, 8192, 16),

@@ -200,3 +200,33 @@ def test_dead_prefill_engine_is_recomputed_locally(engines, loopy_llama_path, hf
         assert out.outputs[0].token_ids == oracle.greedy(p, MAX_TOKENS)
     assert decode.get_metrics()["raylm:kv_connector_num_failed_load_requests"] == 2
     _wait_drained(decode)
+
+
+def test_latent_attention_moves_its_one_cache_row(tmp_path_factory, hf_oracle):
+    """DeepSeek-V3: a TP=2 prefill engine (each rank the whole latent cache) to a TP=1
+    decode engine; transformers' tokens, and what moved is the latent and rotated key
+    alone: (32 + 16) float32 per token and layer of every block the prompt touches (half
+    what a key and a value tensor would move), pulled from one prefill rank."""
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+
+    path = write_random_checkpoint(str(tmp_path_factory.mktemp("mla-pd")), CheckpointSpec(
+        architecture="DeepseekV3ForCausalLM", num_hidden_layers=3, seed=48))
+    prefill = LLM(path, kv_transfer_config=_kv("kv_producer"), tensor_parallel_size=2,
+                  **COMMON)
+    decode = LLM(path, kv_transfer_config=_kv("kv_consumer"), **COMMON)
+    try:
+        prompts = _prompts(3, seed=30)
+        outs = pd_generate(prefill, decode, [{"prompt_token_ids": p} for p in prompts],
+                           _greedy())
+        oracle = hf_oracle(path)
+        for p, out in zip(prompts, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(p, MAX_TOKENS)
+        m = decode.get_metrics()
+        bs = COMMON["block_size"]
+        assert m["raylm:external_prefix_cache_hits"] > 0
+        blocks = sum(-(-len(p) // bs) for p in prompts)
+        assert m["raylm:kv_transfer_bytes_transferred"] == blocks * bs * 3 * (32 + 16) * 4
+        _wait_drained(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -129,7 +129,7 @@ def test_moe_family_equals_transformers(family_paths, family, async_scheduling, 
         max_num_batched_tokens=16, max_num_seqs=4)
 
 
-@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_moe_family_with_ngram_speculation_equals_transformers(family_paths, family,
                                                                hf_oracle):
     """Prompts that repeat, so prompt lookup proposes and some proposals are accepted."""
