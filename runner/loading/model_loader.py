@@ -24,6 +24,7 @@ from raylm.runner.loading.gguf_checkpoint import find_gguf_file, iterate_gguf_we
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
+from raylm.runner.quantization.act_order import ActOrderQuantized
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.gptq_awq import combine_quantized_linears
 from raylm.runner.quantization.group_quantized import GroupQuantized
@@ -236,7 +237,8 @@ def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
 
 def _dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
-        yield name, tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor
+        yield name, (tensor.dequantize() if isinstance(tensor, GroupQuantized | ActOrderQuantized)
+                     else tensor)
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext,

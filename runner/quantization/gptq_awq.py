@@ -12,7 +12,7 @@ Layouts, per linear of output size N and input size K, groups of G input feature
   7)[j]); ``scales`` float16 [K/G, N]; w = scale * (code - zero).
 A group of G (a multiple of 32) becomes G/32 groups of 32 with the same scale and zero
 (zero' = -scale * zero), exactly. Act-order GPTQ (``desc_act``: groups that are not runs of
-consecutive features) is refused by name.
+consecutive features) stays in the checkpoint's order until packing (act_order.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from raylm.runner.quantization.act_order import ActOrderQuantized
 from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
 from raylm.scheduler.config.checkpoint_quantization import checkpoint_quantization
 
@@ -59,14 +60,15 @@ def _to_groups_of_32(codes_kn: torch.Tensor, zeros: torch.Tensor, scales: torch.
 
 
 def gptq_to_group(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                  g_idx: torch.Tensor | None, group_size: int, v1_zeros: bool) -> GroupQuantized:
+                  g_idx: torch.Tensor | None, group_size: int, v1_zeros: bool
+                  ) -> GroupQuantized | ActOrderQuantized:
     codes = _unpack_rows(qweight)  # [K, N]
     k = codes.shape[0]
-    if g_idx is not None and not torch.equal(
-            g_idx.long(), torch.arange(k) // group_size):
-        raise ValueError("GPTQ act-order checkpoints (desc_act: g_idx not in runs of "
-                         f"group_size={group_size}) are not supported yet.")
     zeros = _unpack_columns(qzeros) + (1 if v1_zeros else 0)  # [K/G, N]
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group_size):
+        scale = scales.float().t().contiguous()  # [N, groups]
+        return ActOrderQuantized(codes.t().to(torch.uint8).contiguous(), g_idx.long(),
+                                 scale, (-scale * zeros.float().t()).contiguous())
     return _to_groups_of_32(codes, zeros, scales, group_size, "GPTQ")
 
 

@@ -18,13 +18,16 @@ GROUP_SIZE = 32
 @dataclass(frozen=True)
 class GroupQuantized:
     """``codes`` [N, K] (uint8 0..15 for 4 bits, int8 for 8), ``scale`` and ``zero``
-    [N, K / 32] float32; ``kind`` is the checkpoint's type name (for logs and errors)."""
+    [N, K / 32] float32; ``kind`` is the checkpoint's type name (for logs and errors).
+    ``input_order`` [K] (act-order GPTQ, act_order.py): the input feature each column
+    reads, -1 for a padding column (it reads a zero); None: column k is feature k."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
     kind: str
+    input_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -43,7 +46,10 @@ class GroupQuantized:
         if dim == 0:
             return GroupQuantized(self.codes.narrow(0, start, length),
                                   self.scale.narrow(0, start, length),
-                                  self.zero.narrow(0, start, length), self.bits, self.kind)
+                                  self.zero.narrow(0, start, length), self.bits, self.kind,
+                                  self.input_order)
+        if self.input_order is not None:
+            raise ValueError(f"a {self.kind} weight in act order is narrowed before sorting.")
         if start % GROUP_SIZE or length % GROUP_SIZE:
             raise ValueError(f"a {self.kind} weight splits its input features in groups of "
                              f"{GROUP_SIZE}; columns [{start}, {start + length}) cut one.")
@@ -74,7 +80,13 @@ def concat_rows(parts: list[GroupQuantized]) -> GroupQuantized:
     """Row blocks stacked (a merged q/k/v or gate/up weight); they must agree on bits."""
     if len({p.bits for p in parts}) != 1:
         raise ValueError(f"a merged weight mixes {sorted(p.kind for p in parts)}.")
+    order = parts[0].input_order
+    for p in parts[1:]:
+        other = p.input_order
+        if (other is None) != (order is None) or (
+                other is not None and order is not None and not torch.equal(other, order)):
+            raise ValueError("a merged weight's parts order their input features differently.")
     return GroupQuantized(torch.cat([p.codes for p in parts]),
                           torch.cat([p.scale for p in parts]),
                           torch.cat([p.zero for p in parts]), parts[0].bits,
-                          "+".join(sorted({p.kind for p in parts})))
+                          "+".join(sorted({p.kind for p in parts})), order)

@@ -52,6 +52,14 @@ class PackedLinear:
         both = torch.stack([scale, zero]).float()  # [2, N, groups]
         self.scales = both.reshape(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
         self.out_features, self.in_features, self.bits = n, k, weight.bits
+        # Act order: x's features gathered into the weight's column order; a padding
+        # column reads index input_width, the zero appended to x.
+        self.input_order: torch.Tensor | None = None
+        self.input_width = k
+        if weight.input_order is not None:
+            self.input_width = int((weight.input_order >= 0).sum())
+            self.input_order = torch.where(weight.input_order < 0, self.input_width,
+                                           weight.input_order)
         self.kind = weight.kind
         # The operators' resolved overloads (a call skips the overload lookup).
         self._linear = torch.ops.raylm_quant.linear.default
@@ -66,6 +74,8 @@ class PackedLinear:
         if x.dim() != 2:
             lead = x.shape[:-1]
             x = x.reshape(-1, self.in_features)
+        if self.input_order is not None:
+            x = torch.nn.functional.pad(x, (0, 1)).index_select(1, self.input_order)
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.shape[0]
@@ -109,7 +119,13 @@ class PackedLinear:
         """The float weight [N, K] (the reference the kernel is tested against)."""
         w_t = torch.ops.raylm_quant.dequantize_transposed(self.codes, self.scales,
                                                           self.out_features, self.bits, dtype)
-        return w_t.t()
+        if self.input_order is None:
+            return w_t.t()
+        # Back to the input features' order, the padding columns dropped.
+        real = self.input_order < self.input_width
+        w = w_t.new_zeros((self.out_features, self.input_width))
+        w[:, self.input_order[real]] = w_t.t()[:, real]
+        return w
 
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.layers import QuantizableWeight, QuantizedShard
+from raylm.runner.quantization.act_order import ActOrderQuantized
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.group_quantized import GroupQuantized, concat_rows
 from raylm.runner.quantization.packed_linear import PackedLinear
@@ -27,6 +28,8 @@ def _as_group(shard: QuantizedShard) -> GroupQuantized:
     """The shard decoded (a lazy GGUF one is read now)."""
     if isinstance(shard, LazyGGUFBlocks):
         return shard.decode()
+    if isinstance(shard, ActOrderQuantized):  # sorted now that the rank's slice is known
+        return shard.to_group()
     if not isinstance(shard, GroupQuantized):
         raise TypeError(f"a quantized shard of type {type(shard).__name__} has no packer.")
     return shard

@@ -25,8 +25,6 @@ def checkpoint_quantization(hf_config: Mapping[str, Any]) -> str | None:
     if group <= 0 or group % 32:
         raise ValueError(f"{method} group_size={group} is not supported; a positive multiple "
                          "of 32 is.")
-    if method == "gptq" and qc.get("desc_act"):
-        raise ValueError("GPTQ desc_act=true (act-order) is not supported yet.")
     if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"AWQ version={qc.get('version')!r} is not supported; only 'gemm'.")
     return str(method)

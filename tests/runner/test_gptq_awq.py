@@ -1,7 +1,9 @@
 """GPTQ and AWQ checkpoints (4-bit, group 128) written by the test in each format's real
-layout from a random Llama: raylm loads them kept quantized and its greedy tokens equal
-transformers' on the same weights dequantized (a dense folder the test writes beside);
-what raylm cannot run is refused by name."""
+layout from a random Llama, GPTQ also in act order (desc_act: groups of scattered input
+features): raylm loads them kept quantized and its greedy tokens equal transformers' on
+the same weights dequantized (a dense folder the test writes beside); the act-order
+linear against its dequantized weight, whole and as a row-parallel rank's slice; what
+raylm cannot run is refused by name."""
 
 from __future__ import annotations
 
@@ -23,9 +25,14 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _quantize(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, ...]:
+def _quantize(w: torch.Tensor, symmetric: bool, perm: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, ...]:
     """w [N, K] -> codes [N, K], zeros [K/G, N], float16 scales [K/G, N], and the weight
-    they decode to."""
+    they decode to. ``perm`` (act order): group j holds features perm[jG:(j+1)G]."""
+    if perm is not None:  # quantize in perm's order, then put the columns back
+        codes, zero, scale, deq = _quantize(w[:, perm], symmetric)
+        inverse = torch.argsort(perm)
+        return codes[:, inverse], zero, scale, deq[:, inverse]
     n, k = w.shape
     g = w.reshape(n, k // GROUP, GROUP)
     if symmetric:
@@ -51,19 +58,24 @@ def _pack(values: np.ndarray, axis: int, order: tuple[int, ...] = tuple(range(8)
     return torch.from_numpy(np.moveaxis(packed, -1, axis).view(np.int32).copy())
 
 
-def _write(base: str, root: str, method: str) -> tuple[str, str]:
-    """(quantized folder, dense folder of the weights it decodes to)."""
+def _write(base: str, root: str, method: str, act_order: bool = False) -> tuple[str, str]:
+    """(quantized folder, dense folder of the weights it decodes to). ``act_order`` (GPTQ's
+    desc_act): each linear's groups are random sets of input features, named by g_idx."""
     tensors = load_file(os.path.join(base, "model.safetensors"))
     quantized, dense = {}, {}
+    gen = torch.Generator().manual_seed(5)
     for name, w in tensors.items():
         prefix, _, _ = name.rpartition(".")
         if name.endswith(".weight") and prefix.split(".")[-1] in LINEARS:
-            codes, zero, scale, deq = _quantize(w.float(), symmetric=method == "gptq")
+            k = w.shape[1]
+            perm = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
+            codes, zero, scale, deq = _quantize(w.float(), symmetric=method == "gptq",
+                                                perm=perm if act_order else None)
             dense[name] = deq
-            if method == "gptq":  # v1: zeros stored minus one; g_idx of plain groups
+            if method == "gptq":  # v1: zeros stored minus one; g_idx: each feature's group
                 quantized[f"{prefix}.qweight"] = _pack(codes.t().numpy(), axis=0)
                 quantized[f"{prefix}.qzeros"] = _pack((zero - 1).numpy(), axis=1)
-                quantized[f"{prefix}.g_idx"] = (torch.arange(w.shape[1]) // GROUP).int()
+                quantized[f"{prefix}.g_idx"] = (torch.argsort(perm) // GROUP).int()
             else:
                 quantized[f"{prefix}.qweight"] = _pack(codes.t().numpy(), 1, AWQ_ORDER)
                 quantized[f"{prefix}.qzeros"] = _pack(zero.numpy(), 1, AWQ_ORDER)
@@ -79,7 +91,7 @@ def _write(base: str, root: str, method: str) -> tuple[str, str]:
         save_file({k: v.contiguous() for k, v in state.items()},
                   os.path.join(folder, "model.safetensors"))
         if kind == "q":
-            qc = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+            qc = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order,
                    "sym": True, "checkpoint_format": "gptq"} if method == "gptq" else
                   {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
                    "version": "gemm"})
@@ -96,10 +108,12 @@ def base_llama(tmp_path_factory) -> str:
     return write_random_checkpoint(str(tmp_path_factory.mktemp("gptq-base")), spec)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize(("method", "act_order"), [("gptq", False), ("awq", False),
+                                                  ("gptq", True)],
+                         ids=["gptq", "awq", "gptq-act-order"])
 def test_checkpoint_runs_quantized_equal_to_transformers_on_its_weights(
-        method, base_llama, tmp_path, hf_oracle):
-    quantized, dense = _write(base_llama, str(tmp_path), method)
+        method, act_order, base_llama, tmp_path, hf_oracle):
+    quantized, dense = _write(base_llama, str(tmp_path), method, act_order)
     llm = LLM(quantized, async_scheduling=True, block_size=8)
     try:
         model = llm.llm_engine.core.engine_core.executor.worker.model_runner.model
@@ -119,7 +133,6 @@ def test_checkpoint_runs_quantized_equal_to_transformers_on_its_weights(
 @pytest.mark.parametrize("change, match", [
     ({"quant_method": "fp8"}, "quant_method='fp8'"),
     ({"bits": 8}, "bits=8"),
-    ({"desc_act": True}, "desc_act"),
     ({"group_size": 48}, "group_size=48"),
 ])
 def test_what_raylm_cannot_run_is_refused_by_name(base_llama, change, match):
@@ -128,3 +141,27 @@ def test_what_raylm_cannot_run_is_refused_by_name(base_llama, change, match):
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, **change}
     with pytest.raises(ValueError, match=match):
         ModelConfig(model=base_llama, hf_config={**config, "quantization_config": qc})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64], ids=["decode", "few", "dense-path"])
+def test_an_act_order_linear_equals_its_dequantized_weight(rows):
+    """K = 256 in groups of 128 named by a random g_idx; also a row-parallel rank's slice
+    of 96 features (groups split unevenly: each run padded to 32 in the kernel)."""
+    from raylm.runner.quantization.act_order import ActOrderQuantized
+    from raylm.runner.quantization.packed_linear import PackedLinear
+
+    gen = torch.Generator().manual_seed(9)
+    n, k = 48, 256
+    g_idx = torch.argsort(torch.randperm(k, generator=gen)) // GROUP
+    scale = torch.rand(n, k // GROUP, generator=gen) * 0.1 + 0.01
+    weight = ActOrderQuantized(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                               g_idx, scale, -scale * 8)
+    x = torch.randn(rows, k, generator=gen)
+    for shard, xs in ((weight, x), (weight.narrow(1, 160, 96), x[:, 160:])):
+        group = shard.to_group()
+        assert group.codes.shape[1] % 32 == 0 and group.codes.shape[1] >= shard.shape[1]
+        linear = PackedLinear(group)
+        want = xs.double() @ shard.dequantize().double().t()
+        torch.testing.assert_close(linear(xs).double(), want, rtol=2e-6, atol=2e-6 * float(
+            want.abs().max()))
+        torch.testing.assert_close(linear.dequantize(), shard.dequantize())
