@@ -10,8 +10,9 @@ downloaded).
 
 0. versions (torch, CUDA, GPU, transformers, ray if installed);
 1. greedy tokens of raylm (sync and async, fp32, chunked prefill) equal transformers'
-   `generate` on the same GPU, for several architectures (two mixtures of experts among
-   them, through the Triton expert kernel);
+   `generate` on the same GPU, for several architectures (mixtures of experts among them,
+   through the Triton expert kernel; DeepSeek-V3's latent attention through the attention
+   kernel's padded head size);
 2. the sampled-id copy runs on a copy stream with an event (not the CPU thread);
 3. an NCCL process group of one rank: the communicator comes up, all_reduce and broadcast
    on CUDA tensors;
@@ -24,6 +25,9 @@ downloaded).
 7. `raylm serve` on the GPU: one request, the device in /metrics, GPU memory in use;
 8. the fused MoE Triton kernel against the torch grouped path (bf16, a Qwen3-30B-A3B
    layer's shape): difference and time per call;
+8b. the quantized-linear Triton kernel against a bf16 matmul on the dequantized weight
+   (a 4-bit 14336 x 4096 layer, 1 and 256 rows): difference, time per call; a Q4_0 GGUF
+   kept quantized against the same file dequantized, greedy tokens;
 9. speed (bench/gpu_speed.py): the Triton attention kernel against the torch ragged kernel
    and padded sdpa; CUDA graphs on and off against transformers; steady steps under
    torch's sync-debug mode; one decode step against its memory floor; bf16 throughput of
@@ -129,6 +133,53 @@ def check_correctness(root: str, quick: bool) -> None:
                     print("  " + divergence(path, p, a, b), flush=True)
 
 
+def time_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of ``fn`` on the GPU, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def check_quant_linear(root: str) -> None:
+    """The Triton quantized linear (runner/quantization/triton_linear.py) on the GPU: a
+    4-bit layer of Llama-3-8B's MLP shape (14336 x 4096) against dequantize-then-matmul in
+    bf16 at 1 and 256 rows, each path's time per call; then a Q4_0 GGUF of a tiny Llama
+    run kept quantized, its greedy tokens against the same file dequantized (fp32)."""
+    from raylm.runner.loading.gguf_writer import write_gguf_from_hf
+    from raylm.runner.quantization.group_quantized import GroupQuantized
+    from raylm.runner.quantization.triton_linear import TritonQuantLinear
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 14336, 4096
+    weight = GroupQuantized(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+                            torch.rand(n, k // 32, generator=gen) * 0.01,
+                            torch.randn(n, k // 32, generator=gen) * 0.01, 4, "Q4")
+    layer = TritonQuantLinear(weight, "cuda")
+    dense = weight.dequantize(torch.bfloat16).cuda()
+    for rows in (1, 256):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        want = (x.float() @ dense.float().t())
+        err = ((layer(x).float() - want).abs().max() / want.abs().max()).item()
+        times = [time_us(lambda x=x: x @ dense.t()), time_us(lambda x=x: layer(x))]
+        report(err < 0.02, f"quantized linear (Triton, 4-bit) vs bf16 matmul, {rows} rows: "
+               f"max rel diff {err:.4f}; {times[1]:.0f} us vs {times[0]:.0f} us per call "
+               f"({times[0] / times[1]:.2f}x), weight {layer.nbytes() / dense.nbytes():.2f}x "
+               "the bf16 bytes")
+    spec_path = write_random_checkpoint(os.path.join(root, "q4-base"), CheckpointSpec())
+    gguf = write_gguf_from_hf(spec_path, os.path.join(root, "q4", "tiny.Q4_0.gguf"), "Q4_0")
+    prompts = prompts_for(512, 8, 3, 60, seed=9)
+    quantized = raylm_greedy(os.path.dirname(gguf), prompts, 24, dtype="float32")
+    dequantized = raylm_greedy(os.path.dirname(gguf), prompts, 24, dtype="float32",
+                               quantization="none")
+    same = sum(a == b for a, b in zip(quantized, dequantized, strict=True))
+    report(same == len(prompts), f"Q4_0 GGUF kept quantized on the GPU: {same}/{len(prompts)} "
+           "requests equal the dequantized run")
+
+
 def check_fused_moe() -> None:
     """The Triton expert MLP against the torch grouped path on the GPU, bf16, at a
     Qwen3-30B-A3B layer's shape (hidden 2048, 128 experts of 768, top 8): the largest
@@ -157,15 +208,7 @@ def check_fused_moe() -> None:
 
         want, got = torch_path().float(), fused().float()
         err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-        times = []
-        for fn in (torch_path, fused):
-            fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) / 20 * 1e6)
+        times = [time_us(fn) for fn in (torch_path, fused)]
         report(err < 0.02, f"fused MoE (Triton) vs torch grouped, bf16, {tokens} tokens: "
                f"max rel diff {err:.4f}; {times[1]:.0f} us vs {times[0]:.0f} us per call "
                f"({times[0] / times[1]:.2f}x)")
@@ -411,6 +454,7 @@ def main() -> int:
         check_versions()
         for check in (lambda: check_correctness(root, args.quick), check_copy_stream,
                       check_nccl, check_fused_moe, check_recurrent_kernels,
+                      lambda: check_quant_linear(root),
                       lambda: check_bf16(root),
                       lambda: check_long_context(root),
                       lambda: check_ring_soak(100 if args.quick else 500),

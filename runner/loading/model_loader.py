@@ -29,7 +29,11 @@ from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.gptq_awq import combine_quantized_linears
 from raylm.runner.quantization.group_quantized import GroupQuantized
 from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
-from raylm.runner.quantization.quantize_model import log_weight_paths, pack_quantized_weights
+from raylm.runner.quantization.quantize_model import (
+    log_weight_paths,
+    pack_quantized_weights,
+    triton_runs_quantized,
+)
 from raylm.scheduler.config import envs
 from raylm.scheduler.config.checkpoint_quantization import checkpoint_quantization
 from raylm.scheduler.config.engine_config import DTYPES, ModelConfig
@@ -217,11 +221,13 @@ def _count_whole(weights: Iterable[tuple[str, torch.Tensor | LazyGGUFBlocks]],
 
 def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
     """Whether a quantized checkpoint's weights (a GGUF file's group formats, GPTQ, AWQ)
-    stay quantized: by default on CPU where the kernel builds; ``quantization="none"``
-    dequantizes them at load. On CUDA they are dequantized (no CUDA kernel yet): asking
-    for a method there is refused."""
+    stay quantized: by default on CPU where the C++ kernel builds and on CUDA (the Triton
+    kernel); ``quantization="none"`` dequantizes them at load. With RAYLM_QUANT_BACKEND=
+    native, CUDA dequantizes them and asking for a method there is refused."""
     if quantization == "none":
         return False
+    if triton_runs_quantized(device):
+        return True
     if device.type != "cpu":
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} runs on CPU only; {device} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,10 @@ from raylm.runner.quantization.act_order import ActOrderQuantized
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.group_quantized import GroupQuantized, concat_rows
 from raylm.runner.quantization.packed_linear import PackedLinear
+from raylm.scheduler.config import envs
+
+if TYPE_CHECKING:
+    from raylm.runner.quantization.triton_linear import TritonQuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +49,28 @@ def _covers(parts: list[tuple[int, QuantizedShard]], rows: int) -> bool:
     return end == rows
 
 
+def triton_runs_quantized(device: torch.device) -> bool:
+    """Whether quantized weights on ``device`` run on the Triton kernel (CUDA, or a CPU
+    test under TRITON_INTERPRET=1 with RAYLM_QUANT_BACKEND=triton)."""
+    backend = envs.quant_backend()
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+def quantized_linear(weight: GroupQuantized, device: torch.device
+                     ) -> PackedLinear | TritonQuantLinear:
+    if triton_runs_quantized(device):
+        from raylm.runner.quantization.triton_linear import TritonQuantLinear
+
+        return TritonQuantLinear(weight, device)
+    return PackedLinear(weight)
+
+
 def pack_quantized_weights(model: nn.Module) -> Counter[str]:
     """Pack every layer's quantized shards; what each layer runs, counted by path (for the
     startup log: ``"Q4_1 4-bit kernel"``, ``"dense (partly Q6_K)"``, ...)."""
     paths: Counter[str] = Counter()
-    packed: dict[int, PackedLinear] = {}  # by id of the dense parameter (tied weights)
+    # by id of the dense parameter (tied weights)
+    packed: dict[int, PackedLinear | TritonQuantLinear] = {}
     for module in model.modules():
         if not isinstance(module, QuantizableWeight):
             continue
@@ -61,7 +83,8 @@ def pack_quantized_weights(model: nn.Module) -> Counter[str]:
                 paths[f"{packed[id(weight)].kind} {packed[id(weight)].bits}-bit kernel"] += 1
             continue
         if _covers(parts, weight.shape[0]) and len({s.bits for _, s in parts}) == 1:
-            linear = PackedLinear(concat_rows([_as_group(s) for _, s in parts]))
+            linear = quantized_linear(concat_rows([_as_group(s) for _, s in parts]),
+                                      weight.device)
             module.quantized = linear
             packed[id(weight)] = linear
             # The dense parameter is never read again but for its shape and dtype.

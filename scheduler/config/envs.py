@@ -97,6 +97,17 @@ def attention_backend() -> str:
     return value
 
 
+def quant_backend() -> str:
+    """RAYLM_QUANT_BACKEND: the kernel quantized weights run on. ``auto`` (the Triton kernel
+    on CUDA, the C++ kernel on CPU), ``triton`` (everywhere: on CPU under TRITON_INTERPRET=1,
+    for tests), ``native`` (the C++ kernel; on CUDA the weights are then dequantized)."""
+    value = os.environ.get("RAYLM_QUANT_BACKEND", "auto")
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"RAYLM_QUANT_BACKEND must be one of {ATTENTION_BACKENDS}, "
+                         f"got {value!r}.")
+    return value
+
+
 def pad_decode_steps() -> bool:
     """RAYLM_PAD_DECODE_STEPS=1: pad decode steps to their CUDA-graph bucket on a device
     that runs no graphs (the CPU): the padded path's tokens, checked by tests, and its
