@@ -14,19 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """``rope_parameters`` (transformers >= 5) or the older ``rope_scaling``/``rope_theta``."""
-    params = hf_config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        params = dict(params)
-    else:
-        params = dict(hf_config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    return params
+from raylm.scheduler.config.rope_params import rope_parameters
 
 
 def compute_inv_freq(hf_config: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.runner.rotary import rope_parameters
+from raylm.scheduler.config.rope_params import rope_parameters
 
 
 @dataclass(frozen=True)
