@@ -3,7 +3,20 @@ tokens equal, with chunked prefill, prefix hits and preemption observed, no KV b
 
 from __future__ import annotations
 
+import json
+import shutil
+
 from raylm import LLM, SamplingParams
+
+
+def with_config(src: str, dst, **fields) -> str:
+    """A copy of the checkpoint at ``src`` in ``dst`` (a pathlib folder) with config.json's
+    ``fields`` changed: a field's refusal or effect tested without rewriting the weights."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
 
 
 def assert_greedy_equals_transformers(path: str, oracle, prompts: list[list[int]],

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
-from family_check import assert_greedy_equals_transformers
+from family_check import assert_greedy_equals_transformers, with_config
 
 from raylm import LLM, SamplingParams
 from raylm.cluster.engine.engine_args import kv_bytes_per_block
@@ -139,14 +138,6 @@ def test_grouped_sigmoid_router_equals_transformers():
     assert max(len(set((experts[t] // 3).tolist())) for t in range(40)) <= 2
 
 
-def _with_config(src: str, dst, **fields) -> str:
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(fields)
-    (dst / "config.json").write_text(json.dumps(config))
-    return str(dst)
-
-
 @pytest.mark.parametrize(("fields", "message"), [
     ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported for DeepSeek-V3"),
     ({"topk_method": "greedy"}, "topk_method='greedy' is not supported for DeepSeek-V3"),
@@ -156,6 +147,6 @@ def _with_config(src: str, dst, **fields) -> str:
 ])
 def test_a_deepseek_field_raylm_cannot_honour_is_refused_by_name(paths, fields, message,
                                                                  tmp_path):
-    path = _with_config(paths["mla"], tmp_path / "refused", **fields)
+    path = with_config(paths["mla"], tmp_path / "refused", **fields)
     with pytest.raises(ValueError, match=message):
         LLM(path)
