@@ -89,3 +89,23 @@ class ActOrderQuantized:
         return GroupQuantized(codes.contiguous(), self.scale[:, index].contiguous(),
                               self.zero[:, index].contiguous(), self.bits, self.kind,
                               input_order=input_order)
+
+
+class InputOrder:
+    """A packed act-order weight's column order on the kernel's device: x's features are
+    gathered into it (a padding column reads the zero appended to x), and a dequantized
+    weight is put back into the features' order."""
+
+    def __init__(self, order: torch.Tensor, device: torch.device | str) -> None:
+        self.width = int((order >= 0).sum())  # the layer's input features
+        self.index = torch.where(order < 0, self.width, order).to(device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, 1)).index_select(1, self.index)
+
+    def unpermute(self, w: torch.Tensor) -> torch.Tensor:
+        """w [N, K'] in the packed order -> [N, width], the padding columns dropped."""
+        real = self.index < self.width
+        out = w.new_zeros((w.shape[0], self.width))
+        out[:, self.index[real]] = w[:, real]
+        return out

@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from raylm.runner.quantization.act_order import InputOrder
 from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
 from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 
@@ -52,14 +53,9 @@ class PackedLinear:
         both = torch.stack([scale, zero]).float()  # [2, N, groups]
         self.scales = both.reshape(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
         self.out_features, self.in_features, self.bits = n, k, weight.bits
-        # Act order: x's features gathered into the weight's column order; a padding
-        # column reads index input_width, the zero appended to x.
-        self.input_order: torch.Tensor | None = None
-        self.input_width = k
-        if weight.input_order is not None:
-            self.input_width = int((weight.input_order >= 0).sum())
-            self.input_order = torch.where(weight.input_order < 0, self.input_width,
-                                           weight.input_order)
+        # Act order: x's features gathered into the weight's column order.
+        self.input_order = (None if weight.input_order is None
+                            else InputOrder(weight.input_order, "cpu"))
         self.kind = weight.kind
         # The operators' resolved overloads (a call skips the overload lookup).
         self._linear = torch.ops.raylm_quant.linear.default
@@ -75,7 +71,7 @@ class PackedLinear:
             lead = x.shape[:-1]
             x = x.reshape(-1, self.in_features)
         if self.input_order is not None:
-            x = torch.nn.functional.pad(x, (0, 1)).index_select(1, self.input_order)
+            x = self.input_order.gather(x)
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.shape[0]
@@ -121,11 +117,7 @@ class PackedLinear:
                                                           self.out_features, self.bits, dtype)
         if self.input_order is None:
             return w_t.t()
-        # Back to the input features' order, the padding columns dropped.
-        real = self.input_order < self.input_width
-        w = w_t.new_zeros((self.out_features, self.input_width))
-        w[:, self.input_order[real]] = w_t.t()[:, real]
-        return w
+        return self.input_order.unpermute(w_t.t())  # back to the features' order
 
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.runner.quantization.act_order import InputOrder
 from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when triton.jit is
@@ -80,18 +81,15 @@ class TritonQuantLinear:
         self.zero = weight.zero.float().contiguous().to(device)
         self.out_features, self.in_features, self.bits = n, k, weight.bits
         self.kind = weight.kind
-        self.input_order: torch.Tensor | None = None
-        self.input_width = k
-        if weight.input_order is not None:  # act order, as PackedLinear gathers it
-            self.input_width = int((weight.input_order >= 0).sum())
-            self.input_order = torch.where(weight.input_order < 0, self.input_width,
-                                           weight.input_order).to(device)
+        # Act order: x's features gathered into the weight's column order.
+        self.input_order = (None if weight.input_order is None
+                            else InputOrder(weight.input_order, device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         if self.input_order is not None:
-            x = torch.nn.functional.pad(x, (0, 1)).index_select(1, self.input_order)
+            x = self.input_order.gather(x)
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             x = x.float()
         x = x.contiguous()
@@ -129,12 +127,7 @@ class TritonQuantLinear:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the input features' order (the kernel's reference)."""
         w = self.rows(torch.arange(self.out_features, device=self.codes.device), dtype)
-        if self.input_order is None:
-            return w
-        real = self.input_order < self.input_width
-        out = w.new_zeros((self.out_features, self.input_width))
-        out[:, self.input_order[real]] = w[:, real]
-        return out
+        return w if self.input_order is None else self.input_order.unpermute(w)
 
     def nbytes(self) -> int:
         return (self.codes.numel() * self.codes.element_size()
