@@ -24,17 +24,51 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _v2_cpu_max_paths(root: str, proc_cgroup: str) -> list[str]:
-    """cpu.max of this process's own cgroup (``0::/path`` in /proc/self/cgroup), then of
-    the root a container usually sees as its own."""
-    paths = []
+def _own_paths(proc_cgroup: str, controller: str | None) -> list[str]:
+    """This process's cgroup and each of its ancestors, innermost first, for the cgroup v2
+    hierarchy (``controller`` None: the ``0::/path`` line) or the v1 hierarchy holding
+    ``controller``. A quota anywhere above the process limits it too."""
     for line in (_read(proc_cgroup) or "").splitlines():
-        if line.startswith("0::"):
-            rel = line[3:].strip("/")
-            if rel:
-                paths.append(os.path.join(root, rel, "cpu.max"))
-    paths.append(os.path.join(root, "cpu.max"))
-    return paths
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        names = parts[1].split(",")
+        if (controller is None and parts[0] == "0" and parts[1] == "") or (
+                controller is not None and controller in names):
+            rel = parts[2].strip("/")
+            levels = rel.split("/") if rel else []
+            return ["/".join(levels[:n]) for n in range(len(levels), -1, -1)]
+    return [""]
+
+
+def _min_quota(quotas: list[float | None]) -> float | None:
+    limits = [q for q in quotas if q is not None]
+    return min(limits) if limits else None
+
+
+def _v2_quota(root: str, proc_cgroup: str) -> tuple[bool, float | None]:
+    """(whether any cpu.max was read, the tightest quota among them)."""
+    found, quotas = False, []
+    for rel in _own_paths(proc_cgroup, None):
+        text = _read(os.path.join(root, rel, "cpu.max"))  # "<quota> <period>" or "max <period>"
+        if text is not None:
+            found = True
+            quota, _, period = text.partition(" ")
+            quotas.append(None if quota == "max" else int(quota) / int(period))
+    return found, _min_quota(quotas)
+
+
+def _v1_quota(root: str, proc_cgroup: str) -> float | None:
+    """The tightest CFS quota on the process's v1 cpu cgroup and its ancestors (-1: none).
+    A container sees its own cgroup as the mount's root, where its path does not exist."""
+    quotas: list[float | None] = []
+    for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for rel in _own_paths(proc_cgroup, "cpu"):
+            quota_us = _read(os.path.join(root, folder, rel, "cpu.cfs_quota_us"))
+            period_us = _read(os.path.join(root, folder, rel, "cpu.cfs_period_us"))
+            if quota_us is not None and period_us is not None and int(quota_us) > 0:
+                quotas.append(int(quota_us) / int(period_us))
+    return _min_quota(quotas)
 
 
 def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_SELF_CGROUP
@@ -42,19 +76,10 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_SELF_CGROU
     """CPUs the CFS quota allows this process, or None when there is none (or no file that
     says so can be read)."""
     try:
-        for path in _v2_cpu_max_paths(root, proc_cgroup):
-            text = _read(path)
-            if text is not None:  # cgroup v2: "<quota> <period>" or "max <period>"
-                quota, _, period = text.partition(" ")
-                return None if quota == "max" else int(quota) / int(period)
-        for folder in ("cpu", "cpu,cpuacct"):  # cgroup v1: quota -1 means none
-            quota_us = _read(os.path.join(root, folder, "cpu.cfs_quota_us"))
-            period_us = _read(os.path.join(root, folder, "cpu.cfs_period_us"))
-            if quota_us is not None and period_us is not None:
-                return None if int(quota_us) <= 0 else int(quota_us) / int(period_us)
+        found, quota = _v2_quota(root, proc_cgroup)
+        return quota if found else _v1_quota(root, proc_cgroup)
     except (ValueError, ZeroDivisionError):
         return None  # a file in a shape this code does not know: no limit assumed
-    return None
 
 
 def usable_cpus() -> int:
