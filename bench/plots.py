@@ -189,3 +189,30 @@ def plot_serve_ttft(samples: Mapping[tuple[str, str, int], Sequence[float]], pat
     fig.suptitle("Serving (bench/serve.py): time to first token of each request, CDF",
                  fontsize=11)
     return _save(plt, fig, path)
+
+
+def plot_roofline(rows: list[dict], bandwidth: float, path: str, title: str) -> str:
+    """Achieved (filled) against each component's roofline bound (hollow) at its arithmetic
+    intensity, over the bandwidth slope and the best GEMM peak; log-log."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5), layout="constrained")
+    xs = [r["intensity"] for r in rows]
+    top = max(r["peak"] or 0.0 for r in rows)
+    lo, hi = min(xs) / 2, max(xs) * 2
+    knee = top / (bandwidth / 1e9)
+    ax.plot([lo, knee, max(hi, knee * 2)], [lo * bandwidth / 1e9, top, top], color="gray",
+            lw=1, label=f"copy {bandwidth / 1e9:.1f} GB/s, best GEMM {top:.0f} GFLOP/s")
+    for i, r in enumerate(rows):
+        c = f"C{i}"
+        ax.plot([r["intensity"]] * 2, [r["achieved"], r["roofline"]], color=c, lw=1)
+        ax.scatter([r["intensity"]], [r["roofline"]], facecolors="none", edgecolors=c)
+        ax.scatter([r["intensity"]], [r["achieved"]], color=c,
+                   label=f"{r['component']}: {100 * r['of_roofline']:.0f}% of roofline")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(plt, fig, path)
