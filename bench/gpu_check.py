@@ -28,6 +28,9 @@ downloaded).
 8b. the quantized-linear Triton kernel against a bf16 matmul on the dequantized weight
    (a 4-bit 14336 x 4096 layer, 1 and 256 rows): difference, time per call; a Q4_0 GGUF
    kept quantized against the same file dequantized, greedy tokens;
+8c. the FP8 Triton kernel (block-wise [128, 128] scales) and the 8-bit kernel at Q6_K's
+   group of 16 against a bf16 matmul on the dequantized weight (14336 x 4096, 1 and 256
+   rows): difference, time per call;
 9. speed (bench/gpu_speed.py): the Triton attention kernel against the torch ragged kernel
    and padded sdpa; CUDA graphs on and off against transformers; steady steps under
    torch's sync-debug mode; one decode step against its memory floor; bf16 throughput of
@@ -178,6 +181,36 @@ def check_quant_linear(root: str) -> None:
     same = sum(a == b for a, b in zip(quantized, dequantized, strict=True))
     report(same == len(prompts), f"Q4_0 GGUF kept quantized on the GPU: {same}/{len(prompts)} "
            "requests equal the dequantized run")
+
+
+def check_fp8_and_q6_k_linears() -> None:
+    """The FP8 Triton linear (runner/quantization/triton_fp8_linear.py, block-wise scales)
+    and the group-quantized one at Q6_K's group of 16 (8-bit codes) on the GPU, each a
+    14336 x 4096 layer against a bf16 matmul on its dequantized weight at 1 and 256 rows."""
+    from raylm.runner.quantization.fp8_weight import Fp8Weight
+    from raylm.runner.quantization.group_quantized import GroupQuantized
+    from raylm.runner.quantization.triton_fp8_linear import TritonFp8Linear
+    from raylm.runner.quantization.triton_linear import TritonQuantLinear
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 14336, 4096
+    fp8 = Fp8Weight((torch.randn(n, k, generator=gen) * 50).to(torch.float8_e4m3fn),
+                    torch.rand(n, k // 128, generator=gen) * 1e-3, 128)
+    q6 = GroupQuantized(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen),
+                        torch.rand(n, k // 16, generator=gen) * 0.01, torch.zeros(n, k // 16),
+                        8, "Q6_K", group_size=16)
+    for name, weight, layer in (("FP8 block-wise", fp8, TritonFp8Linear(fp8, "cuda")),
+                                ("Q6_K (8-bit, group 16)", q6, TritonQuantLinear(q6, "cuda"))):
+        dense = weight.dequantize(torch.bfloat16).cuda()
+        for rows in (1, 256):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            want = x.float() @ dense.float().t()
+            err = ((layer(x).float() - want).abs().max() / want.abs().max()).item()
+            times = [time_us(lambda x=x, dense=dense: x @ dense.t()),
+                     time_us(lambda x=x, layer=layer: layer(x))]
+            report(err < 0.02, f"{name} linear (Triton) vs bf16 matmul, {rows} rows: max rel "
+                   f"diff {err:.4f}; {times[1]:.0f} us vs {times[0]:.0f} us per call, weight "
+                   f"{layer.nbytes() / dense.nbytes():.2f}x the bf16 bytes")
 
 
 def check_fused_moe() -> None:
@@ -454,7 +487,7 @@ def main() -> int:
         check_versions()
         for check in (lambda: check_correctness(root, args.quick), check_copy_stream,
                       check_nccl, check_fused_moe, check_recurrent_kernels,
-                      lambda: check_quant_linear(root),
+                      lambda: check_quant_linear(root), check_fp8_and_q6_k_linears,
                       lambda: check_bf16(root),
                       lambda: check_long_context(root),
                       lambda: check_ring_soak(100 if args.quick else 500),

@@ -25,6 +25,7 @@ from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
 from raylm.runner.quantization.act_order import ActOrderQuantized
+from raylm.runner.quantization.fp8_weight import Fp8Weight
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.gptq_awq import combine_quantized_linears
 from raylm.runner.quantization.group_quantized import GroupQuantized
@@ -220,8 +221,8 @@ def _count_whole(weights: Iterable[tuple[str, torch.Tensor | LazyGGUFBlocks]],
 
 
 def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
-    """Whether a quantized checkpoint's weights (a GGUF file's group formats, GPTQ, AWQ)
-    stay quantized: by default on CPU where the C++ kernel builds and on CUDA (the Triton
+    """Whether a quantized checkpoint's weights (a GGUF file's group formats, GPTQ, AWQ,
+    FP8) stay quantized: by default on CPU where the C++ kernel builds and on CUDA (the Triton
     kernel); ``quantization="none"`` dequantizes them at load. With RAYLM_QUANT_BACKEND=
     native, CUDA dequantizes them and asking for a method there is refused."""
     if quantization == "none":
@@ -243,7 +244,8 @@ def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
 
 def _dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
-        yield name, (tensor.dequantize() if isinstance(tensor, GroupQuantized | ActOrderQuantized)
+        yield name, (tensor.dequantize()
+                     if isinstance(tensor, GroupQuantized | ActOrderQuantized | Fp8Weight)
                      else tensor)
 
 

@@ -1,7 +1,8 @@
 """GGUF's block formats decoded into codes, scales and zeros per group of 32 (never into
 floats): Q4_0, Q4_1 and Q4_K as 4-bit codes; Q8_0, and Q5_0, Q5_1 and Q5_K (5-bit codes
-0..31, held in the kernel's 8-bit form), as 8-bit; other types (Q6_K's scales are per 16)
-have no group form here and are dequantized by the loader.
+0..31, held in the kernel's 8-bit form), as 8-bit; Q6_K as 8-bit codes q - 32 with a scale
+per group of 16 (its own scale granularity: exact); other types (Q2_K, Q3_K) have no group
+form here and are dequantized by the loader.
 
 Block layouts (llama.cpp's ggml-common.h): Q4_0 = fp16 d, 16 bytes of nibbles (element i
 in the low nibble of byte i, element i+16 in the high), w = d (q - 8); Q4_1 = fp16 d, fp16
@@ -10,7 +11,13 @@ m, the same nibbles, w = d q + m; Q8_0 = fp16 d, 32 int8, w = d q; Q4_K = a supe
 64 elements: the low nibbles of 32 bytes, then their high nibbles), w = d sc q - dmin m. Q5_0 = fp16 d, 4 bytes qh (bit i: element i's fifth bit), the Q4_0
 nibbles, w = d (q - 16); Q5_1 = fp16 d, fp16 m, qh, nibbles, w = d q + m; Q5_K = Q4_K's
 header and scales, 32 bytes qh (for the super-block's j-th 32 elements, bit j of byte l is
-element l's fifth bit), then Q4_K's nibbles, w = d sc q - dmin m.
+element l's fifth bit), then Q4_K's nibbles, w = d sc q - dmin m. Q6_K = a super-block of
+256: 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 elements), fp16 d; each half of
+128 elements reads 64 bytes of ql and 32 of qh: element 32i + l (i = 0..3, l = 0..31) has
+the low nibble of ql[l] (i = 0), ql[l + 32] (i = 1), the high nibble of ql[l] (i = 2) or
+ql[l + 32] (i = 3), and bits 2i, 2i+1 of qh[l] as its top two bits; w = d sc (q - 32).
+d sc is exact in float32 (11 x 8 significant bits), so scale x code is the same float
+product the reference dequantization computes.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ import torch
 
 from raylm.runner.quantization.group_quantized import GroupQuantized
 
-GROUP_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
-_EIGHT_BIT = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K"})  # codes in the kernel's 8-bit form
+GROUP_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
+# codes in the kernel's 8-bit form
+_EIGHT_BIT = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -66,9 +74,25 @@ def _k_quantized(codes: np.ndarray, super_blocks: np.ndarray, groups: tuple[int,
                           bits, kind)
 
 
+def _q6_k(raw: np.ndarray, shape: tuple[int, int]) -> GroupQuantized:
+    """Q6_K super-blocks -> int8 codes q - 32, scale d x sc per 16, zero 0."""
+    n, k = shape
+    blocks = raw.reshape(n * (k // 256), 210)
+    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [B, half, which 32 bytes, l]
+    low = np.concatenate([ql & 15, ql >> 4], axis=2)  # [B, half, i, l]
+    shifts = np.arange(0, 8, 2, dtype=np.uint8)[None, None, :, None]
+    top = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
+    codes = ((low | (top << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    scale = (_f16(blocks[:, 208:210]) * sc).reshape(n, k // 16)
+    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)),
+                          torch.from_numpy(np.ascontiguousarray(scale)),
+                          torch.zeros(n, k // 16), 8, "Q6_K", group_size=16)
+
+
 def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> GroupQuantized:
     """The [N, K] weight in ``data`` (GGUF's raw bytes, [N, bytes per row]) as codes with
-    a scale and zero per group of 32."""
+    a scale and zero per group of 32 (Q6_K: 16)."""
     n, k = shape
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
     g = k // 32
@@ -105,6 +129,8 @@ def decode_group_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> 
         high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
         codes = (low | (high << 4)).reshape(n, k).astype(np.int8)
         return _k_quantized(codes, super_blocks, (n, g), 8, kind)
+    if kind == "Q6_K":
+        return _q6_k(raw, shape)
     if kind == "Q4_K":
         super_blocks = raw.reshape(n * (k // 256), 144)
         return _k_quantized(_k_nibbles(super_blocks[:, 16:]).reshape(n, k), super_blocks,
@@ -120,7 +146,7 @@ def lazy_tensor(tensor: Any, counter: list[int] | None = None) -> LazyGGUFBlocks
 
 
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
-          "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176)}
+          "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 class LazyGGUFBlocks:

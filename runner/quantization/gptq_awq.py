@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from raylm.runner.quantization.act_order import ActOrderQuantized
+from raylm.runner.quantization.fp8_checkpoint import combine_fp8_linears
 from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
-from raylm.scheduler.config.checkpoint_quantization import checkpoint_quantization
+from raylm.scheduler.config.checkpoint_quantization import FP8_METHODS, checkpoint_quantization
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -85,11 +86,15 @@ _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "
 def combine_quantized_linears(weights: Iterable[tuple[str, Any]], hf_config: Mapping[str, Any]
                               ) -> Iterator[tuple[str, Any]]:
     """A checkpoint's tensors with each quantized linear's parts (``<prefix>.qweight`` ...)
-    read and combined into one ``<prefix>.weight`` GroupQuantized; other tensors as they
-    are. A linear's parts are consecutive in a safetensors file (sorted names)."""
+    read and combined into one ``<prefix>.weight`` GroupQuantized (FP8: an Fp8Weight,
+    fp8_checkpoint.py); other tensors as they are. A linear's parts are consecutive in a
+    safetensors file (sorted names)."""
     method = checkpoint_quantization(hf_config)
     if method is None:
         yield from weights
+        return
+    if method in FP8_METHODS:
+        yield from combine_fp8_linears(weights, hf_config)
         return
     qc = hf_config["quantization_config"]
     group_size = int(qc.get("group_size", 128))

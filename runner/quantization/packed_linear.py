@@ -1,6 +1,6 @@
 """A group-quantized weight repacked for the C++ kernel (csrc/quantized_linear.cpp):
 output features in tiles of 16, each tile's codes for input features k and k+1 side by
-side, scales and zeros per tile and group."""
+side, scales and zeros per tile and group (of 32, or Q6_K's 16)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import functools
 import torch
 
 from raylm.runner.quantization.act_order import InputOrder
-from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
+from raylm.runner.quantization.group_quantized import GroupQuantized
 from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 
 TILE = 16
@@ -49,10 +49,11 @@ class PackedLinear:
         else:
             self.codes = pairs.to(torch.int8).contiguous().view(torch.int16).squeeze(-1)
             self.codes = self.codes.contiguous()
-        groups = k // GROUP_SIZE
+        groups = k // weight.group_size
         both = torch.stack([scale, zero]).float()  # [2, N, groups]
         self.scales = both.reshape(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
         self.out_features, self.in_features, self.bits = n, k, weight.bits
+        self.group_size = weight.group_size
         # Act order: x's features gathered into the weight's column order.
         self.input_order = (None if weight.input_order is None
                             else InputOrder(weight.input_order, "cpu"))
@@ -77,9 +78,11 @@ class PackedLinear:
         rows = x.shape[0]
         if (rows > FUSED_MAX_ROWS_BF16 and x.dtype == torch.bfloat16
                 and self._linear_amx is not None):
-            out = self._linear_amx(x, self.codes, self.scales, self.out_features, self.bits)
+            out = self._linear_amx(x, self.codes, self.scales, self.out_features, self.bits,
+                                   self.group_size)
         elif rows <= FUSED_MAX_ROWS:
-            out = self._linear(x, self.codes, self.scales, self.out_features, self.bits)
+            out = self._linear(x, self.codes, self.scales, self.out_features, self.bits,
+                               self.group_size)
         else:
             out = self._dense(x)
         return out if lead is None else out.reshape(*lead, self.out_features)
@@ -92,7 +95,7 @@ class PackedLinear:
             n = min(self.out_features - t0 * TILE, codes.shape[0] * TILE)
             scales = self.scales[t0:t0 + step]
             w_t = torch.ops.raylm_quant.dequantize_transposed(codes, scales, n, self.bits,
-                                                              x.dtype)
+                                                              x.dtype, self.group_size)
             chunks.append(torch.mm(x, w_t))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
@@ -108,13 +111,15 @@ class PackedLinear:
         else:
             codes = pairs.view(torch.int8).reshape(-1, k).float()
         scales = self.scales[tile, :, :, lane]  # [T, groups, 2]
-        w = codes.reshape(-1, k // GROUP_SIZE, GROUP_SIZE) * scales[..., 0:1] + scales[..., 1:2]
+        g = self.group_size
+        w = codes.reshape(-1, k // g, g) * scales[..., 0:1] + scales[..., 1:2]
         return w.reshape(-1, k).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] (the reference the kernel is tested against)."""
         w_t = torch.ops.raylm_quant.dequantize_transposed(self.codes, self.scales,
-                                                          self.out_features, self.bits, dtype)
+                                                          self.out_features, self.bits, dtype,
+                                                          self.group_size)
         if self.input_order is None:
             return w_t.t()
         return self.input_order.unpermute(w_t.t())  # back to the features' order

@@ -1,7 +1,7 @@
 """After a model's weights are loaded: its quantized shards packed for the kernel.
 
-A layer whose quantized shards cover its whole weight with one code width runs quantized;
-one whose weight arrived partly dense (a merged q/k/v with v in a type that has no group
+A layer whose quantized shards cover its whole weight with one code width (or all FP8) runs
+quantized; one whose weight arrived partly dense (a merged q/k/v with v in a type that has no group
 form, as in llama.cpp's Q4_K_M mixes) or mixes 4- and 8-bit parts has its shards
 dequantized into the dense weight and runs dense.
 A tied LM head on the embedding's stage shares the embedding's packed weight.
@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from raylm.parallel.layers import QuantizableWeight, QuantizedShard
 from raylm.runner.quantization.act_order import ActOrderQuantized
+from raylm.runner.quantization.fp8_linear import Fp8Linear
+from raylm.runner.quantization.fp8_weight import Fp8Weight, concat_fp8_rows
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.group_quantized import GroupQuantized, concat_rows
 from raylm.runner.quantization.packed_linear import PackedLinear
 from raylm.scheduler.config import envs
 
 if TYPE_CHECKING:
+    from raylm.runner.quantization.triton_fp8_linear import TritonFp8Linear
     from raylm.runner.quantization.triton_linear import TritonQuantLinear
+
+    Packed = PackedLinear | TritonQuantLinear | Fp8Linear | TritonFp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +70,34 @@ def quantized_linear(weight: GroupQuantized, device: torch.device
     return PackedLinear(weight)
 
 
+def fp8_linear(weight: Fp8Weight, device: torch.device) -> Fp8Linear | TritonFp8Linear:
+    if triton_runs_quantized(device):
+        from raylm.runner.quantization.triton_fp8_linear import TritonFp8Linear
+
+        return TritonFp8Linear(weight, device)
+    return Fp8Linear(weight)
+
+
+def _packed(parts: list[tuple[int, QuantizedShard]], rows: int, device: torch.device
+            ) -> Packed | None:
+    """The layer's shards packed, or None where they cannot run as one kernel."""
+    if not _covers(parts, rows):
+        return None
+    shards = [s for _, s in parts]
+    fp8 = [isinstance(s, Fp8Weight) for s in shards]
+    if all(fp8):
+        return fp8_linear(concat_fp8_rows(cast("list[Fp8Weight]", shards)), device)
+    if any(fp8) or len({s.bits for s in shards}) != 1:
+        return None
+    return quantized_linear(concat_rows([_as_group(s) for s in shards]), device)
+
+
 def pack_quantized_weights(model: nn.Module) -> Counter[str]:
     """Pack every layer's quantized shards; what each layer runs, counted by path (for the
     startup log: ``"Q4_1 4-bit kernel"``, ``"dense (partly Q6_K)"``, ...)."""
     paths: Counter[str] = Counter()
     # by id of the dense parameter (tied weights)
-    packed: dict[int, PackedLinear | TritonQuantLinear] = {}
+    packed: dict[int, Packed] = {}
     for module in model.modules():
         if not isinstance(module, QuantizableWeight):
             continue
@@ -82,9 +109,8 @@ def pack_quantized_weights(model: nn.Module) -> Counter[str]:
                 module.quantized = packed[id(weight)]
                 paths[f"{packed[id(weight)].kind} {packed[id(weight)].bits}-bit kernel"] += 1
             continue
-        if _covers(parts, weight.shape[0]) and len({s.bits for _, s in parts}) == 1:
-            linear = quantized_linear(concat_rows([_as_group(s) for _, s in parts]),
-                                      weight.device)
+        linear = _packed(parts, weight.shape[0], weight.device)
+        if linear is not None:
             module.quantized = linear
             packed[id(weight)] = linear
             # The dense parameter is never read again but for its shape and dtype.

@@ -2,10 +2,10 @@
 
 Layout (``TritonQuantLinear``): 4-bit codes two per byte along the input dimension (feature
 2i in the low nibble of byte i), 8-bit codes one signed byte each; a float32 scale and
-zero per output feature and group of 32 input features (group_quantized.py's form). One
-program computes a BLOCK_M x BLOCK_N tile of y; each step of its K loop is one group of 32:
-it decodes the group's codes for its BLOCK_N features, applies their scale and zero, and
-multiplies, accumulating in float32. Rows past M and features past N are masked, so a
+zero per output feature and group of 32 input features, or 16 (Q6_K; group_quantized.py's
+form). One program computes a BLOCK_M x BLOCK_N tile of y; each step of its K loop is one
+group: it decodes the group's codes for its BLOCK_N features, applies their scale and zero,
+and multiplies, accumulating in float32. Rows past M and features past N are masked, so a
 decode step of one row and a prefill of thousands share the kernel (the grid depends on
 the shapes alone: graph-friendly).
 
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from raylm.runner.quantization.act_order import InputOrder
-from raylm.runner.quantization.group_quantized import GROUP_SIZE, GroupQuantized
+from raylm.runner.quantization.group_quantized import GroupQuantized
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when triton.jit is
 BLOCK_N = 32
@@ -80,6 +80,7 @@ class TritonQuantLinear:
         self.scale = weight.scale.float().contiguous().to(device)
         self.zero = weight.zero.float().contiguous().to(device)
         self.out_features, self.in_features, self.bits = n, k, weight.bits
+        self.group_size = weight.group_size
         self.kind = weight.kind
         # Act order: x's features gathered into the weight's column order.
         self.input_order = (None if weight.input_order is None
@@ -102,7 +103,7 @@ class TritonQuantLinear:
         _quant_linear_kernel[grid](
             x, self.codes, self.scale, self.zero, out, m, self.out_features, self.in_features,
             x.stride(0), self.codes.stride(0), self.scale.stride(0), out.stride(0),
-            BITS=self.bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, GROUP=GROUP_SIZE,
+            BITS=self.bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, GROUP=self.group_size,
             # float32 models keep IEEE products (TF32 would part from transformers' tokens).
             PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
             # Triton's CPU interpreter multiplies 16-bit floats wrongly (see triton_paged).
@@ -119,8 +120,8 @@ class TritonQuantLinear:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of W as ``dtype`` (an embedding lookup)."""
         ids = ids.reshape(-1).long()
-        codes = self._codes()[ids].float().reshape(-1, self.in_features // GROUP_SIZE,
-                                                    GROUP_SIZE)
+        g = self.group_size
+        codes = self._codes()[ids].float().reshape(-1, self.in_features // g, g)
         w = codes * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
         return w.reshape(-1, self.in_features).to(dtype)
 

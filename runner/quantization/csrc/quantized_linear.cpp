@@ -1,12 +1,14 @@
 // Weight-only quantized linear for CPU: y = x W^T with W held as 4- or 8-bit integer codes and
 // a float32 scale and zero per group of 32 input features (w = scale * code + zero), the form
-// GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks decode to. Activations stay float32 or bfloat16; products
+// GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks decode to, or of 16 (Q6_K's scales; a template argument,
+// so each group size compiles its own loops). Activations stay float32 or bfloat16; products
 // accumulate in float32.
 //
 // Layout (runner/quantization/packed_linear.py repacks into it): output features in tiles of
 // 16; per tile and per pair of input features (k, k+1) the 16 features' codes side by side,
 // one byte each for 4 bits (k in the low nibble, k+1 in the high), one uint16 for 8 bits (k
 // in the low byte). Scales: [tiles, groups, 2, 16] float32 (the scale row, then the zero row).
+// K is a multiple of 32 (the AMX step) whatever the group.
 //
 // ``linear`` is for few rows (decode), in float32 whatever x's dtype: per group it
 // accumulates x . code, and adds scale * (x . code) + zero * sum(x) once per group, so codes
@@ -42,8 +44,7 @@
 namespace {
 
 constexpr int64_t kTile = 16;     // output features per tile (one AVX-512 float32 vector)
-constexpr int64_t kGroup = 32;    // input features per scale/zero
-constexpr int64_t kPairs = kGroup / 2;
+constexpr int64_t kStep = 32;     // K is a multiple of it (one AMX bfloat16 tile row)
 constexpr int kMaxRows = 8;       // rows of x per register block in ``linear``
 
 // Code of feature k (lo) and k+1 (hi) of a tile's lane j.
@@ -69,10 +70,11 @@ inline float as_float(T v) { return static_cast<float>(v); }
 // Rows [0, Rows) of x (float32) against one tile: out[r][0..16) (float32), per group
 // scale * sum_k x_k code_k + zero * sum_k x_k. With few rows the products of a group
 // spread over several accumulators, so the FMA latency does not serialise them.
-template <int Bits, int Rows>
+template <int Bits, int Group, int Rows>
 void tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* codes,
                const float* scales, float* out) {
-  const int64_t groups = k / kGroup;
+  constexpr int64_t kPairs = Group / 2;
+  const int64_t groups = k / Group;
 #ifdef RAYLM_AVX512
   constexpr int kChains = Rows >= 4 ? 2 : (Rows >= 2 ? 4 : 8);
   __m512 acc[Rows];
@@ -134,19 +136,19 @@ void tile_rows(const float* x, int64_t k, const float* xsum, const uint8_t* code
 #endif
 }
 
-template <int Bits, int Rows = kMaxRows>
+template <int Bits, int Group, int Rows = kMaxRows>
 void tile_rows_n(int rows, const float* x, int64_t k, const float* xsum, const uint8_t* codes,
                  const float* scales, float* out) {
   if constexpr (Rows > 0) {
-    if (rows == Rows) return tile_rows<Bits, Rows>(x, k, xsum, codes, scales, out);
-    return tile_rows_n<Bits, Rows - 1>(rows, x, k, xsum, codes, scales, out);
+    if (rows == Rows) return tile_rows<Bits, Group, Rows>(x, k, xsum, codes, scales, out);
+    return tile_rows_n<Bits, Group, Rows - 1>(rows, x, k, xsum, codes, scales, out);
   }
 }
 
-template <typename Act, int Bits>
+template <typename Act, int Bits, int Group>
 void run_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                 int64_t n, at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), tiles = codes.size(0), groups = k / kGroup;
+  const int64_t m = x.size(0), k = x.size(1), tiles = codes.size(0), groups = k / Group;
   const int64_t tile_bytes = codes.size(1) * codes.size(2) * codes.element_size();
   // x as float32 (bfloat16 widens exactly), and per row and group the sum of x.
   std::vector<float> xf(m * k);
@@ -157,7 +159,7 @@ void run_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.0f;
-      for (int64_t i = 0; i < kGroup; ++i) s += xp[r * k + g * kGroup + i];
+      for (int64_t i = 0; i < Group; ++i) s += xp[r * k + g * Group + i];
       xsum[r * groups + g] = s;
     }
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -169,7 +171,7 @@ void run_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
       const int64_t cols = std::min(kTile, n - t * kTile);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
-        tile_rows_n<Bits>(rows, xp + r0 * k, k, xsum.data() + r0 * groups,
+        tile_rows_n<Bits, Group>(rows, xp + r0 * k, k, xsum.data() + r0 * groups,
                                cp + t * tile_bytes, sp + t * groups * 2 * kTile, acc);
         for (int r = 0; r < rows; ++r)
           for (int64_t j = 0; j < cols; ++j)
@@ -179,32 +181,41 @@ void run_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   });
 }
 
-void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits) {
+void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits,
+                 int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32, got ", group);
   TORCH_CHECK(codes.dim() == 3 && codes.size(0) * kTile >= n && codes.size(2) == kTile &&
-                  (codes.size(1) * 2) % kGroup == 0 && codes.is_contiguous(),
-              "codes must be contiguous [ceil(N/16), K/2, 16]");
+                  (codes.size(1) * 2) % kStep == 0 && codes.is_contiguous(),
+              "codes must be contiguous [ceil(N/16), K/2, 16] with K a multiple of 32");
   TORCH_CHECK(codes.scalar_type() == (bits == 4 ? at::kByte : at::kShort),
               "codes dtype does not match bits=", bits);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == codes.size(0) * (codes.size(1) * 2 / kGroup) * 2 * kTile,
-              "scales must be contiguous float32 [tiles, K/32, 2, 16]");
+                  scales.numel() == codes.size(0) * (codes.size(1) * 2 / group) * 2 * kTile,
+              "scales must be contiguous float32 [tiles, K/group, 2, 16]");
 }
 
+// CALL with constexpr B (bits) and G (group) set to the runtime bits and group.
+#define RAYLM_DISPATCH(bits, group, CALL)                                     \
+  do {                                                                        \
+    if ((bits) == 4 && (group) == 16) { constexpr int B = 4, G = 16; CALL; }  \
+    else if ((bits) == 4) { constexpr int B = 4, G = 32; CALL; }              \
+    else if ((group) == 16) { constexpr int B = 8, G = 16; CALL; }            \
+    else { constexpr int B = 8, G = 32; CALL; }                               \
+  } while (0)
+
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes,
-                            const at::Tensor& scales, int64_t n, int64_t bits) {
-  check_codes(codes, scales, n, bits);
+                            const at::Tensor& scales, int64_t n, int64_t bits, int64_t group) {
+  check_codes(codes, scales, n, bits, group);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == codes.size(1) * 2,
               "x must be a contiguous [rows, K] matrix with K = ", codes.size(1) * 2);
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
   if (x.scalar_type() == at::kFloat) {
-    bits == 4 ? run_linear<float, 4>(x, codes, scales, n, out)
-              : run_linear<float, 8>(x, codes, scales, n, out);
+    RAYLM_DISPATCH(bits, group, (run_linear<float, B, G>(x, codes, scales, n, out)));
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-    bits == 4 ? run_linear<c10::BFloat16, 4>(x, codes, scales, n, out)
-              : run_linear<c10::BFloat16, 8>(x, codes, scales, n, out);
+    RAYLM_DISPATCH(bits, group, (run_linear<c10::BFloat16, B, G>(x, codes, scales, n, out)));
   }
   return out;
 }
@@ -230,13 +241,13 @@ struct TileConfig {
 };
 
 // One tile's strip as bfloat16 pairs: uint32 [K/2][16], feature k in the low half.
-template <int Bits>
+template <int Bits, int Group>
 void decode_strip_bf16(const uint8_t* codes, const float* scales, int64_t k, uint32_t* out) {
   const __m512i order = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t pair = 0; pair < k / 2; ++pair) {
-    const float* s = scales + (pair / kPairs) * 2 * kTile;
+    const float* s = scales + (pair / (Group / 2)) * 2 * kTile;
     __m512i qlo, qhi;
     if constexpr (Bits == 4) {
       const __m512i b = _mm512_cvtepu8_epi32(
@@ -257,10 +268,10 @@ void decode_strip_bf16(const uint8_t* codes, const float* scales, int64_t k, uin
   }
 }
 
-template <int Bits>
+template <int Bits, int Group>
 void run_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
              at::Tensor& out) {
-  const int64_t m = x.size(0), k = x.size(1), tiles = codes.size(0), groups = k / kGroup;
+  const int64_t m = x.size(0), k = x.size(1), tiles = codes.size(0), groups = k / Group;
   const int64_t tile_bytes = codes.size(1) * codes.size(2) * codes.element_size();
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -277,15 +288,15 @@ void run_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sca
     std::vector<uint32_t> strip((k / 2) * kTile);
     alignas(64) float c[16 * kTile];
     for (int64_t t = begin; t < end; ++t) {
-      decode_strip_bf16<Bits>(cp + t * tile_bytes, sp + t * groups * 2 * kTile, k,
+      decode_strip_bf16<Bits, Group>(cp + t * tile_bytes, sp + t * groups * 2 * kTile, k,
                               strip.data());
       const int64_t cols = std::min(kTile, n - t * kTile);
       for (int64_t r0 = 0; r0 < m; r0 += 16) {
         const c10::BFloat16* a = r0 < full ? xp + r0 * k : padded.data();
         _tile_zero(0);
-        for (int64_t g = 0; g < groups; ++g) {
-          _tile_loadd(1, a + g * kGroup, k * sizeof(c10::BFloat16));
-          _tile_loadd(2, strip.data() + g * kPairs * kTile, 64);
+        for (int64_t s = 0; s < k / kStep; ++s) {  // the strip is decoded: steps of 32
+          _tile_loadd(1, a + s * kStep, k * sizeof(c10::BFloat16));
+          _tile_loadd(2, strip.data() + s * (kStep / 2) * kTile, 64);
           _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, c, 64);
@@ -309,8 +320,9 @@ bool has_amx() {
 }
 
 at::Tensor quantized_linear_amx(const at::Tensor& x, const at::Tensor& codes,
-                                const at::Tensor& scales, int64_t n, int64_t bits) {
-  check_codes(codes, scales, n, bits);
+                                const at::Tensor& scales, int64_t n, int64_t bits,
+                                int64_t group) {
+  check_codes(codes, scales, n, bits, group);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == codes.size(1) * 2 &&
                   x.scalar_type() == at::kBFloat16,
               "x must be a contiguous bfloat16 [rows, K] matrix with K = ", codes.size(1) * 2);
@@ -318,7 +330,7 @@ at::Tensor quantized_linear_amx(const at::Tensor& x, const at::Tensor& codes,
   auto out = at::empty({x.size(0), n}, x.options());
 #ifdef RAYLM_AMX
   if (x.size(0) > 0) {
-    bits == 4 ? run_amx<4>(x, codes, scales, n, out) : run_amx<8>(x, codes, scales, n, out);
+    RAYLM_DISPATCH(bits, group, (run_amx<B, G>(x, codes, scales, n, out)));
   }
 #endif
   return out;
@@ -327,7 +339,7 @@ at::Tensor quantized_linear_amx(const at::Tensor& x, const at::Tensor& codes,
 // ---- dequantize_transposed: many rows ---------------------------------------------------
 
 // Tiles [t0, t0 + count) of W^T into out [K, 16 * count] (the last tile cut to n).
-template <typename Out, int Bits>
+template <typename Out, int Bits, int Group>
 void run_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                     at::Tensor& out) {
   const int64_t tiles = codes.size(0), k = codes.size(1) * 2;
@@ -340,7 +352,7 @@ void run_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t n
       const uint8_t* tc = cp + t * tile_bytes;
       const int64_t cols = std::min(kTile, n - t * kTile);
       for (int64_t pair = 0; pair < k / 2; ++pair) {
-        const float* s = sp + (t * (k / kGroup) + pair / kPairs) * 2 * kTile;
+        const float* s = sp + (t * (k / Group) + pair / (Group / 2)) * 2 * kTile;
         Out* row_lo = op + (2 * pair) * n + t * kTile;
         Out* row_hi = row_lo + n;
 #ifdef RAYLM_AVX512
@@ -390,16 +402,14 @@ void run_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t n
 }
 
 at::Tensor dequantize_transposed(const at::Tensor& codes, const at::Tensor& scales, int64_t n,
-                                 int64_t bits, at::ScalarType dtype) {
-  check_codes(codes, scales, n, bits);
+                                 int64_t bits, at::ScalarType dtype, int64_t group) {
+  check_codes(codes, scales, n, bits, group);
   auto out = at::empty({codes.size(1) * 2, n}, codes.options().dtype(dtype));
   if (dtype == at::kFloat) {
-    bits == 4 ? run_dequantize<float, 4>(codes, scales, n, out)
-              : run_dequantize<float, 8>(codes, scales, n, out);
+    RAYLM_DISPATCH(bits, group, (run_dequantize<float, B, G>(codes, scales, n, out)));
   } else {
     TORCH_CHECK(dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
-    bits == 4 ? run_dequantize<c10::BFloat16, 4>(codes, scales, n, out)
-              : run_dequantize<c10::BFloat16, 8>(codes, scales, n, out);
+    RAYLM_DISPATCH(bits, group, (run_dequantize<c10::BFloat16, B, G>(codes, scales, n, out)));
   }
   return out;
 }
@@ -407,11 +417,12 @@ at::Tensor dequantize_transposed(const at::Tensor& codes, const at::Tensor& scal
 }  // namespace
 
 TORCH_LIBRARY(raylm_quant, m) {
-  m.def("linear(Tensor x, Tensor codes, Tensor scales, int n, int bits) -> Tensor");
+  m.def("linear(Tensor x, Tensor codes, Tensor scales, int n, int bits, int group=32) -> Tensor");
   m.def("has_amx() -> bool");
-  m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, int n, int bits) -> Tensor");
-  m.def("dequantize_transposed(Tensor codes, Tensor scales, int n, int bits, ScalarType dtype)"
+  m.def("linear_amx(Tensor x, Tensor codes, Tensor scales, int n, int bits, int group=32)"
         " -> Tensor");
+  m.def("dequantize_transposed(Tensor codes, Tensor scales, int n, int bits, ScalarType dtype,"
+        " int group=32) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm_quant, CPU, m) {
