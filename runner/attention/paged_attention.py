@@ -77,6 +77,9 @@ class AttentionMetadata:
     ragged: RaggedTokens | None = None  # the short rows' tokens; None when there are none
     prefills: list[PrefillSpan] = field(default_factory=list)
     tiles: TileMetadata | None = None  # the Triton kernel's: every row, when it runs
+    # False: a row's tokens see each other both ways (a diffusion canvas; built by
+    # attention/bidirectional.py, every row an sdpa span with its mask).
+    causal: bool = True
     # Per num_kv_heads: the cache write index [T * H]; every layer of one rank has the same
     # head count, so the first layer builds it.
     _write_index: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -1,0 +1,58 @@
+"""Metadata for rows whose query tokens see each other both ways: a diffusion decoder's
+canvas (runner/models/diffusion_gemma.py, docs/architecture.md §23).
+
+Each row's tokens are written to their slots like any other row's, then every token of the
+row reads the row's whole context and all of the row's tokens. Every row runs as one sdpa
+span with an explicit mask (the ragged kernels and the Triton kernel are causal by
+construction), so this is the native path on every device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raylm.runner.attention.paged_attention import AttentionMetadata, HostUpload, PrefillSpan
+
+
+def build_bidirectional_metadata(
+    query_start_loc: np.ndarray,  # [B + 1] cumulative query lengths
+    seq_lens: np.ndarray,  # [B] context + this step's tokens
+    slot_mapping: torch.Tensor,  # [T] on the device
+    block_table: np.ndarray | torch.Tensor,  # [B, nb] host block ids
+    block_size: int,
+    window: int = 0,
+) -> AttentionMetadata:
+    """``window`` > 0: a row's tokens see the context keys its first token would see
+    under that window (the last ``window - 1`` before it), and every token of the row."""
+    if window < 0:
+        raise ValueError(f"window must be positive (0: none), got {window}.")
+    table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
+    query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    device = slot_mapping.device
+    meta = AttentionMetadata(num_tokens=int(query_start_loc[-1]), block_size=block_size,
+                             slot_mapping=slot_mapping, causal=False)
+    if window == 0:
+        def rebuild(w: int) -> AttentionMetadata:
+            return build_bidirectional_metadata(query_start_loc, seq_lens, slot_mapping,
+                                                table, block_size, w)
+
+        meta._rebuild = rebuild
+    pack = HostUpload(device)
+    spans = []
+    for row in range(len(seq_lens)):
+        start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
+        seq_len = int(seq_lens[row])
+        spans.append((PrefillSpan(start, end, seq_len - (end - start)),
+                      pack.add(table[row, :-(-seq_len // block_size)])))
+    uploaded = pack.upload()
+    for span, (lo, hi) in spans:
+        seq_len = span.context_len + span.end - span.start
+        # Always gathered from the cache with a mask: a span without one is causal.
+        span.block_ids = uploaded[lo:hi]
+        k_pos = torch.arange(seq_len, device=device)
+        visible = k_pos > span.context_len - window if window else k_pos >= 0
+        span.mask = visible[None, :].expand(span.end - span.start, seq_len)
+        meta.prefills.append(span)
+    return meta
