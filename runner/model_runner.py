@@ -139,7 +139,7 @@ class ModelRunner:
         if self.ctx.is_last_pp_rank:
             self.sampler = Sampler(self.vocab_size, self.device)
         if self.speculator is not None:
-            self.speculator.load_model(self.ctx)
+            self.speculator.load_model(self.ctx, self.model)
 
     @property
     def loaded_model(self) -> LlamaForCausalLM:

@@ -57,8 +57,10 @@ class Scheduler:
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.enable_caching = config.cache_config.enable_prefix_caching
-        self.kv_cache_manager = KVCacheManager(self.block_size, num_kv_blocks, self.enable_caching,
-                                               config.kv_cache_groups.windows)
+        spec = config.speculative_config
+        self.kv_cache_manager = KVCacheManager(
+            self.block_size, num_kv_blocks, self.enable_caching, config.kv_cache_groups.windows,
+            drop_last_hit_block=spec is not None and spec.reads_target_hidden_states)
         # Hybrid models with prefix caching: the recurrent states' snapshots by block.
         self.state_snapshots = (StateSnapshots(config.num_state_snapshots)
                                 if config.num_state_snapshots else None)

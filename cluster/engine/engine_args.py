@@ -152,7 +152,7 @@ class EngineArgs:
                 "last (the last prompt token's) or mean (over every prompt token)")
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, vLLM's dict (JSON on the command line): {\"method\": "
-              "\"ngram\" | \"draft_model\", \"num_speculative_tokens\": k, ...}")
+              "\"ngram\" | \"draft_model\" | \"eagle\" | \"eagle3\", \"num_speculative_tokens\": k, ...}")
     kv_transfer_config: dict[str, Any] | None = _arg(
         None, "KV connector, vLLM's dict (JSON on the command line): {\"kv_connector\": "
               "\"OffloadingConnector\" | \"RayKVConnector\", \"kv_role\": \"kv_producer\" | "

@@ -333,6 +333,10 @@ class LlamaModel(nn.Module):
         self.norm: Norm | PPMissingLayer = PPMissingLayer()
         if ctx.is_last_pp_rank:
             self.norm = make_norm(cfg, cfg.hidden_size, dtype, ctx.device, ops)
+        # An EAGLE-3 head reads these layers' inputs (the residual stream there) from the
+        # last forward (runner/spec_decode/eagle_proposer.py); empty: none are kept.
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -347,9 +351,16 @@ class LlamaModel(nn.Module):
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
         cos_sins = [cast(RotaryEmbedding, r).cos_sin(positions) for r in self.rotary_embs]
-        for layer in self.layers[self.start_layer:self.end_layer]:
+        aux = self.aux_hidden_layers
+        kept: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers[self.start_layer:self.end_layer],
+                                      self.start_layer):
+            if index in aux:
+                kept[index] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(cos_sins[cast(LlamaDecoderLayer, layer).rope],
                                             hidden_states, residual, attn_metadata)
+        if aux:
+            self.aux_hidden_states = [kept[i] for i in aux]
         if not self.ctx.is_last_pp_rank:
             assert residual is not None  # every stage has a layer (get_pp_layer_range)
             return IntermediateTensors(hidden_states, residual)

@@ -1,7 +1,7 @@
-"""A draft model without PP drafts step t+1 inside step t, right after verification: its
-forwards queue on the device behind the verification's and read the emitted runs there,
-so drafting adds no host round trip. The scheduler books the KV slots this writes
-(``EngineConfig.num_lookahead_tokens``); the drafts wait in device_drafts.py."""
+"""A draft model (or an EAGLE head) without PP drafts step t+1 inside step t, right after
+verification: its forwards queue on the device behind the verification's and read the
+emitted runs there, so drafting adds no host round trip. The scheduler books the KV slots
+this writes (``EngineConfig.num_lookahead_tokens``); the drafts wait in device_drafts.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from raylm.scheduler.config.engine_config import EngineConfig
 
 @dataclass
 class DraftAhead:
-    draft_model: DraftModelProposer
+    draft_model: DraftModelProposer | None  # None: an EAGLE head drafts (eagle_proposer.py)
     gate: DraftGate
     device_drafts: DeviceDrafts
     input_batch: InputBatch
@@ -38,10 +38,19 @@ class DraftAhead:
               seg_starts: np.ndarray, base_len: np.ndarray) -> None:
         """Draft the next step of every request that sampled: ``sampling[k]``'s run is in
         ``sampled`` (on the device) from ``seg_starts[k]``, after ``base_len[k]`` known
-        tokens. How many: what the gate would allow now (``peek``), at this step's
-        position cost; the next step's own answer may take fewer."""
+        tokens."""
+        assert self.draft_model is not None  # an EAGLE head drafts through its proposer
+        wanted = self.wanted(batch, sampling, seg_starts, base_len)
+        if wanted:
+            self.device_drafts.store(wanted, self.draft_model.propose(wanted, sampled))
+
+    def wanted(self, batch: StepBatch, sampling: np.ndarray, seg_starts: np.ndarray,
+               base_len: np.ndarray) -> list[DraftRequest]:
+        """The requests that sampled and get drafts for their next step. How many: what
+        the gate would allow now (``peek``), at this step's position cost; the next
+        step's own answer may take fewer."""
         if self.disable_by_batch_size and len(batch.req_ids) > self.disable_by_batch_size:
-            return  # a batch this large drafts nothing (its next step decides again)
+            return []  # a batch this large drafts nothing (its next step decides again)
         ib = self.input_batch
         position_cost = step_position_cost(len(batch.req_ids), self.step_overhead_tokens)
         wanted = []
@@ -54,5 +63,4 @@ class DraftAhead:
             if n > 0:
                 wanted.append(DraftRequest(rid, row, num_tokens, n, int(base_len[k]),
                                            int(seg_starts[k])))
-        if wanted:
-            self.device_drafts.store(wanted, self.draft_model.propose(wanted, sampled))
+        return wanted

@@ -15,6 +15,7 @@ import torch
 
 from raylm.parallel.context import ParallelContext
 from raylm.runner.attention.paged_attention import (
+    AttentionMetadata,
     allocate_kv_cache,
     build_attention_metadata,
     resolve_attention_backend,
@@ -159,19 +160,31 @@ class DraftModelProposer:
         """One draft forward: row i (InputBatch row ``rows[i]``) feeds ``q_lens[i]`` of
         ``token_ids`` at positions from ``starts[i]``; the greedy next token of each row,
         on the device."""
-        ib = self.input_batch
-        cu = np.concatenate(([0], np.cumsum(q_lens)))
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
-        token_rows = np.repeat(rows, q_lens)
-        block_ids = ib.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slots = block_ids * self.block_size + positions % self.block_size
-        seq_lens = starts + q_lens
-        max_blocks = -(-int(seq_lens.max()) // self.block_size)
-        # The block table stays on the host: the metadata builders read it there.
-        meta = build_attention_metadata(cu, seq_lens, self._dev(slots),
-                                        ib.block_table[rows, :max_blocks].astype(np.int64),
-                                        self.block_size, backend=self.attention_backend)
+        positions, meta = draft_attention_inputs(self.input_batch, rows, starts, q_lens,
+                                                 self.block_size, self.attention_backend,
+                                                 self.device)
         model = self.loaded_model
-        hidden = model(token_ids, self._dev(positions), meta, None)
-        logits = model.compute_logits(hidden.index_select(0, self._dev(cu[1:] - 1)))
+        hidden = model(token_ids, positions, meta, None)
+        cu = np.cumsum(q_lens)
+        logits = model.compute_logits(hidden.index_select(0, self._dev(cu - 1)))
         return logits.argmax(dim=-1)
+
+
+def draft_attention_inputs(ib: InputBatch, rows: np.ndarray, starts: np.ndarray,
+                           q_lens: np.ndarray, block_size: int, backend: str,
+                           device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and attention metadata of a drafter's forward on the target's block
+    table: row i (InputBatch row ``rows[i]``) runs ``q_lens[i]`` tokens from position
+    ``starts[i]``, writing its own KV at those positions' slots."""
+    cu = np.concatenate(([0], np.cumsum(q_lens)))
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
+    token_rows = np.repeat(rows, q_lens)
+    block_ids = ib.block_table[token_rows, positions // block_size].astype(np.int64)
+    slots = block_ids * block_size + positions % block_size
+    seq_lens = starts + q_lens
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    # The block table stays on the host: the metadata builders read it there.
+    meta = build_attention_metadata(cu, seq_lens, upload(slots, device),
+                                    ib.block_table[rows, :max_blocks].astype(np.int64),
+                                    block_size, backend=backend)
+    return upload(positions, device), meta

@@ -25,6 +25,7 @@ from raylm.runner.spec_decode.device_drafts import DeviceDrafts
 from raylm.runner.spec_decode.draft_ahead import DraftAhead
 from raylm.runner.spec_decode.draft_gate import DraftGate, step_position_cost
 from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
+from raylm.runner.spec_decode.eagle_proposer import EagleProposer
 from raylm.runner.spec_decode.earlier_stage import EarlierStageRuns
 from raylm.runner.spec_decode.ngram_proposer import NgramProposer
 from raylm.runner.spec_decode.verified_runs import VerifiedRuns
@@ -44,6 +45,8 @@ class Speculator:
                       if config.method == "ngram" else None)
         self.draft_model = (DraftModelProposer(engine_config, input_batch, device)
                             if config.method == "draft_model" else None)
+        self.eagle = (EagleProposer(engine_config, input_batch, device)
+                      if config.method in ("eagle", "eagle3") else None)
         # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
         self.step_overhead_tokens = config.draft_step_overhead_tokens
@@ -61,23 +64,28 @@ class Speculator:
         self.earlier_stage = (None if is_last_pp_rank else
                               EarlierStageRuns(input_batch, self.runs, self.num_computed,
                                                learns_from_ring))
-        # Without PP the scheduler books the KV slots of drafts made one step ahead.
+        # Without PP the scheduler books the KV slots of drafts made one step ahead (an
+        # EAGLE head always drafts so: it runs without PP only).
         self.draft_ahead = (DraftAhead(self.draft_model, self.gate, self.device_drafts,
                                        input_batch, engine_config)
-                            if self.draft_model is not None
+                            if (self.draft_model is not None or self.eagle is not None)
                             and engine_config.num_lookahead_tokens > 0 else None)
 
-    # A draft model lives beside the target: loaded, sized and given blocks with it.
-    def load_model(self, ctx: ParallelContext) -> None:
+    # A draft model or head lives beside the target: loaded, sized and given blocks with it.
+    def load_model(self, ctx: ParallelContext, target: LlamaForCausalLM) -> None:
         if self.draft_model is not None:
             self.draft_model.load_model(ctx)
+        if self.eagle is not None:
+            self.eagle.load_model(ctx, target)
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.draft_model.kv_cache_bytes_per_block() if self.draft_model else 0
+        drafter = self.draft_model or self.eagle
+        return drafter.kv_cache_bytes_per_block() if drafter is not None else 0
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        if self.draft_model is not None:
-            self.draft_model.initialize_kv_cache(num_blocks)
+        drafter = self.draft_model or self.eagle
+        if drafter is not None:
+            drafter.initialize_kv_cache(num_blocks)
 
     # ---------------------------------------------------------------- before the forward
     def begin_step(self, so: SchedulerOutput) -> SchedulerOutput:
@@ -156,6 +164,8 @@ class Speculator:
             ib = self.input_batch
             return {r: self.ngram.propose(ib.token_ids[r.row, :r.num_tokens], r.max_drafts).copy()
                     for r in wanted}
+        if self.eagle is not None:
+            return {}  # a head drafts only at verification, from the step's hidden states
         assert self.draft_model is not None
         (drafts,) = self.copier.to_host([self.draft_model.propose(wanted)])
         return {r: drafts[i, :r.max_drafts] for i, r in enumerate(wanted)}
@@ -180,7 +190,14 @@ class Speculator:
         bitmask of the step's constrained requests, a row per position they verify."""
         assert self.verifier is not None, "only the last PP stage verifies"
         v = self.verifier.verify(batch, hidden, self._drafts, model, sampler, grammar_output)
-        if self.draft_ahead is not None and v.sampled is not None:
+        if self.eagle is not None:
+            # Every step: the head's KV follows every verified position, drafts or not.
+            wanted = (self.draft_ahead.wanted(batch, v.sampling, v.seg_starts, v.base_len)
+                      if self.draft_ahead is not None and v.sampled is not None else [])
+            drafts = self.eagle.step(batch, hidden, v.sampling, wanted)
+            if wanted:
+                self.device_drafts.store(wanted, drafts)
+        elif self.draft_ahead is not None and v.sampled is not None:
             self._draft_after_verification(batch, v.sampling, v.sampled, v.seg_starts,
                                            v.base_len)
         return v.output

@@ -28,7 +28,7 @@ from raylm.scheduler.config.kv_cache_groups import KVCacheGroups
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
 from raylm.scheduler.config.moe_layout import MOE_ARCHITECTURES, check_moe_layout, moe_traits
-from raylm.scheduler.config.speculative_config import SpeculativeConfig
+from raylm.scheduler.config.speculative_config import MODEL_METHODS, SpeculativeConfig
 from raylm.scheduler.config.state_layout import (
     STATE_SPACE_ARCHITECTURES,
     has_state_layers,
@@ -302,8 +302,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method in MODEL_METHODS:
             spec.check_draft_vocab(self.model_config.hf_config)
+        if (spec is not None and spec.method in ("eagle", "eagle3")
+                and self.parallel_config.pipeline_parallel_size > 1):
+            raise ValueError(f"speculative_config.method {spec.method!r} with "
+                             "pipeline_parallel_size > 1 is not supported: the head reads "
+                             "the last stage's hidden states, and every stage needs the "
+                             "drafts before its forward; use 'ngram' or 'draft_model'.")
+        if (spec is not None and spec.reads_target_hidden_states
+                and self.kv_transfer_config is not None):
+            raise ValueError(f"speculative_config.method {spec.method!r} with a "
+                             "kv_transfer_config is not supported: KV loaded from outside "
+                             "the engine carries no EAGLE head KV for its positions.")
         self._check_kv_transfer()
         self._check_expert_parallel()
         self._check_state_layers()
@@ -330,11 +341,11 @@ class EngineConfig:
         ranks, what = pc.tensor_parallel_size, "tensor_parallel_size"
         if pc.data_parallel_size > 1:
             spec = self.speculative_config
-            if spec is not None and spec.method == "draft_model":
+            if spec is not None and spec.method in MODEL_METHODS:
                 raise ValueError("enable_expert_parallel=True with data_parallel_size > 1 "
-                                 "does not run a draft model (speculative_config.method="
-                                 "'draft_model'): its forward is not in the DP ranks' "
-                                 "lockstep; use 'ngram'.")
+                                 "does not run a draft model or head (speculative_config."
+                                 f"method={spec.method!r}): its forward is not in the DP "
+                                 "ranks' lockstep; use 'ngram'.")
             ranks = pc.data_parallel_size * pc.tensor_parallel_size
             what = "data_parallel_size x tensor_parallel_size"
         num_experts = moe_traits(arch, self.model_config.hf_config).num_experts
@@ -428,7 +439,7 @@ class EngineConfig:
         positions beyond the step's (runner/spec_decode/speculator.py). Under PP the
         stages draft at the start of the step instead, inside its booking."""
         spec = self.speculative_config
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in MODEL_METHODS:
             return 0
         return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
             else 0

@@ -5,6 +5,8 @@ Methods:
   occurrence of the request's last ``n`` tokens (``prompt_lookup_max >= n >=
   prompt_lookup_min``) in its prompt + output.
 - ``"draft_model"``: a smaller checkpoint with the target's vocabulary proposes the drafts.
+- ``"eagle"`` / ``"eagle3"``: an EAGLE-1 / EAGLE-3 head (its folder in ``model``) drafts
+  from the target's hidden states (runner/spec_decode/eagle_proposer.py).
 Pure Python (read by the scheduler and the runner alike).
 """
 
@@ -18,7 +20,9 @@ from typing import Any
 from raylm.scheduler.config.state_layout import STATE_SPACE_ARCHITECTURES
 from raylm.scheduler.config.validation import check_config_dict
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Methods whose drafts come from a checkpoint of their own (``model``).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 
 
 def _bad(name: str, value: object, why: str) -> ValueError:
@@ -31,7 +35,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    model: str | None = None  # draft_model: the draft checkpoint's folder
+    model: str | None = None  # the draft model's or the EAGLE head's folder
     # vLLM's name: no drafts in a step that runs more than this many requests (verifying
     # 1 + k positions per request costs more than it saves once the batch is large).
     disable_by_batch_size: int | None = None
@@ -63,10 +67,15 @@ class SpeculativeConfig:
                 raise _bad("prompt_lookup_max", self.prompt_lookup_max,
                            f"must be at least prompt_lookup_min={self.prompt_lookup_min}")
             if self.model is not None:
-                raise _bad("model", self.model, "is only for method 'draft_model'")
+                raise _bad("model", self.model, f"is only for methods {list(MODEL_METHODS)}")
         elif self.model is None or not os.path.isfile(os.path.join(self.model, "config.json")):
             raise _bad("model", self.model, "must be a folder with a config.json for "
-                       "method 'draft_model'")
+                       f"method {self.method!r}")
+
+    @property
+    def reads_target_hidden_states(self) -> bool:
+        """An EAGLE head: its drafts come from the target's hidden states."""
+        return self.method in ("eagle", "eagle3")
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | SpeculativeConfig | None,
@@ -79,7 +88,7 @@ class SpeculativeConfig:
             check_config_dict("speculative_config", config, cls,
                               ("method", "num_speculative_tokens"))
             spec = cls(**config)
-        if spec is not None and spec.method == "draft_model" and target_hf_config is not None:
+        if spec is not None and spec.method in MODEL_METHODS and target_hf_config is not None:
             spec.check_draft_vocab(target_hf_config)
         return spec
 
@@ -94,6 +103,6 @@ class SpeculativeConfig:
                        f"has vocab_size={draft.get('vocab_size')}; the target model has "
                        f"{target_hf_config.get('vocab_size')} (they must share a tokenizer)")
         arch = next(iter(draft.get("architectures") or []), "")
-        if arch in STATE_SPACE_ARCHITECTURES:
+        if self.method == "draft_model" and arch in STATE_SPACE_ARCHITECTURES:
             raise _bad("model", self.model,
                        f"is a {arch} (Mamba2 layers); a draft model must be attention-only")

@@ -45,7 +45,8 @@ def group_block_key(block_hash: int, group: int) -> int:
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool,
-                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 group_windows: tuple[int | None, ...] = (None,),
+                 drop_last_hit_block: bool = False) -> None:
         if not group_windows:
             raise ValueError("group_windows must name at least one group.")
         for window in group_windows:
@@ -53,6 +54,10 @@ class KVCacheManager:
                 raise ValueError(f"sliding_window must be at least 1, got {window}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # An EAGLE head's KV at a block's last position pairs it with the token after the
+        # block, which another request's hit need not share: a hit gives up its last block,
+        # recomputed so that the head sees the target's hidden state there.
+        self.drop_last_hit_block = drop_last_hit_block
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         self._windowed = [g for g, w in enumerate(self.group_windows) if w is not None]
@@ -118,6 +123,8 @@ class KVCacheManager:
                 if block is None:
                     break
                 blocks.append(block)
+            if self.drop_last_hit_block and blocks:
+                blocks.pop()
             return blocks, len(blocks) * self.block_size
         # Full-attention groups, left to right.
         num_hit = len(hashes)
@@ -125,6 +132,8 @@ class KVCacheManager:
             if any(get(group_block_key(h, g)) is None for g in self._full):
                 num_hit = j
                 break
+        if self.drop_last_hit_block:
+            num_hit = max(num_hit - 1, 0)
         # Windowed groups: each needs its window's blocks before the hit, right to left;
         # a miss at block j leaves only hits that end at or before it.
         while num_hit > 0:

@@ -1,0 +1,145 @@
+"""EAGLE heads for the tests: random checkpoints in the public layouts (EAGLE-1's ``fc`` +
+``layers.0``, EAGLE-3's ``midlayer`` + its own LM head over a draft vocabulary), and a
+plain-torch reference of their drafts, recomputed from a whole history with transformers'
+hidden states (no cache), to check what the engine's head proposes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+DRAFT_VOCAB = 96  # EAGLE-3 heads here predict over a subset of the target's vocabulary
+AUX_LAYERS = [0, 1, 1]  # EAGLE-3: target layers whose inputs feed fc (the targets have 2)
+
+
+def write_eagle_head(path: str, target_path: str, method: str, seed: int = 0,
+                     scale: float = 0.2) -> str:
+    """A random head for the target checkpoint at ``target_path``."""
+    with open(os.path.join(target_path, "config.json")) as f:
+        target = json.load(f)
+    hidden, heads = target["hidden_size"], target["num_attention_heads"]
+    kv_heads = target.get("num_key_value_heads", heads)
+    head_dim = target.get("head_dim") or hidden // heads
+    inter, vocab = target["intermediate_size"], target["vocab_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    attn_in = hidden if method == "eagle" else 2 * hidden
+    prefix = "layers.0." if method == "eagle" else "midlayer."
+    tensors = {
+        prefix + "self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
+        prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+        prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
+        prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        prefix + "mlp.gate_proj.weight": rand(inter, hidden),
+        prefix + "mlp.up_proj.weight": rand(inter, hidden),
+        prefix + "mlp.down_proj.weight": rand(hidden, inter),
+        prefix + "post_attention_layernorm.weight": 1 + rand(hidden),
+    }
+    config = dict(target, num_hidden_layers=1)
+    if method == "eagle":
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+        tensors["fc.bias"] = rand(hidden)
+    else:
+        tensors[prefix + "input_layernorm.weight"] = 1 + rand(hidden)
+        tensors[prefix + "hidden_norm.weight"] = 1 + rand(hidden)
+        tensors["fc.weight"] = rand(hidden, 3 * hidden)
+        tensors["norm.weight"] = 1 + rand(hidden)
+        tensors["lm_head.weight"] = rand(DRAFT_VOCAB, hidden) * 5
+        chosen = torch.randperm(vocab, generator=gen)[:DRAFT_VOCAB].sort().values
+        tensors["d2t"] = chosen - torch.arange(DRAFT_VOCAB)  # draft id + d2t = target id
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[chosen] = True
+        tensors["t2d"] = t2d
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": AUX_LAYERS})
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+class ReferenceHead:
+    """The head's drafts after a history, from transformers' target (hidden states of the
+    whole history at once) and the head's weights applied in plain torch."""
+
+    def __init__(self, head_path: str, target_model, method: str) -> None:
+        from safetensors.torch import load_file
+
+        self.w = load_file(os.path.join(head_path, "model.safetensors"))
+        self.method = method
+        self.target = target_model
+        cfg = target_model.config
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.rotary = LlamaRotaryEmbedding(cfg)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def _layer(self, x_attn: torch.Tensor, residual: torch.Tensor, prefix: str) -> torch.Tensor:
+        w, T = self.w, x_attn.shape[0]
+        q = (x_attn @ w[prefix + "self_attn.q_proj.weight"].T).view(T, self.heads, -1)
+        k = (x_attn @ w[prefix + "self_attn.k_proj.weight"].T).view(T, self.kv_heads, -1)
+        v = (x_attn @ w[prefix + "self_attn.v_proj.weight"].T).view(T, self.kv_heads, -1)
+        cos, sin = self.rotary(v.transpose(0, 1)[None], torch.arange(T)[None])
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        rep = self.heads // self.kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.transpose(0, 1)[None].repeat_interleave(rep, dim=1)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = attn[0].transpose(0, 1).reshape(T, -1) @ w[prefix + "self_attn.o_proj.weight"].T
+        h = residual + attn
+        m = self._norm(h, w[prefix + "post_attention_layernorm.weight"])
+        m = (torch.nn.functional.silu(m @ w[prefix + "mlp.gate_proj.weight"].T)
+             * (m @ w[prefix + "mlp.up_proj.weight"].T)) @ w[prefix + "mlp.down_proj.weight"].T
+        return h + m
+
+    def _head(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The head over pairs (tokens[i], features[i]) at positions 0..T-1: its outputs."""
+        w = self.w
+        embeds = self.target.model.embed_tokens(tokens)
+        if self.method == "eagle":
+            x = torch.cat((embeds, features), -1) @ w["fc.weight"].T + w["fc.bias"]
+            return self._layer(x, x, "layers.0.")
+        x = torch.cat((self._norm(embeds, w["midlayer.input_layernorm.weight"]),
+                       self._norm(features, w["midlayer.hidden_norm.weight"])), -1)
+        return self._layer(x, features, "midlayer.")
+
+    def _next(self, out: torch.Tensor) -> int:
+        if self.method == "eagle":
+            return int(self.target.lm_head(out).argmax())
+        w = self.w
+        draft = int((self._norm(out, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+        return draft + int(w["d2t"][draft])
+
+    @torch.inference_mode()
+    def drafts(self, history: list[int], k: int) -> list[int]:
+        """The head's k greedy drafts after ``history`` (prompt + output so far)."""
+        out = self.target.model(torch.tensor([history]), output_hidden_states=True)
+        if self.method == "eagle":
+            feats = out.last_hidden_state[0]
+        else:
+            hs = out.hidden_states  # hs[i]: the input of layer i
+            feats = torch.cat([hs[i][0] for i in AUX_LAYERS], -1) @ self.w["fc.weight"].T
+        tokens = list(history[1:])
+        features = feats[:len(history) - 1]
+        drafts = []
+        for _ in range(k):
+            outs = self._head(torch.tensor(tokens), features)
+            drafts.append(self._next(outs[-1]))
+            tokens.append(drafts[-1])
+            features = torch.cat((features, outs[-1:]), 0)
+        return drafts
