@@ -143,3 +143,48 @@ class ReferenceHead:
             tokens.append(drafts[-1])
             features = torch.cat((features, outs[-1:]), 0)
         return drafts
+
+
+def write_target_copy_head(path: str, target_path: str) -> str:
+    """An EAGLE-1 head that is the target's own layers with attention cut (o_proj zero) and
+    ``fc`` passing the embedding through: on a target whose attention barely matters (the
+    loopy checkpoint) it predicts the target's next token most of the time, so drafts get
+    accepted. Its output skips the target's final norm, so the target's must have unit
+    weights (``with_unit_final_norm``): then the norm only scales a row, never its argmax."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(target_path, "config.json")) as f:
+        config = json.load(f)
+    weights = load_file(os.path.join(target_path, "model.safetensors"))
+    hidden = config["hidden_size"]
+    tensors = {}
+    for name, tensor in weights.items():
+        if not name.startswith("model.layers."):
+            continue
+        short = name.removeprefix("model.")
+        if short == "layers.0.input_layernorm.weight":
+            continue  # EAGLE-1's first layer has no input norm
+        tensors[short] = (torch.zeros_like(tensor) if short.endswith("o_proj.weight")
+                          else tensor.clone())
+    tensors["fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    assert torch.equal(weights["model.norm.weight"], torch.ones(hidden)), (
+        "the target's final norm must have unit weights (with_unit_final_norm)")
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def with_unit_final_norm(src: str, dst: str) -> str:
+    """A copy of the checkpoint at ``src`` whose final norm weights are all one."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    weights = load_file(file)
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    save_file(weights, file, metadata={"format": "pt"})
+    return dst

@@ -203,3 +203,34 @@ def test_tp2_draft_model_greedy_matches_hf(llama_path, hf_oracle, tmp_path, asyn
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("method, async_scheduling", [("eagle", True), ("eagle3", False)],
+                         ids=["eagle-async", "eagle3-sync"])
+def test_tp2_eagle_greedy_matches_hf(loopy_llama_path, hf_oracle, tmp_path, method,
+                                     async_scheduling):
+    """An EAGLE head on TP=2 worker actors (its layers sharded like the target's, fc and
+    d2t whole on every rank): each rank runs the head after its verification and drafts
+    alike. EAGLE-1: a head of the target's own layers, mostly accepted; EAGLE-3: a random
+    head over a draft vocabulary, mostly rejected. The tokens equal transformers."""
+    from eagle_heads import with_unit_final_norm, write_eagle_head, write_target_copy_head
+
+    from raylm import LLM
+
+    target = with_unit_final_norm(loopy_llama_path, str(tmp_path / "target"))
+    head = (write_target_copy_head(str(tmp_path / "head"), target) if method == "eagle"
+            else write_eagle_head(str(tmp_path / "head"), target, "eagle3"))
+    llm = LLM(target, tensor_parallel_size=2, async_scheduling=async_scheduling,
+              block_size=4, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=8,
+              speculative_config={"method": method, "model": head,
+                                  "num_speculative_tokens": 3})
+    try:
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 19, 31, 10)]
+        metrics = _greedy_equals_hf(llm, hf_oracle(target), prompts, [22, 15, 18, 25])
+        drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+        accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
+        assert drafted > 0 and (accepted > 0.5 * drafted if method == "eagle" else True), metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()

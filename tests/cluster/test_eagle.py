@@ -9,10 +9,17 @@ import random
 import time
 
 import pytest
+from eagle_heads import (
+    ReferenceHead,
+    with_unit_final_norm,
+    write_eagle_head,
+    write_target_copy_head,
+)
+from host_reads import COPIER, host_reads
+from test_spec_decode import _mixed_batch, _tokens
 
 from raylm import LLM, SamplingParams
 from raylm.runner.spec_decode import eagle_proposer
-from tests.eagle_heads import ReferenceHead, write_eagle_head
 
 K = 3
 
@@ -98,3 +105,70 @@ def test_bad_heads_are_refused_by_name(llama_path, heads, tmp_path):
         LLM(llama_path, pipeline_parallel_size=2,
             speculative_config={"method": "eagle", "model": heads["eagle"],
                                 "num_speculative_tokens": 2})
+
+
+@pytest.fixture(scope="module")
+def agreeing(loopy_llama_path, tmp_path_factory) -> tuple[str, str]:
+    """(target, head): the loopy checkpoint with a unit final norm, and an EAGLE-1 head of
+    its own layers that predicts its next token most of the time."""
+    root = tmp_path_factory.mktemp("eagle_agreeing")
+    target = with_unit_final_norm(loopy_llama_path, str(root / "target"))
+    return target, write_target_copy_head(str(root / "head"), target)
+
+
+def test_a_head_that_predicts_the_target_is_accepted_with_no_host_reads(agreeing, hf_oracle):
+    """Async steady steps with a head that mostly agrees with the target: drafts accepted,
+    tokens exact, and no read of a device tensor outside the copier (the head's pass and
+    chain stay on the device)."""
+    target, head = agreeing
+    llm = LLM(target, async_scheduling=True, block_size=4, num_kv_blocks=96,
+              speculative_config={"method": "eagle", "model": head,
+                                  "num_speculative_tokens": K})
+    try:
+        prompts = _prompts(llm.llm_engine.model_config.vocab_size)[:3]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        llm.generate(batch, params, use_tqdm=False)  # warm-up
+        preparer = llm.llm_engine.core.engine_core.executor.worker.model_runner.input_preparer
+        buffers = [v for k, v in vars(preparer).items() if k.endswith("_cpu")]
+        with host_reads(buffers) as reads:
+            outs = llm.generate(batch, params, use_tqdm=False)
+        m = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    oracle = hf_oracle(target)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(p, 24)
+    drafted, accepted = (m["raylm:spec_decode_num_draft_tokens"],
+                         m["raylm:spec_decode_num_accepted_tokens"])
+    assert accepted > 0.5 * drafted > 0, m  # the head is right more often than not
+    assert any(f == COPIER for f, _, _ in reads), reads
+    others = {k: n for k, n in reads.items() if k[0] != COPIER}
+    assert not others, f"host reads of device tensors outside the copier: {others}"
+
+
+def test_seeded_sampling_penalties_logprobs_and_n_unchanged_by_eagle(agreeing):
+    """Seeded sampling, penalties, logprobs and n > 1 give the tokens and logprobs of no
+    speculation, sync and async: drafts are verified against the target's own draws."""
+    target, head = agreeing
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": K}
+    results = {}
+    for speculative_config in (None, spec):
+        for async_scheduling in (False, True):
+            llm = LLM(target, async_scheduling=async_scheduling,
+                      speculative_config=speculative_config)
+            prompts, params = _mixed_batch(llm.llm_engine.model_config.vocab_size)
+            results[speculative_config is not None, async_scheduling] = llm.generate(
+                prompts, params)
+            if speculative_config is not None:
+                assert _no_leak(llm)["raylm:spec_decode_num_accepted_tokens"] > 0
+            llm.shutdown()
+    ref = results[False, False]
+    for key, outs in results.items():
+        assert _tokens(outs) == _tokens(ref), key
+        for o, r in zip(outs, ref, strict=True):
+            for c, rc in zip(o.outputs, r.outputs, strict=True):
+                for entry, ref_entry in zip(c.logprobs or [], rc.logprobs or [], strict=True):
+                    assert entry.keys() == ref_entry.keys()
+                    for t in entry:
+                        assert entry[t].logprob == pytest.approx(ref_entry[t].logprob, abs=1e-4)
