@@ -136,6 +136,35 @@ def check_correctness(root: str, quick: bool) -> None:
                     print("  " + divergence(path, p, a, b), flush=True)
 
 
+def check_eagle(root: str) -> None:
+    """EAGLE-1 and EAGLE-3 heads drafting on the GPU (the head's pass and chain after each
+    verification, drafts on the device until the next step): greedy tokens equal
+    transformers', sync and async, and drafts were made."""
+    from raylm import LLM, SamplingParams
+    from raylm.runner.loading.eagle_checkpoint import write_eagle_head
+
+    path = write_random_checkpoint(os.path.join(root, "eagle-target"),
+                                   CheckpointSpec(num_hidden_layers=4, seed=51))
+    prompts = prompts_for(512, 6, 3, 60, seed=9)
+    want = hf_greedy(path, prompts, 24, torch.float32)
+    for method in ("eagle", "eagle3"):
+        head = write_eagle_head(os.path.join(root, f"head-{method}"), path, method)
+        for mode in (False, True):
+            llm = LLM(path, dtype="float32", async_scheduling=mode, max_num_batched_tokens=64,
+                      speculative_config={"method": method, "model": head,
+                                          "num_speculative_tokens": 3,
+                                          "draft_step_overhead_tokens": 1e6})
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                                use_tqdm=False)
+            drafted = llm.get_metrics()["raylm:spec_decode_num_draft_tokens"]
+            llm.shutdown()
+            same = sum(o.outputs[0].token_ids == w for o, w in zip(outs, want, strict=True))
+            report(same == len(prompts) and drafted > 0,
+                   f"{method} async={mode}: {same}/{len(prompts)} requests equal transformers, "
+                   f"{drafted:.0f} drafts")
+
+
 def time_us(fn, calls: int = 20) -> float:
     """Microseconds per call of ``fn`` on the GPU, after one warm-up call."""
     fn()
@@ -485,7 +514,8 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory() as root:
         check_versions()
-        for check in (lambda: check_correctness(root, args.quick), check_copy_stream,
+        for check in (lambda: check_correctness(root, args.quick), lambda: check_eagle(root),
+                      check_copy_stream,
                       check_nccl, check_fused_moe, check_recurrent_kernels,
                       lambda: check_quant_linear(root), check_fp8_and_q6_k_linears,
                       lambda: check_bf16(root),

@@ -1,7 +1,7 @@
-"""EAGLE heads for the tests: random checkpoints in the public layouts (EAGLE-1's ``fc`` +
-``layers.0``, EAGLE-3's ``midlayer`` + its own LM head over a draft vocabulary), and a
-plain-torch reference of their drafts, recomputed from a whole history with transformers'
-hidden states (no cache), to check what the engine's head proposes."""
+"""EAGLE heads for the tests: random ones (runner/loading/eagle_checkpoint.py), one built
+from a target's own layers that agrees with it, and a plain-torch reference of a head's
+drafts, recomputed from a whole history with transformers' hidden states (no cache), to
+check what the engine's head proposes."""
 
 from __future__ import annotations
 
@@ -11,60 +11,10 @@ import os
 import torch
 from safetensors.torch import save_file
 
-DRAFT_VOCAB = 96  # EAGLE-3 heads here predict over a subset of the target's vocabulary
-AUX_LAYERS = [0, 1, 1]  # EAGLE-3: target layers whose inputs feed fc (the targets have 2)
+from raylm.runner.loading.eagle_checkpoint import write_eagle_head
 
-
-def write_eagle_head(path: str, target_path: str, method: str, seed: int = 0,
-                     scale: float = 0.2) -> str:
-    """A random head for the target checkpoint at ``target_path``."""
-    with open(os.path.join(target_path, "config.json")) as f:
-        target = json.load(f)
-    hidden, heads = target["hidden_size"], target["num_attention_heads"]
-    kv_heads = target.get("num_key_value_heads", heads)
-    head_dim = target.get("head_dim") or hidden // heads
-    inter, vocab = target["intermediate_size"], target["vocab_size"]
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
-
-    attn_in = hidden if method == "eagle" else 2 * hidden
-    prefix = "layers.0." if method == "eagle" else "midlayer."
-    tensors = {
-        prefix + "self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
-        prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
-        prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
-        prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-        prefix + "mlp.gate_proj.weight": rand(inter, hidden),
-        prefix + "mlp.up_proj.weight": rand(inter, hidden),
-        prefix + "mlp.down_proj.weight": rand(hidden, inter),
-        prefix + "post_attention_layernorm.weight": 1 + rand(hidden),
-    }
-    config = dict(target, num_hidden_layers=1)
-    if method == "eagle":
-        tensors["fc.weight"] = rand(hidden, 2 * hidden)
-        tensors["fc.bias"] = rand(hidden)
-    else:
-        tensors[prefix + "input_layernorm.weight"] = 1 + rand(hidden)
-        tensors[prefix + "hidden_norm.weight"] = 1 + rand(hidden)
-        tensors["fc.weight"] = rand(hidden, 3 * hidden)
-        tensors["norm.weight"] = 1 + rand(hidden)
-        tensors["lm_head.weight"] = rand(DRAFT_VOCAB, hidden) * 5
-        chosen = torch.randperm(vocab, generator=gen)[:DRAFT_VOCAB].sort().values
-        tensors["d2t"] = chosen - torch.arange(DRAFT_VOCAB)  # draft id + d2t = target id
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[chosen] = True
-        tensors["t2d"] = t2d
-        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": AUX_LAYERS})
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()},
-              os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
-
+__all__ = ["ReferenceHead", "with_unit_final_norm", "write_eagle_head",
+           "write_target_copy_head"]
 
 class ReferenceHead:
     """The head's drafts after a history, from transformers' target (hidden states of the
@@ -75,6 +25,9 @@ class ReferenceHead:
 
         self.w = load_file(os.path.join(head_path, "model.safetensors"))
         self.method = method
+        with open(os.path.join(head_path, "config.json")) as f:
+            eagle_config = json.load(f).get("eagle_config") or {}
+        self.aux_layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
         self.target = target_model
         cfg = target_model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -133,7 +86,7 @@ class ReferenceHead:
             feats = out.last_hidden_state[0]
         else:
             hs = out.hidden_states  # hs[i]: the input of layer i
-            feats = torch.cat([hs[i][0] for i in AUX_LAYERS], -1) @ self.w["fc.weight"].T
+            feats = torch.cat([hs[i][0] for i in self.aux_layers], -1) @ self.w["fc.weight"].T
         tokens = list(history[1:])
         features = feats[:len(history) - 1]
         drafts = []

@@ -1,0 +1,70 @@
+"""Random EAGLE heads in the public layouts, for a target checkpoint written here (tests,
+bench/gpu_check.py): EAGLE-1's ``fc`` + ``layers.0``, EAGLE-3's ``midlayer`` and its own LM
+head over a draft vocabulary (runner/models/eagle_head.py reads them)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+DRAFT_VOCAB = 96  # EAGLE-3 heads here predict over a subset of the target's vocabulary
+
+
+def aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's usual (2, L/2, L-3), kept inside a shallow test target."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def write_eagle_head(path: str, target_path: str, method: str, seed: int = 0,
+                     scale: float = 0.2) -> str:
+    """A random head for the target checkpoint at ``target_path``."""
+    with open(os.path.join(target_path, "config.json")) as f:
+        target = json.load(f)
+    hidden, heads = target["hidden_size"], target["num_attention_heads"]
+    kv_heads = target.get("num_key_value_heads", heads)
+    head_dim = target.get("head_dim") or hidden // heads
+    inter, vocab = target["intermediate_size"], target["vocab_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    attn_in = hidden if method == "eagle" else 2 * hidden
+    prefix = "layers.0." if method == "eagle" else "midlayer."
+    tensors = {
+        prefix + "self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
+        prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+        prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
+        prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        prefix + "mlp.gate_proj.weight": rand(inter, hidden),
+        prefix + "mlp.up_proj.weight": rand(inter, hidden),
+        prefix + "mlp.down_proj.weight": rand(hidden, inter),
+        prefix + "post_attention_layernorm.weight": 1 + rand(hidden),
+    }
+    config = dict(target, num_hidden_layers=1)
+    if method == "eagle":
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+        tensors["fc.bias"] = rand(hidden)
+    else:
+        tensors[prefix + "input_layernorm.weight"] = 1 + rand(hidden)
+        tensors[prefix + "hidden_norm.weight"] = 1 + rand(hidden)
+        tensors["fc.weight"] = rand(hidden, 3 * hidden)
+        tensors["norm.weight"] = 1 + rand(hidden)
+        tensors["lm_head.weight"] = rand(DRAFT_VOCAB, hidden) * 5
+        chosen = torch.randperm(vocab, generator=gen)[:DRAFT_VOCAB].sort().values
+        tensors["d2t"] = chosen - torch.arange(DRAFT_VOCAB)  # draft id + d2t = target id
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[chosen] = True
+        tensors["t2d"] = t2d
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
+                      eagle_config={"eagle_aux_hidden_state_layer_ids":
+                                    aux_layer_ids(target["num_hidden_layers"])})
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
