@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raylm.actors import placement
 from raylm.actors.step_channel import StepChannel
 from raylm.actors.worker_actor import WorkerActor, new_token, output_rank
-from raylm.scheduler.config import envs
+from raylm.scheduler.config import envs, openmp_wait
 from raylm.scheduler.config.engine_config import EngineConfig
 from raylm.scheduler.core.executor_base import EngineDeadError
 from raylm.scheduler.core_outputs import DummyBatch, ModelRunnerOutput, SchedulerOutput
@@ -131,6 +131,8 @@ class RayExecutor:
         ifname = envs.gloo_socket_ifname()
         env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
         env.update(envs.forwarded_to_actors())
+        # Read by the actor's libgomp when it loads torch: at process start, not in a call.
+        wait_env = openmp_wait.to_forward()
         tp = self.config.parallel_config.tensor_parallel_size
         for rank in range(self.world_size):
             # A stage's TP group shares its bundle (one node); each takes its share of it.
@@ -143,6 +145,7 @@ class RayExecutor:
             actor_cls = cast("ActorClass[WorkerActor]", WorkerActor)
             self.workers.append(actor_cls.options(
                 num_cpus=cpus, num_gpus=gpus, name=None,
+                runtime_env={"env_vars": wait_env} if wait_env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=bundle_index),
             ).remote(rank, threads, env))

@@ -123,8 +123,14 @@ def allow_cpu_fallback() -> bool:
 
 def forwarded_to_actors() -> dict[str, str]:
     """raylm variables of this process that its engine's actors must see too (an actor
-    inherits its node's environment, not the driver's; its own child actors inherit it)."""
-    return {"RAYLM_ALLOW_CPU_FALLBACK": "1"} if allow_cpu_fallback() else {}
+    inherits its node's environment, not the driver's; its own child actors inherit it).
+    The OpenMP wait variables go too: an actor's libgomp reads them when it loads torch,
+    so they travel in the actor's runtime_env, not in a call."""
+    from raylm.scheduler.config import openmp_wait
+
+    forwarded = {"RAYLM_ALLOW_CPU_FALLBACK": "1"} if allow_cpu_fallback() else {}
+    forwarded.update(openmp_wait.to_forward())
+    return forwarded
 
 
 def ray_noset_cuda_visible_devices() -> bool:
