@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from raylm.runner.loading.eagle_checkpoint import write_eagle_head
 
-__all__ = ["ReferenceHead", "with_unit_final_norm", "write_eagle_head",
+__all__ = ["ReferenceHead", "record_drafts", "with_unit_final_norm", "write_eagle_head",
            "write_target_copy_head"]
 
 class ReferenceHead:
@@ -141,3 +141,22 @@ def with_unit_final_norm(src: str, dst: str) -> str:
     weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
     save_file(weights, file, metadata={"format": "pt"})
     return dst
+
+
+def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Every proposal the head makes: (the history it followed, its drafts)."""
+    seen: list[tuple[list[int], list[int]]] = []
+    from raylm.runner.spec_decode import eagle_proposer
+
+    step = eagle_proposer.EagleProposer.step
+
+    def recording(self, batch, hidden, sampling, wanted):
+        drafts = step(self, batch, hidden, sampling, wanted)
+        host = drafts.cpu().tolist()
+        for i, r in enumerate(wanted):
+            seen.append((self.input_batch.token_ids[r.row, :r.num_tokens].tolist(),
+                         host[i][:r.max_drafts]))
+        return drafts
+
+    monkeypatch.setattr(eagle_proposer.EagleProposer, "step", recording)
+    return seen

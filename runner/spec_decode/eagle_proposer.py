@@ -1,5 +1,6 @@
-"""Drafts from an EAGLE head (runner/models/eagle_head.py) reading the target's hidden
-states, made right after each verification for the request's next step.
+"""Drafts from an EAGLE head (runner/models/eagle_head.py) or an MTP layer
+(runner/models/mtp_head.py) reading the target's hidden states, made right after each
+verification for the request's next step.
 
 The head's KV at position p is that of the pair (token p + 1, the target's feature at p).
 Every step, after verification, the head runs over every position the target verified in
@@ -19,13 +20,16 @@ import numpy as np
 import torch
 
 from raylm.parallel.context import ParallelContext
+from raylm.parallel.layers import process_weights_after_loading
 from raylm.runner.attention.paged_attention import allocate_kv_cache, resolve_attention_backend
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.loading.model_loader import iterate_weights, resolve_dtype, safetensors_files
 from raylm.runner.models.eagle_head import EagleHead, EagleHeadConfig
 from raylm.runner.models.llama import LlamaForCausalLM
+from raylm.runner.models.mtp_head import MTPHead
 from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.runner.spec_decode.draft_proposer import DraftRequest, draft_attention_inputs
+from raylm.scheduler.config import envs
 from raylm.scheduler.config.engine_config import EngineConfig
 
 
@@ -53,26 +57,34 @@ class EagleProposer:
         self.dtype = resolve_dtype(self.target_config.dtype, device,
                                    self.target_config.hf_config)
         self.attention_backend = resolve_attention_backend(device)
-        self.head: EagleHead | None = None
+        self.head: EagleHead | MTPHead | None = None
         self.target: LlamaForCausalLM | None = None
 
     # ---------------------------------------------------------------- setup
     def load_model(self, ctx: ParallelContext, target: LlamaForCausalLM) -> None:
-        with open(os.path.join(self.path, "config.json")) as f:
-            head_hf = json.load(f)
-        cfg = EagleHeadConfig.from_hf(self.method, head_hf, self.target_config.hf_config,
-                                      head_tensor_names(self.path))
-        max_position = max(cfg.decoder.max_position_embeddings,
-                           self.target_config.max_model_len)
-        head = EagleHead(cfg, target, ctx, self.dtype, max_position)
-        head.load_weights(iterate_weights(self.path))
+        max_len = self.target_config.max_model_len
+        head: EagleHead | MTPHead
+        if self.method == "mtp":
+            target_hf = self.target_config.hf_config
+            head = MTPHead(target_hf, target, ctx, self.dtype,
+                           max(int(target_hf.get("max_position_embeddings", 0)), max_len))
+            head.load_weights(iterate_weights(self.path, wanted=head.wants))
+        else:
+            with open(os.path.join(self.path, "config.json")) as f:
+                head_hf = json.load(f)
+            cfg = EagleHeadConfig.from_hf(self.method, head_hf, self.target_config.hf_config,
+                                          head_tensor_names(self.path))
+            head = EagleHead(cfg, target, ctx, self.dtype,
+                             max(cfg.decoder.max_position_embeddings, max_len))
+            head.load_weights(iterate_weights(self.path))
+            # EAGLE-3 reads three layers' inputs, which the target keeps from its forward.
+            target.model.aux_hidden_layers = cfg.aux_layers
+        process_weights_after_loading(head, envs.cpu_pack_linears())  # as the target's
         self.head = head.eval()
         self.target = target
-        # EAGLE-3 reads three layers' inputs, which the target keeps from its forward.
-        target.model.aux_hidden_layers = cfg.aux_layers
 
     @property
-    def loaded_head(self) -> EagleHead:
+    def loaded_head(self) -> EagleHead | MTPHead:
         if self.head is None:
             raise RuntimeError("the EAGLE head is not loaded; call load_model() first.")
         return self.head

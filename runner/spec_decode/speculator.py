@@ -46,7 +46,7 @@ class Speculator:
         self.draft_model = (DraftModelProposer(engine_config, input_batch, device)
                             if config.method == "draft_model" else None)
         self.eagle = (EagleProposer(engine_config, input_batch, device)
-                      if config.method in ("eagle", "eagle3") else None)
+                      if config.reads_target_hidden_states else None)
         # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
         self.step_overhead_tokens = config.draft_step_overhead_tokens

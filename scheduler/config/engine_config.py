@@ -302,9 +302,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
+        if spec is not None and spec.method == "mtp" and spec.model is None:
+            spec = replace(spec, model=self.model_config.model)  # the target's own layer
+            object.__setattr__(self, "speculative_config", spec)
         if spec is not None and spec.method in MODEL_METHODS:
             spec.check_draft_vocab(self.model_config.hf_config)
-        if (spec is not None and spec.method in ("eagle", "eagle3")
+        if (spec is not None and spec.reads_target_hidden_states
                 and self.parallel_config.pipeline_parallel_size > 1):
             raise ValueError(f"speculative_config.method {spec.method!r} with "
                              "pipeline_parallel_size > 1 is not supported: the head reads "

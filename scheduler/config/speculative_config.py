@@ -7,6 +7,8 @@ Methods:
 - ``"draft_model"``: a smaller checkpoint with the target's vocabulary proposes the drafts.
 - ``"eagle"`` / ``"eagle3"``: an EAGLE-1 / EAGLE-3 head (its folder in ``model``) drafts
   from the target's hidden states (runner/spec_decode/eagle_proposer.py).
+- ``"mtp"``: the target checkpoint's own multi-token-prediction layer (DeepSeek-V3) drafts
+  the same way; ``model`` defaults to the target's folder.
 Pure Python (read by the scheduler and the runner alike).
 """
 
@@ -20,9 +22,11 @@ from typing import Any
 from raylm.scheduler.config.state_layout import STATE_SPACE_ARCHITECTURES
 from raylm.scheduler.config.validation import check_config_dict
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-# Methods whose drafts come from a checkpoint of their own (``model``).
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# Methods whose drafts come from a checkpoint (``model``; mtp: the target's by default).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# Methods that draft from the target's hidden states.
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
 
 
 def _bad(name: str, value: object, why: str) -> ValueError:
@@ -68,14 +72,16 @@ class SpeculativeConfig:
                            f"must be at least prompt_lookup_min={self.prompt_lookup_min}")
             if self.model is not None:
                 raise _bad("model", self.model, f"is only for methods {list(MODEL_METHODS)}")
+        elif self.model is None and self.method == "mtp":
+            pass  # the target's own checkpoint (EngineConfig fills it in)
         elif self.model is None or not os.path.isfile(os.path.join(self.model, "config.json")):
             raise _bad("model", self.model, "must be a folder with a config.json for "
                        f"method {self.method!r}")
 
     @property
     def reads_target_hidden_states(self) -> bool:
-        """An EAGLE head: its drafts come from the target's hidden states."""
-        return self.method in ("eagle", "eagle3")
+        """An EAGLE or MTP head: its drafts come from the target's hidden states."""
+        return self.method in HEAD_METHODS
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | SpeculativeConfig | None,
@@ -93,7 +99,8 @@ class SpeculativeConfig:
         return spec
 
     def check_draft_vocab(self, target_hf_config: dict[str, Any]) -> None:
-        assert self.model is not None
+        if self.model is None:  # mtp: the target's own layer
+            return
         if "vocab_size" not in target_hf_config:
             return  # a stand-in config (arguments checked without the checkpoint)
         with open(os.path.join(self.model, "config.json")) as f:

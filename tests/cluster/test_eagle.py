@@ -11,6 +11,7 @@ import time
 import pytest
 from eagle_heads import (
     ReferenceHead,
+    record_drafts,
     with_unit_final_norm,
     write_eagle_head,
     write_target_copy_head,
@@ -19,7 +20,6 @@ from host_reads import COPIER, host_reads
 from test_spec_decode import _mixed_batch, _tokens
 
 from raylm import LLM, SamplingParams
-from raylm.runner.spec_decode import eagle_proposer
 
 K = 3
 
@@ -37,23 +37,6 @@ def _prompts(vocab: int) -> list[list[int]]:
     return prompts + [prompts[1][:20] + [rng.randrange(3, vocab) for _ in range(4)]]
 
 
-def _record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """Every proposal the head makes: (the history it followed, its drafts)."""
-    seen: list[tuple[list[int], list[int]]] = []
-    step = eagle_proposer.EagleProposer.step
-
-    def recording(self, batch, hidden, sampling, wanted):
-        drafts = step(self, batch, hidden, sampling, wanted)
-        host = drafts.cpu().tolist()
-        for i, r in enumerate(wanted):
-            seen.append((self.input_batch.token_ids[r.row, :r.num_tokens].tolist(),
-                         host[i][:r.max_drafts]))
-        return drafts
-
-    monkeypatch.setattr(eagle_proposer.EagleProposer, "step", recording)
-    return seen
-
-
 def _no_leak(llm: LLM) -> dict:
     deadline = time.monotonic() + 30.0
     m = llm.get_metrics()
@@ -68,7 +51,7 @@ def _no_leak(llm: LLM) -> dict:
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_greedy_equals_hf_and_drafts_are_the_heads_chain(
         llama_path, heads, hf_oracle, monkeypatch, method, async_scheduling):
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     # A 24-token budget chunks the long prompts; 40 blocks of 4 tokens cannot hold every
     # request at full length (preemption); the last prompt shares 20 tokens with the
     # second (prefix hits). A near-free verified position keeps the gate drafting though
