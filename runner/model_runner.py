@@ -382,7 +382,9 @@ class ModelRunner:
         """Columns of a step's broadcast: the sampled id, or with speculative decoding the
         count of emitted tokens and up to 1 + k of them."""
         k = self.engine_config.num_spec_tokens
-        return 2 + k if self.speculator is not None else 1
+        if self.speculator is None:
+            return 1
+        return 3 + 2 * k if self.speculator.drafts_from_head else 2 + k
 
     def _broadcast_verified(self, result: ModelRunnerOutput,
                             pp_transport: SampledTokenTransport | None) -> None:
@@ -390,11 +392,17 @@ class ModelRunner:
         stages need it in their history to draft and place the request's next step)."""
         if pp_transport is None or not self.use_async_scheduling or self.ctx.pp_size == 1:
             return
-        runs = np.full((len(result.req_ids), self._broadcast_width), -1, np.int64)
+        k = self.engine_config.num_spec_tokens
+        runs = np.full((len(result.req_ids), 2 + k), -1, np.int64)
         for i, tokens in enumerate(result.sampled_token_ids):
             runs[i, 0] = len(tokens)
             runs[i, 1:1 + len(tokens)] = tokens
-        pp_transport.broadcast_sampled_token_ids(torch.from_numpy(runs).to(self.device))
+        sent = torch.from_numpy(runs).to(self.device)
+        speculator = self.speculator
+        if speculator is not None and speculator.drafts_from_head:
+            # The head's drafts for each request's next step ride along, still on the device.
+            sent = torch.cat((sent, speculator.next_drafts(list(result.req_ids))), dim=1)
+        pp_transport.broadcast_sampled_token_ids(sent)
 
     def _prompt_results(self, batch: StepBatch, hidden: torch.Tensor) -> PromptResults:
         """What the step's prompt positions give besides sampling: prompt logprobs and

@@ -146,6 +146,8 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         self.target = [target]  # a list: not a submodule (its weights are the target's)
         d = cfg.decoder
+        # The head's own, or (a pipeline stage without the target's) a copy of the
+        # target's set by runner/spec_decode/eagle_proposer.py.
         self.embed_tokens: VocabParallelEmbedding | None = None
         if cfg.has_embedding:
             self.embed_tokens = VocabParallelEmbedding(d.vocab_size, d.hidden_size, ctx=ctx,

@@ -68,6 +68,8 @@ class MTPHead(nn.Module):
         self.enorm = make_norm(cfg, hidden, dtype, ctx.device, ops)
         self.hnorm = make_norm(cfg, hidden, dtype, ctx.device, ops)
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, False, ctx, dtype)
+        # Set on a pipeline stage without the target's embedding (runner/spec_decode).
+        self.embed_tokens: nn.Module | None = None
 
     @property
     def layer(self) -> LlamaDecoderLayer:
@@ -83,7 +85,8 @@ class MTPHead(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, feature: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        embeds = self.target[0].model.embed_tokens(token_ids)
+        embed = self.embed_tokens or self.target[0].model.embed_tokens
+        embeds = embed(token_ids)
         embeds = embeds * (positions != 0).unsqueeze(-1).to(embeds.dtype)
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(feature)), dim=-1))
         rope = cast(RotaryEmbedding, self.block.model.rotary_embs[self.layer.rope])

@@ -102,6 +102,27 @@ class DeviceDrafts:
                 drafts[self._to_device(np.concatenate(rows)),
                        self._to_device(np.concatenate(cols))])
 
+    def as_columns(self, req_ids: list[str], k: int) -> torch.Tensor:
+        """The ready drafts of ``req_ids`` as rows ``[count, drafts..., -1...]`` of width
+        1 + k, built on the device (rows without drafts: count 0)."""
+        out = torch.full((len(req_ids), 1 + k), -1, dtype=torch.int64, device=self.device)
+        counts = np.zeros(len(req_ids), np.int64)
+        by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for i, rid in enumerate(req_ids):
+            entry = self._ready.get(rid)
+            if entry is None:
+                continue
+            counts[i] = entry.count
+            _, rows, index = by_source.setdefault(id(entry.drafts), (entry.drafts, [], []))
+            rows.append(i)
+            index.append(entry.index)
+        out[:, 0] = self._to_device(counts)
+        for drafts, rows, index in by_source.values():
+            width = min(int(drafts.shape[1]), k)
+            out[self._to_device(np.array(rows)), 1:1 + width] = drafts.index_select(
+                0, self._to_device(np.array(index)))[:, :width]
+        return out
+
     def stand_ins(self, step_drafts: dict[str, np.ndarray]) -> list[torch.Tensor]:
         """Each placed request's drafts into ``step_drafts`` as zeros of their count (the
         verification needs only the counts before it samples); returns the device

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from raylm.parallel.context import ParallelContext
-from raylm.parallel.layers import process_weights_after_loading
+from raylm.parallel.layers import VocabParallelEmbedding, process_weights_after_loading
 from raylm.runner.attention.paged_attention import allocate_kv_cache, resolve_attention_backend
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.loading.model_loader import iterate_weights, resolve_dtype, safetensors_files
@@ -79,9 +79,25 @@ class EagleProposer:
             head.load_weights(iterate_weights(self.path))
             # EAGLE-3 reads three layers' inputs, which the target keeps from its forward.
             target.model.aux_hidden_layers = cfg.aux_layers
+        if head.embed_tokens is None and not ctx.is_first_pp_rank:
+            head.embed_tokens = self._target_embedding(ctx)
         process_weights_after_loading(head, envs.cpu_pack_linears())  # as the target's
         self.head = head.eval()
         self.target = target
+
+    def _target_embedding(self, ctx: ParallelContext) -> VocabParallelEmbedding:
+        """A copy of the target's embedding for a last stage that has none (PP): the head
+        embeds the tokens it drafts from."""
+        hf = self.target_config.hf_config
+        embed = VocabParallelEmbedding(int(hf["vocab_size"]), int(hf["hidden_size"]), ctx=ctx,
+                                       params_dtype=self.dtype)
+        name = "model.embed_tokens.weight"
+        param = embed.weight
+        for _, tensor in iterate_weights(self.target_config.model, wanted=name.__eq__):
+            param.weight_loader(param, tensor)  # type: ignore[attr-defined]
+            return embed
+        raise ValueError(f"speculative_config.method {self.method!r} on a pipeline stage "
+                         f"needs the target's {name} in its safetensors files.")
 
     @property
     def loaded_head(self) -> EagleHead | MTPHead:

@@ -16,7 +16,8 @@ from raylm.runner.spec_decode.verified_runs import VerifiedRuns
 
 class EarlierStageRuns:
     def __init__(self, input_batch: InputBatch, runs: VerifiedRuns,
-                 num_computed: dict[str, int], learns_from_ring: bool) -> None:
+                 num_computed: dict[str, int], learns_from_ring: bool,
+                 head_drafts: int = 0) -> None:
         self.input_batch = input_batch
         self.runs = runs
         # The rank's computed count per request, the Speculator's: set here as runs arrive.
@@ -24,9 +25,23 @@ class EarlierStageRuns:
         self.learns_from_ring = learns_from_ring
         # Until a request's run arrives: (history length less the drafts, drafts placed).
         self._unverified: dict[str, tuple[int, int]] = {}
+        # A draft head on the last stage: its drafts for each request's next step arrive
+        # with the run (``head_drafts`` = k columns after it), kept with the history length
+        # they follow.
+        self.head_drafts = head_drafts
+        self._drafts: dict[str, tuple[int, np.ndarray]] = {}
 
     def forget(self, rid: str) -> None:
         self._unverified.pop(rid, None)
+        self._drafts.pop(rid, None)
+
+    def take_drafts(self, rid: str, num_tokens: int, max_drafts: int) -> np.ndarray | None:
+        """The last stage's drafts for ``rid``'s step after ``num_tokens`` known tokens (up
+        to ``max_drafts``, as many as it places), if they follow that history."""
+        entry = self._drafts.pop(rid, None)
+        if entry is None or entry[0] != num_tokens or entry[1].size == 0:
+            return None
+        return entry[1][:max_drafts].copy()
 
     def learn_from_scheduler(self, rid: str, booked: int, num_tokens: int) -> None:
         """Sync PP: the scheduler's count is exact and the history holds the run (its
@@ -55,7 +70,8 @@ class EarlierStageRuns:
 
     def receive(self, delivery: RingDelivery | None) -> None:
         """Async PP: the runs the last stage emitted pp_size steps ago (``[rows, 2 + k]``:
-        count, then the tokens) go into the history, and each request's count, gate and
+        count, then the tokens; with a head, ``1 + k`` more: its drafts' count and the
+        drafts for the request's next step) go into the history, and each request's count, gate and
         draft KV follow them as they did on the last stage at verification."""
         if delivery is None:
             return
@@ -67,3 +83,7 @@ class EarlierStageRuns:
             self.runs.append(rid, self.input_batch.req_id_to_index[rid], before,
                              runs[index, 1:1 + count], placed)
             self.num_computed[rid] = before + count - 1  # the bonus token is not computed
+            if self.head_drafts:
+                k = self.head_drafts
+                n = int(runs[index, 2 + k])
+                self._drafts[rid] = (before + count, runs[index, 3 + k:3 + k + n].copy())

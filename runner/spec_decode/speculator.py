@@ -45,8 +45,12 @@ class Speculator:
                       if config.method == "ngram" else None)
         self.draft_model = (DraftModelProposer(engine_config, input_batch, device)
                             if config.method == "draft_model" else None)
+        # A head reads the target's hidden states: it runs on the last PP stage, whose
+        # broadcast carries its drafts to the others (``next_drafts``).
+        self.drafts_from_head = config.reads_target_hidden_states
         self.eagle = (EagleProposer(engine_config, input_batch, device)
-                      if config.reads_target_hidden_states else None)
+                      if self.drafts_from_head and is_last_pp_rank else None)
+        self.num_spec_tokens = config.num_speculative_tokens
         # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
         self.step_overhead_tokens = config.draft_step_overhead_tokens
@@ -63,7 +67,9 @@ class Speculator:
                          if is_last_pp_rank else None)
         self.earlier_stage = (None if is_last_pp_rank else
                               EarlierStageRuns(input_batch, self.runs, self.num_computed,
-                                               learns_from_ring))
+                                               learns_from_ring,
+                                               self.num_spec_tokens if self.drafts_from_head
+                                               else 0))
         # Without PP the scheduler books the KV slots of drafts made one step ahead (an
         # EAGLE head always drafts so: it runs without PP only).
         self.draft_ahead = (DraftAhead(self.draft_model, self.gate, self.device_drafts,
@@ -164,11 +170,23 @@ class Speculator:
             ib = self.input_batch
             return {r: self.ngram.propose(ib.token_ids[r.row, :r.num_tokens], r.max_drafts).copy()
                     for r in wanted}
-        if self.eagle is not None:
-            return {}  # a head drafts only at verification, from the step's hidden states
+        if self.drafts_from_head:
+            # A head drafts only at verification, from the step's hidden states; a stage
+            # without it places what the last stage's broadcast carried.
+            if self.earlier_stage is None:
+                return {}
+            return {r: d for r in wanted
+                    if (d := self.earlier_stage.take_drafts(r.req_id, r.num_tokens,
+                                                            r.max_drafts)) is not None}
         assert self.draft_model is not None
         (drafts,) = self.copier.to_host([self.draft_model.propose(wanted)])
         return {r: drafts[i, :r.max_drafts] for i, r in enumerate(wanted)}
+
+    def next_drafts(self, req_ids: list[str]) -> torch.Tensor:
+        """Async PP with a head, the last stage: per row of ``req_ids``, the count of its
+        drafts for the next step then the drafts (``[rows, 1 + k]``, on the device: no
+        host read), sent with the accepted runs."""
+        return self.device_drafts.as_columns(req_ids, self.num_spec_tokens)
 
     def place_device_drafts(self, batch: StepBatch) -> None:
         """After ``InputPreparer.prepare``: the drafts made one step ahead into the inputs."""

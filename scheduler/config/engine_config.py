@@ -307,12 +307,13 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", spec)
         if spec is not None and spec.method in MODEL_METHODS:
             spec.check_draft_vocab(self.model_config.hf_config)
-        if (spec is not None and spec.reads_target_hidden_states
+        # With PP the last stage drafts and sends the drafts with its accepted runs (the
+        # async ring); EAGLE-3's three feature layers would span the stages.
+        if (spec is not None and spec.method == "eagle3"
                 and self.parallel_config.pipeline_parallel_size > 1):
-            raise ValueError(f"speculative_config.method {spec.method!r} with "
-                             "pipeline_parallel_size > 1 is not supported: the head reads "
-                             "the last stage's hidden states, and every stage needs the "
-                             "drafts before its forward; use 'ngram' or 'draft_model'.")
+            raise ValueError("speculative_config.method 'eagle3' with "
+                             "pipeline_parallel_size > 1 is not supported (its feature "
+                             "layers span the stages); use 'eagle' or 'draft_model'.")
         if (spec is not None and spec.reads_target_hidden_states
                 and self.kv_transfer_config is not None):
             raise ValueError(f"speculative_config.method {spec.method!r} with a "
@@ -331,6 +332,12 @@ class EngineConfig:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
         self._resolve_async_scheduling()
+        if (spec is not None and spec.reads_target_hidden_states
+                and self.parallel_config.pipeline_parallel_size > 1
+                and not self.scheduler_config.async_scheduling):
+            raise ValueError(f"speculative_config.method {spec.method!r} with "
+                             "pipeline_parallel_size > 1 needs async_scheduling: the "
+                             "drafts reach the other stages with the accepted runs.")
 
     def _check_expert_parallel(self) -> None:
         pc, arch = self.parallel_config, self.model_config.architecture
@@ -444,6 +451,8 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is None or spec.method not in MODEL_METHODS:
             return 0
+        if spec.reads_target_hidden_states:  # a head drafts at verification, PP or not
+            return spec.num_speculative_tokens
         return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
             else 0
 

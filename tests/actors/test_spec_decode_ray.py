@@ -234,3 +234,42 @@ def test_tp2_eagle_greedy_matches_hf(loopy_llama_path, hf_oracle, tmp_path, meth
         assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_pp2_head_greedy_matches_hf(loopy_llama_path, hf_oracle, tmp_path, method):
+    """A draft head with PP=2 (async scheduling): the last stage runs the head after its
+    verification and its drafts reach the first stage with the accepted runs through the
+    ring, so both stages place the same drafts (a mismatch would change the step's query
+    lengths between the stages); the last stage's head embeds with its own copy of the
+    target's embedding. EAGLE-1: a head of the target's own layers, mostly accepted; MTP: DeepSeek-V3's layer
+    (random, mostly rejected). The tokens equal transformers."""
+    from eagle_heads import with_unit_final_norm, write_target_copy_head
+
+    from raylm import LLM
+    from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
+    from raylm.runner.loading.eagle_checkpoint import add_mtp_layer
+
+    if method == "eagle":
+        target = with_unit_final_norm(loopy_llama_path, str(tmp_path / "target"))
+        spec = {"method": "eagle", "model": write_target_copy_head(str(tmp_path / "head"),
+                                                                   target)}
+    else:
+        ds = CheckpointSpec(architecture="DeepseekV3ForCausalLM", num_hidden_layers=2, seed=43)
+        target = write_random_checkpoint(str(tmp_path / "ds"), ds)
+        add_mtp_layer(target, ds)
+        spec = {"method": "mtp"}
+    llm = LLM(target, pipeline_parallel_size=2, block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=8,
+              speculative_config={**spec, "num_speculative_tokens": 3,
+                                  "draft_step_overhead_tokens": 1e6})
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 33, 9)]
+        metrics = _greedy_equals_hf(llm, hf_oracle(target), prompts, [20, 13, 16, 24])
+        drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+        accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
+        assert drafted > 0 and (accepted > 0.5 * drafted if method == "eagle" else True), metrics
+        assert metrics["raylm:kv_cache_usage_perc"] == 0.0, metrics
+    finally:
+        llm.shutdown()
