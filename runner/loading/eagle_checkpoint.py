@@ -1,7 +1,8 @@
 """Random draft heads for a target checkpoint written here (tests, bench/gpu_check.py):
 EAGLE heads in the public layouts (EAGLE-1's ``fc`` + ``layers.0``, EAGLE-3's ``midlayer``
 and its own LM head over a draft vocabulary; runner/models/eagle_head.py reads them), and
-a DeepSeek-V3 MTP layer appended to the target's own file (runner/models/mtp_head.py)."""
+a DeepSeek-V3 or Qwen3-Next MTP layer appended to the target's own file
+(runner/models/mtp_head.py)."""
 
 from __future__ import annotations
 
@@ -72,11 +73,13 @@ def write_eagle_head(path: str, target_path: str, method: str, seed: int = 0,
 
 
 def add_mtp_layer(target_path: str, spec, seed: int = 0, scale: float = 0.2) -> str:
-    """Append a random DeepSeek-V3 MTP layer (layer L = num_hidden_layers of ``spec``, the
-    target's CheckpointSpec) to the checkpoint at ``target_path``, in the layout DeepSeek's
-    checkpoints use: the decoder layer's tensors under ``model.layers.L.``, beside
-    ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.{norm,head}``. Returns the path of
-    an (L + 1)-layer checkpoint whose layer L is that same layer (a reference for tests)."""
+    """Append a random MTP layer to the checkpoint at ``target_path`` (``spec``: its
+    CheckpointSpec), in the layout the model's checkpoints use: DeepSeek-V3's layer L =
+    num_hidden_layers (``model.layers.L.`` with ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.{norm,head}``), or Qwen3-Next's ``mtp.`` tensors (``fc``,
+    ``pre_fc_norm_{embedding,hidden}``, ``layers.0.``, ``norm``; layer L of an (L + 1)-layer
+    model must be full attention). Returns the path of an (L + 1)-layer checkpoint whose
+    layer L is that decoder layer (a reference for tests)."""
     import dataclasses
     import tempfile
 
@@ -87,9 +90,6 @@ def add_mtp_layer(target_path: str, spec, seed: int = 0, scale: float = 0.2) -> 
     layer = spec.num_hidden_layers
     wider = write_random_checkpoint(tempfile.mkdtemp(prefix="mtp-"), dataclasses.replace(
         spec, num_hidden_layers=layer + 1, seed=spec.seed + 1000 + seed))
-    prefix = f"model.layers.{layer}."
-    extra = {k: v for k, v in load_file(os.path.join(wider, "model.safetensors")).items()
-             if k.startswith(prefix)}
     with open(os.path.join(target_path, "config.json")) as f:
         config = json.load(f)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
@@ -98,16 +98,28 @@ def add_mtp_layer(target_path: str, spec, seed: int = 0, scale: float = 0.2) -> 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
-    extra.update({prefix + "enorm.weight": 1 + rand(hidden),
-                  prefix + "hnorm.weight": 1 + rand(hidden),
-                  prefix + "eh_proj.weight": rand(hidden, 2 * hidden),
-                  prefix + "shared_head.norm.weight": 1 + rand(hidden),
-                  prefix + "shared_head.head.weight": rand(vocab, hidden)})
+    layer_tensors = {k.removeprefix(f"model.layers.{layer}."): v for k, v in
+                     load_file(os.path.join(wider, "model.safetensors")).items()
+                     if k.startswith(f"model.layers.{layer}.")}
+    if spec.architecture == "Qwen3NextForCausalLM":
+        extra = {f"mtp.layers.0.{k}": v for k, v in layer_tensors.items()}
+        extra.update({"mtp.fc.weight": rand(hidden, 2 * hidden),
+                      "mtp.pre_fc_norm_embedding.weight": rand(hidden),
+                      "mtp.pre_fc_norm_hidden.weight": rand(hidden),
+                      "mtp.norm.weight": rand(hidden)})  # Qwen3-Next norms: 1 + weight
+    else:
+        prefix = f"model.layers.{layer}."
+        extra = {prefix + k: v for k, v in layer_tensors.items()}
+        extra.update({prefix + "enorm.weight": 1 + rand(hidden),
+                      prefix + "hnorm.weight": 1 + rand(hidden),
+                      prefix + "eh_proj.weight": rand(hidden, 2 * hidden),
+                      prefix + "shared_head.norm.weight": 1 + rand(hidden),
+                      prefix + "shared_head.head.weight": rand(vocab, hidden)})
+        config["num_nextn_predict_layers"] = 1
     file = os.path.join(target_path, "model.safetensors")
     weights = load_file(file)
     weights.update(extra)
     save_file(weights, file, metadata={"format": "pt"})
-    config["num_nextn_predict_layers"] = 1
     with open(os.path.join(target_path, "config.json"), "w") as f:
         json.dump(config, f)
     return wider

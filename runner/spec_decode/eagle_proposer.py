@@ -26,7 +26,7 @@ from raylm.runner.input_batch import InputBatch
 from raylm.runner.loading.model_loader import iterate_weights, resolve_dtype, safetensors_files
 from raylm.runner.models.eagle_head import EagleHead, EagleHeadConfig
 from raylm.runner.models.llama import LlamaForCausalLM
-from raylm.runner.models.mtp_head import MTPHead
+from raylm.runner.models.mtp_head import MTPHead, mtp_layout
 from raylm.runner.prepare_inputs import StepBatch, upload
 from raylm.runner.spec_decode.draft_proposer import DraftRequest, draft_attention_inputs
 from raylm.scheduler.config import envs
@@ -66,7 +66,8 @@ class EagleProposer:
         head: EagleHead | MTPHead
         if self.method == "mtp":
             target_hf = self.target_config.hf_config
-            head = MTPHead(target_hf, target, ctx, self.dtype,
+            layout = mtp_layout(target_hf, head_tensor_names(self.path))
+            head = MTPHead(target_hf, layout, target, ctx, self.dtype,
                            max(int(target_hf.get("max_position_embeddings", 0)), max_len))
             head.load_weights(iterate_weights(self.path, wanted=head.wants))
         else:

@@ -7,7 +7,8 @@ Methods:
 - ``"draft_model"``: a smaller checkpoint with the target's vocabulary proposes the drafts.
 - ``"eagle"`` / ``"eagle3"``: an EAGLE-1 / EAGLE-3 head (its folder in ``model``) drafts
   from the target's hidden states (runner/spec_decode/eagle_proposer.py).
-- ``"mtp"``: the target checkpoint's own multi-token-prediction layer (DeepSeek-V3) drafts
+- ``"mtp"``: the target checkpoint's own multi-token-prediction layer (DeepSeek-V3,
+  Qwen3-Next) drafts
   the same way; ``model`` defaults to the target's folder.
 Pure Python (read by the scheduler and the runner alike).
 """
