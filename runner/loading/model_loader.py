@@ -1,8 +1,10 @@
 """Build a model for one rank and fill it from a Hugging Face folder's safetensors or a GGUF file.
 
 Safetensors tensors reach the weight loaders as ``LazyTensor``s, so each TP rank reads
-only its shards (about 1/TP of the sharded weights), not every whole tensor; GGUF tensors
-are dequantized whole."""
+only its shards (about 1/TP of the sharded weights), not every whole tensor; so do the
+quantized linears kept quantized (GPTQ, AWQ, FP8: runner/quantization/lazy_shard.py; a GGUF
+file's group types: gguf_blocks.LazyGGUFBlocks) and, dequantized, GPTQ/AWQ/FP8 ones. GGUF
+tensors that are dequantized are read whole."""
 
 from __future__ import annotations
 
@@ -24,11 +26,9 @@ from raylm.runner.loading.gguf_checkpoint import find_gguf_file, iterate_gguf_we
 from raylm.runner.models.decoder_config import DecoderConfig
 from raylm.runner.models.fused_ops import resolve_fused_ops
 from raylm.runner.models.registry import get_model_class
-from raylm.runner.quantization.act_order import ActOrderQuantized
-from raylm.runner.quantization.fp8_weight import Fp8Weight
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.gptq_awq import combine_quantized_linears
-from raylm.runner.quantization.group_quantized import GroupQuantized
+from raylm.runner.quantization.lazy_shard import Dequantizing, LazyQuantizedShard
 from raylm.runner.quantization.linear_kernel import load_quantized_linear_kernel
 from raylm.runner.quantization.quantize_model import (
     log_weight_paths,
@@ -103,9 +103,9 @@ def safetensors_files(model_dir: str) -> list[str]:
 @dataclass
 class WeightReadStats:
     """What one load read from the checkpoint, for logs and tests: ``bytes_read`` counts
-    the tensor data taken out of the files (a ``LazyTensor.narrow`` its slice, a whole
-    read the tensor; a GGUF tensor its dequantized whole, one kept quantized the blocks
-    its rank narrows out), ``bytes_loaded`` the whole size
+    the tensor data taken out of the files (a ``LazyTensor.narrow`` or ``region`` its slice,
+    a whole read the tensor; a GGUF tensor its dequantized whole, one kept quantized the
+    blocks its rank narrows out), ``bytes_loaded`` the whole size
     of every tensor handed to the model (what reading each whole would cost)."""
 
     bytes_read: int = 0
@@ -177,6 +177,22 @@ class LazyTensor:
         index = (slice(None),) * dim + (slice(start, start + length),)
         return self._count(self._handle[index].contiguous())
 
+    def region(self, *ranges: tuple[int, int]) -> torch.Tensor:
+        """Indices ``start .. stop`` of each leading dim (the rest whole), contiguous and
+        read from the file alone: a quantized shard's block of a packed tensor
+        (runner/quantization/lazy_shard.py)."""
+        if not ranges:
+            return self.read()
+        if len(ranges) > self.dim():
+            raise IndexError(f"{self.name}: {len(ranges)} ranges for shape "
+                             f"{tuple(self.shape)}.")
+        for d, (start, stop) in enumerate(ranges):
+            if not 0 <= start <= stop <= self.shape[d]:
+                raise ValueError(f"{self.name}: rows {start}..{stop} of dim {d} are outside "
+                                 f"its shape {tuple(self.shape)}.")
+        index = tuple(slice(start, stop) for start, stop in ranges)
+        return self._count(self._handle[index].contiguous())
+
     def read(self) -> torch.Tensor:
         """The whole tensor."""
         return self._count(self._handle[:] if self.dim() else self._handle[...])
@@ -243,10 +259,9 @@ def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
 
 
 def _dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Quantized linears as lazy dense tensors: each rank dequantizes only what it reads."""
     for name, tensor in weights:
-        yield name, (tensor.dequantize()
-                     if isinstance(tensor, GroupQuantized | ActOrderQuantized | Fp8Weight)
-                     else tensor)
+        yield name, Dequantizing(tensor) if isinstance(tensor, LazyQuantizedShard) else tensor
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext,

@@ -1,6 +1,7 @@
 """FP8 checkpoints (scheduler/config/checkpoint_quantization.py lists the layouts): each
-linear's float8_e4m3fn ``weight`` and its scale tensor combined into one Fp8Weight, the
-scales spread per output feature (fp8_weight.py); activation scales dropped (weight-only).
+linear's float8_e4m3fn ``weight`` and its scale tensor combined into one Fp8Shard, read per
+TP rank (fp8_shard.py) into an Fp8Weight, the scales spread per output feature
+(fp8_weight.py); activation scales dropped (weight-only).
 Tensors that are not FP8 (norms, an unquantized embedding or LM head) pass as they are."""
 
 from __future__ import annotations
@@ -10,43 +11,18 @@ from typing import Any
 
 import torch
 
-from raylm.runner.quantization.fp8_weight import Fp8Weight
+from raylm.runner.quantization.fp8_shard import Fp8Shard
 from raylm.scheduler.config.checkpoint_quantization import fp8_weight_block
 
 _SCALES = ("weight_scale_inv", "weight_scale")  # FineGrainedFP8's name, vLLM's and CT's
 _ACTIVATION_SCALES = ("input_scale", "activation_scale")
 
 
-def _read(tensor: Any) -> torch.Tensor:
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
-
-
-def fp8_weight(name: str, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None) -> Fp8Weight:
-    """``weight`` [N, K] float8_e4m3fn and its checkpoint scale as an Fp8Weight."""
-    n, k = weight.shape
-    scale = scale.float()
-    if block is not None:
-        bn, bk = block
-        want = (-(-n // bn), -(-k // bk))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"{name}: scale shape {tuple(scale.shape)} for a [{n}, {k}] "
-                             f"weight in blocks of {list(block)}; expected {want}.")
-        rows = scale.repeat_interleave(bn, dim=0)[:n]
-        return Fp8Weight(weight, rows.contiguous(), bk)
-    if scale.numel() == 1:  # per tensor
-        return Fp8Weight(weight, scale.reshape(1, 1).expand(n, 1).contiguous(), k)
-    if tuple(scale.shape) in ((n,), (n, 1)):  # per output channel
-        return Fp8Weight(weight, scale.reshape(n, 1).contiguous(), k)
-    raise ValueError(f"{name}: scale shape {tuple(scale.shape)} is neither per tensor nor per "
-                     f"channel of a [{n}, {k}] weight (and the checkpoint names no block).")
-
-
 def combine_fp8_linears(weights: Iterable[tuple[str, Any]], hf_config: Mapping[str, Any]
                         ) -> Iterator[tuple[str, Any]]:
     """A checkpoint's tensors with each FP8 ``<prefix>.weight`` and its scale combined into
-    one ``<prefix>.weight`` Fp8Weight (yielded when both have been read, whatever their
-    order); other tensors as they are."""
+    one ``<prefix>.weight`` Fp8Shard, unread (yielded when both have come, whatever their
+    order; a TP rank reads only its shard, fp8_shard.py); other tensors as they are."""
     block = fp8_weight_block(hf_config)
     codes: dict[str, Any] = {}
     scales: dict[str, Any] = {}
@@ -66,8 +42,8 @@ def combine_fp8_linears(weights: Iterable[tuple[str, Any]], hf_config: Mapping[s
             yield name, tensor
             continue
         if prefix in codes and prefix in scales:
-            yield f"{prefix}.weight", fp8_weight(name, _read(codes.pop(prefix)),
-                                                 _read(scales.pop(prefix)), block)
+            yield f"{prefix}.weight", Fp8Shard(f"{prefix}.weight", codes.pop(prefix),
+                                               scales.pop(prefix), block)
     if codes or scales:
         raise ValueError(f"FP8 weights without scales: {sorted(codes)}; scales without "
                          f"weights: {sorted(scales)}.")

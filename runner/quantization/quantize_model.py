@@ -22,6 +22,7 @@ from raylm.runner.quantization.fp8_linear import Fp8Linear
 from raylm.runner.quantization.fp8_weight import Fp8Weight, concat_fp8_rows
 from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.group_quantized import GroupQuantized, concat_rows
+from raylm.runner.quantization.lazy_shard import LazyQuantizedShard
 from raylm.runner.quantization.packed_linear import PackedLinear
 from raylm.scheduler.config import envs
 
@@ -34,10 +35,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _as_group(shard: QuantizedShard) -> GroupQuantized:
-    """The shard decoded (a lazy GGUF one is read now)."""
-    if isinstance(shard, LazyGGUFBlocks):
+def _read(shard: QuantizedShard) -> QuantizedShard:
+    """A lazy shard (GGUF blocks, a GPTQ/AWQ or FP8 linear) read now: only the rows and
+    columns its rank's loader kept."""
+    if isinstance(shard, LazyGGUFBlocks | LazyQuantizedShard):
         return shard.decode()
+    return shard
+
+
+def _as_group(shard: QuantizedShard) -> GroupQuantized:
+    """The shard in the group form the kernel packs."""
     if isinstance(shard, ActOrderQuantized):  # sorted now that the rank's slice is known
         return shard.to_group()
     if not isinstance(shard, GroupQuantized):
@@ -102,7 +109,8 @@ def pack_quantized_weights(model: nn.Module) -> Counter[str]:
         if not isinstance(module, QuantizableWeight):
             continue
         weight = module.weight
-        parts = sorted(module.quantized_parts, key=lambda p: p[0])
+        parts = [(offset, _read(shard))
+                 for offset, shard in sorted(module.quantized_parts, key=lambda p: p[0])]
         module.quantized_parts.clear()
         if not parts:
             if id(weight) in packed:
