@@ -1,10 +1,12 @@
 """Speculative decoding: output tok/s and mean acceptance length, speculation off vs ngram
-vs a draft model.
+vs a draft model vs an EAGLE-3 head.
 
     python bench/spec_decode.py [--k 3] [--batches 1,4,32] [--repeats 3]
-        [--workloads copy,miss] [--methods ngram,draft_model] [--disable-by-batch-size 8]
+        [--workloads copy,miss,smollm2] [--methods ngram,draft_model,eagle]
+        [--eagle-head DIR] [--disable-by-batch-size 8]
 
-Workloads (6m-size random-weight Llama checkpoints written locally, greedy, ignore_eos):
+Workloads (greedy, ignore_eos; copy and miss on 6m-size random-weight Llama checkpoints
+written locally):
 - copy: requests that quote a passage of their prompt. A random model never quotes, so
   this one is the 6m checkpoint with its attention output scaled down 10^5x: its next
   token is a function of the current one, so it continues a passage the way it continued
@@ -16,10 +18,15 @@ Workloads (6m-size random-weight Llama checkpoints written locally, greedy, igno
 - miss: the plain random checkpoint (text that almost never repeats): drafts miss, and
   the per-request draft gate turns speculation off for the requests it cannot help.
   32-token prompts, 64 output tokens.
-Each batch size b runs b requests at once (max_num_seqs=b). Both methods run with
+- smollm2: the default model (SmolLM2-135M-Instruct) answering chat-templated
+  instructions (bench/eagle_data.py's templates, none of bench/train_eagle.py's training
+  ones): ordinary text that does not quote its prompt. 128 output tokens. The ``eagle``
+  method (an EAGLE-3 head, --eagle-head, from bench/train_eagle.py) runs on this workload
+  only; its column is empty (nan) on the others.
+Each batch size b runs b requests at once (max_num_seqs=b). Every method runs with
 disable_by_batch_size=8 (--disable-by-batch-size, 0: never): a step of more requests
 drafts nothing; with 0 the per-request draft gate alone decides.
-The engines of one row (off, ngram, draft model) live in this process side by side and
+The engines of one row (off and each method) live in this process side by side and
 are timed in turns (off, ngram, draft, off, ...) after a warm-up turn, so a change of
 load on a shared machine hits them alike: tok/s is the median of --repeats runs, the
 ratio to off the median of the per-turn ratios. "cpu x" is the same ratio of this
@@ -93,7 +100,7 @@ def make_prompts(path: str, batch: int, prompt_len: int, quote_len: int) -> list
 
 
 def run(path: str, batch: int, prompts: list[dict], out_len: int,
-        specs: dict[str, dict | None], repeats: int
+        specs: dict[str, dict | None], repeats: int, kv_bytes: int = KV_BYTES
         ) -> dict[str, tuple[float, float, float, float, list[list[int]]]]:
     """Per engine: (tok/s, tok/s ratio to "off", accept_len, CPU-time ratio to "off",
     tokens). The engines are timed in turns (off, ngram, draft, off, ...), so a change of
@@ -103,7 +110,7 @@ def run(path: str, batch: int, prompts: list[dict], out_len: int,
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True,
                             detokenize=False)
     llms = {name: LLM(path, max_num_seqs=batch, enable_prefix_caching=False,
-                      kv_cache_memory_bytes=KV_BYTES, speculative_config=spec)
+                      kv_cache_memory_bytes=kv_bytes, speculative_config=spec)
             for name, spec in specs.items()}
     tokens: dict[str, list[list[int]]] = {}
     seconds: dict[str, list[float]] = {name: [] for name in llms}
@@ -134,13 +141,27 @@ def run(path: str, batch: int, prompts: list[dict], out_len: int,
     return results
 
 
+def smollm2_prompts(batch: int) -> list[dict]:
+    """Chat-templated instructions for the default model (bench/eagle_data.py's templates,
+    none of bench/train_eagle.py's training set): answers that do not quote the prompt."""
+    import eagle_data
+
+    path = checkpoint("smollm2")
+    trained = set(eagle_data.make_instructions(320, 0))  # train_eagle.py's defaults
+    texts = eagle_data.make_instructions(batch, 1000 + batch, trained)
+    return [{"prompt_token_ids": p} for p in eagle_data.chat_prompts(path, texts)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--batches", default="1,4,32")
     ap.add_argument("--workloads", default="copy,miss")
-    ap.add_argument("--methods", default="ngram,draft_model")
+    ap.add_argument("--methods", default="ngram,draft_model",
+                    help="of ngram, draft_model, eagle (eagle: smollm2 workload only)")
+    ap.add_argument("--eagle-head", default=os.path.expanduser("~/.cache/raylm/eagle3-smollm2"),
+                    help="an EAGLE-3 head for SmolLM2 (bench/train_eagle.py writes one)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="speculative_config.disable_by_batch_size (0: never)")
@@ -151,45 +172,55 @@ def main() -> None:
     args.disable_by_batch_size = args.disable_by_batch_size or None
     gate = ({} if args.draft_step_overhead_tokens is None
             else {"draft_step_overhead_tokens": args.draft_step_overhead_tokens})
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 3, "disable_by_batch_size": args.disable_by_batch_size,
-             **gate}
+    common = {"num_speculative_tokens": args.k,
+              "disable_by_batch_size": args.disable_by_batch_size, **gate}
     methods = args.methods.split(",")
-    draft = {"method": "draft_model",
-             "model": draft_checkpoint() if "draft_model" in methods else None,
-             "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size,
-             **gate}
-    workloads = [w for w in [("copy", copy_checkpoint, 32, 128, 128),
-                             ("miss", lambda: checkpoint("6m"), 32, 0, 64)]
-                 if w[0] in args.workloads.split(",")]
-    print(f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} | {'ngram tok/s':>11} | "
-          f"{'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} | {'draft tok/s':>11} | "
-          f"{'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} |")
-    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 12}|"
-          f"{'-' * 13}|{'-' * 9}|{'-' * 9}|{'-' * 12}|")
-    batch1 = None
-    for name, make_path, prompt_len, quote_len, out_len in workloads:
+    specs_all = {
+        "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                  **common},
+        "draft_model": {"method": "draft_model", "model": draft_checkpoint()
+                        if "draft_model" in methods else None, **common},
+        "eagle": {"method": "eagle3", "model": args.eagle_head, **common},
+    }
+    # (name, checkpoint, prompt maker, output length, KV bytes per engine)
+    workloads = [w for w in [
+        ("copy", copy_checkpoint, lambda p, b: make_prompts(p, b, 32, 128), 128, KV_BYTES),
+        ("miss", lambda: checkpoint("6m"), lambda p, b: make_prompts(p, b, 32, 0), 64,
+         KV_BYTES),
+        ("smollm2", lambda: checkpoint("smollm2"), lambda p, b: smollm2_prompts(b), 128,
+         512 << 20)] if w[0] in args.workloads.split(",")]
+    head = f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} |"
+    rule = f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|"
+    for m in methods:
+        head += f" {m + ' tok/s':>17} | {'speedup':>7} | {'cpu x':>7} | {'accept_len':>10} |"
+        rule += f"{'-' * 19}|{'-' * 9}|{'-' * 9}|{'-' * 12}|"
+    print(head + "\n" + rule, flush=True)
+    summary = []
+    for name, make_path, make, out_len, kv_bytes in workloads:
         path = make_path()
         for batch in [int(b) for b in args.batches.split(",")]:
-            prompts = make_prompts(path, batch, prompt_len, quote_len)
-            specs = {"off": None, **{m: {"ngram": ngram, "draft_model": draft}[m]
-                                     for m in methods}}
-            res = run(path, batch, prompts, out_len, specs, args.repeats)
-            for m in methods:
+            prompts = make(path, batch)
+            # the EAGLE head is SmolLM2's: other workloads leave its column empty
+            specs = {"off": None, **{m: specs_all[m] for m in methods
+                                     if m != "eagle" or name == "smollm2"}}
+            res = run(path, batch, prompts, out_len, specs, args.repeats, kv_bytes)
+            for m in specs:
                 assert res[m][4] == res["off"][4], f"{name} batch {batch}: {m} changed the tokens"
-            nan = (float("nan"),) * 4
-            off = res["off"][0]
-            (on, on_x, accept_len, on_cpu), (dm, dm_x, dm_len, dm_cpu) = (
-                res[m][:4] if m in res else nan for m in ("ngram", "draft_model"))
-            print(f"| {name:<8} | {batch:>5} | {off:>9.1f} | {on:>11.1f} | {on_x:>6.2f}x "
-                  f"| {on_cpu:>6.2f}x | {accept_len:>10.2f} | {dm:>11.1f} | {dm_x:>6.2f}x "
-                  f"| {dm_cpu:>6.2f}x | {dm_len:>10.2f} |", flush=True)
-            if name == "copy" and batch == 1:
-                batch1 = (off, on, on_x, accept_len)
-    if batch1 is not None:
-        off, on, on_x, accept_len = batch1
-        print(f"spec: batch1 off={off:.1f} ngram={on:.1f} speedup={on_x:.2f}x "
-              f"accept_len={accept_len:.2f}")
+            line = f"| {name:<8} | {batch:>5} | {res['off'][0]:>9.1f} |"
+            for m in methods:
+                tps, x, accept_len, cpu = res[m][:4] if m in res else (float("nan"),) * 4
+                line += f" {tps:>17.1f} | {x:>6.2f}x | {cpu:>6.2f}x | {accept_len:>10.2f} |"
+            print(line, flush=True)
+            if batch == 1 and name == "copy" and "ngram" in res:
+                summary.append(f"spec: batch1 off={res['off'][0]:.1f} "
+                               f"ngram={res['ngram'][0]:.1f} speedup={res['ngram'][1]:.2f}x "
+                               f"accept_len={res['ngram'][2]:.2f}")
+            if batch == 1 and name == "smollm2":
+                summary.append(f"spec: smollm2 batch1 off={res['off'][0]:.1f} " + " ".join(
+                    f"{m}={res[m][0]:.1f} speedup={res[m][1]:.2f}x accept_len={res[m][2]:.2f}"
+                    for m in methods if m in res))
+    for line in summary:
+        print(line)
 
 
 if __name__ == "__main__":
