@@ -6,7 +6,6 @@ chunked prefill, prefix hits and preemption."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from eagle_heads import (
@@ -17,7 +16,7 @@ from eagle_heads import (
     write_target_copy_head,
 )
 from host_reads import COPIER, host_reads
-from test_spec_decode import _mixed_batch, _tokens
+from test_spec_decode import _mixed_batch, _no_leak, _tokens
 
 from raylm import LLM, SamplingParams
 
@@ -35,16 +34,6 @@ def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 30, 17, 5, 26)]
     return prompts + [prompts[1][:20] + [rng.randrange(3, vocab) for _ in range(4)]]
-
-
-def _no_leak(llm: LLM) -> dict:
-    deadline = time.monotonic() + 30.0
-    m = llm.get_metrics()
-    while m["raylm:kv_cache_usage_perc"] > 0.0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-        m = llm.get_metrics()
-    assert m["raylm:num_requests_running"] == 0 and m["raylm:kv_cache_usage_perc"] == 0.0, m
-    return m
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
