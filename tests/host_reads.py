@@ -45,3 +45,22 @@ def host_reads(host_buffers: list[torch.Tensor]) -> Iterator[Counter]:
     finally:
         for m, original in originals.items():
             setattr(torch.Tensor, m, original)
+
+
+def steady_generate_reads(llm, batch: list[dict], params) -> tuple[list, Counter]:
+    """Warm ``llm`` up on ``batch``, then generate it again counting host reads: the
+    outputs and the reads (the input preparer's three host staging buffers excluded)."""
+    llm.generate(batch, params, use_tqdm=False)  # warm-up
+    preparer = llm.llm_engine.core.engine_core.executor.worker.model_runner.input_preparer
+    buffers = [v for k, v in vars(preparer).items() if k.endswith("_cpu")]
+    assert len(buffers) == 3, list(vars(preparer))
+    with host_reads(buffers) as reads:
+        outs = llm.generate(batch, params, use_tqdm=False)
+    return outs, reads
+
+
+def assert_only_the_copier_reads(reads: Counter) -> None:
+    """The copier's own reads are the only ones (and there were some: the check is live)."""
+    assert any(f == COPIER for f, _, _ in reads), reads
+    others = {k: n for k, n in reads.items() if k[0] != COPIER}
+    assert not others, f"host reads of device tensors outside the copier: {others}"

@@ -15,7 +15,7 @@ from eagle_heads import (
     write_eagle_head,
     write_target_copy_head,
 )
-from host_reads import COPIER, host_reads
+from host_reads import assert_only_the_copier_reads, steady_generate_reads
 from test_spec_decode import _mixed_batch, _no_leak, _tokens
 
 from raylm import LLM, SamplingParams
@@ -104,11 +104,7 @@ def test_a_head_that_predicts_the_target_is_accepted_with_no_host_reads(agreeing
         prompts = _prompts(llm.llm_engine.model_config.vocab_size)[:3]
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         batch = [{"prompt_token_ids": p} for p in prompts]
-        llm.generate(batch, params, use_tqdm=False)  # warm-up
-        preparer = llm.llm_engine.core.engine_core.executor.worker.model_runner.input_preparer
-        buffers = [v for k, v in vars(preparer).items() if k.endswith("_cpu")]
-        with host_reads(buffers) as reads:
-            outs = llm.generate(batch, params, use_tqdm=False)
+        outs, reads = steady_generate_reads(llm, batch, params)
         m = llm.get_metrics()
     finally:
         llm.shutdown()
@@ -118,9 +114,7 @@ def test_a_head_that_predicts_the_target_is_accepted_with_no_host_reads(agreeing
     drafted, accepted = (m["raylm:spec_decode_num_draft_tokens"],
                          m["raylm:spec_decode_num_accepted_tokens"])
     assert accepted > 0.5 * drafted > 0, m  # the head is right more often than not
-    assert any(f == COPIER for f, _, _ in reads), reads
-    others = {k: n for k, n in reads.items() if k[0] != COPIER}
-    assert not others, f"host reads of device tensors outside the copier: {others}"
+    assert_only_the_copier_reads(reads)
 
 
 def test_seeded_sampling_penalties_logprobs_and_n_unchanged_by_eagle(agreeing):

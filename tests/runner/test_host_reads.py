@@ -10,7 +10,7 @@ on a GPU) while the engine runs steady steps: only the copier may."""
 from __future__ import annotations
 
 import pytest
-from host_reads import COPIER, host_reads
+from host_reads import assert_only_the_copier_reads, steady_generate_reads
 
 from raylm import LLM, SamplingParams
 
@@ -40,12 +40,7 @@ def test_steady_async_steps_read_the_device_only_through_the_copier(request, hf_
         prompts = _prompts(llm.llm_engine.model_config.vocab_size)
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         batch = [{"prompt_token_ids": p} for p in prompts]
-        llm.generate(batch, params, use_tqdm=False)  # warm-up
-        preparer = llm.llm_engine.core.engine_core.executor.worker.model_runner.input_preparer
-        buffers = [v for k, v in vars(preparer).items() if k.endswith("_cpu")]
-        assert len(buffers) == 3, list(vars(preparer))
-        with host_reads(buffers) as reads:
-            outs = llm.generate(batch, params, use_tqdm=False)
+        outs, reads = steady_generate_reads(llm, batch, params)
         metrics = llm.get_metrics()
     finally:
         llm.shutdown()
@@ -54,7 +49,4 @@ def test_steady_async_steps_read_the_device_only_through_the_copier(request, hf_
         assert out.outputs[0].token_ids == oracle.greedy(p, 24)
     if spec is not None:  # drafts were verified in the recorded steps
         assert metrics["raylm:spec_decode_num_accepted_tokens"] > 0, metrics
-    # The copier's own reads are the only ones (and there were some: the check is live).
-    assert any(f == COPIER for f, _, _ in reads), reads
-    others = {k: n for k, n in reads.items() if k[0] != COPIER}
-    assert not others, f"host reads of device tensors outside the copier: {others}"
+    assert_only_the_copier_reads(reads)
