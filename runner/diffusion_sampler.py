@@ -24,38 +24,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from raylm.scheduler.config.diffusion_config import DiffusionSamplingParams
 
-@dataclass(frozen=True)
-class DiffusionSamplingParams:
-    """transformers' ``DiffusionGemmaGenerationConfig`` defaults."""
-
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    # Adaptive stopping; None (either): every canvas runs all its steps.
-    stability_threshold: int | None = 1
-    confidence_threshold: float | None = 0.005
-
-    def __post_init__(self) -> None:
-        if self.max_denoising_steps < 1:
-            raise ValueError(f"max_denoising_steps must be positive, got "
-                             f"{self.max_denoising_steps}.")
-        if not self.entropy_bound > 0:
-            raise ValueError(f"entropy_bound must be positive, got {self.entropy_bound}.")
-        if self.t_min < 0 or self.t_max <= self.t_min:
-            raise ValueError(f"temperatures need 0 <= t_min < t_max, got t_min={self.t_min}, "
-                             f"t_max={self.t_max}.")
-        if self.stability_threshold is not None and self.stability_threshold < 0:
-            raise ValueError(f"stability_threshold must be >= 0, got "
-                             f"{self.stability_threshold}.")
-        if self.confidence_threshold is not None and not self.confidence_threshold > 0:
-            raise ValueError(f"confidence_threshold must be positive, got "
-                             f"{self.confidence_threshold}.")
-
-    @property
-    def adaptive_stopping(self) -> bool:
-        return self.stability_threshold is not None and self.confidence_threshold is not None
+__all__ = ["CanvasState", "DiffusionSampler", "DiffusionSamplingParams", "committed_tokens"]
 
 
 @dataclass(frozen=True)

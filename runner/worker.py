@@ -22,6 +22,7 @@ from raylm.parallel.distributed import cuda_missing_reason, pick_device
 from raylm.parallel.expert_parallel import DPExpertGroup
 from raylm.runner.async_output import AsyncModelRunnerOutput
 from raylm.runner.cpu_budget import usable_cpus
+from raylm.runner.diffusion_runner import DiffusionModelRunner
 from raylm.runner.host_memory import cap_onednn_primitive_caches, keep_freed_host_memory
 from raylm.runner.memory_budget import (
     GIB,
@@ -127,7 +128,7 @@ class Worker:
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
         self.ctx: ParallelContext | None = None
-        self.model_runner: ModelRunner | None = None
+        self.model_runner: ModelRunner | DiffusionModelRunner | None = None
         self.pp_transport: PPTransport | None = None
         self._dead: BaseException | None = None
         self.num_threads = 1  # torch threads of this rank's steps, set by init_device
@@ -158,7 +159,9 @@ class Worker:
         info = self.device_info()
         logger.info("worker rank %d runs on %s: %s (index %s, %.1f GiB)", self.rank,
                     info["kind"], info["name"], info["index"], info["memory_bytes"] / GIB)
-        self.model_runner = ModelRunner(self.engine_config, ctx)
+        runner_cls = (DiffusionModelRunner if self.engine_config.model_config.is_diffusion
+                      else ModelRunner)
+        self.model_runner = runner_cls(self.engine_config, ctx)
 
     @property
     def _context(self) -> ParallelContext:
@@ -167,11 +170,21 @@ class Worker:
         return self.ctx
 
     @property
-    def _runner(self) -> ModelRunner:
+    def _runner(self) -> ModelRunner | DiffusionModelRunner:
         if self.model_runner is None:
             raise RuntimeError(f"worker rank {self.rank} has no model runner: init_device() "
                                "builds it, shutdown() drops it.")
         return self.model_runner
+
+    @property
+    def _causal_runner(self) -> ModelRunner:
+        """The runner of a causal LM: what experts across DP ranks and PP stages drive (a
+        diffusion model runs on one rank, EngineConfig refuses the rest)."""
+        runner = self._runner
+        if not isinstance(runner, ModelRunner):
+            raise RuntimeError(f"worker rank {self.rank} runs a diffusion model: no expert "
+                               "groups or pipeline stages.")
+        return runner
 
     def device_info(self) -> dict[str, Any]:
         """What this rank runs on: kind (cuda, cpu), name, index, total memory."""
@@ -220,6 +233,8 @@ class Worker:
 
     def step_reserve_bytes(self) -> int:
         runner = self._runner
+        if isinstance(runner, DiffusionModelRunner):
+            return runner.step_reserve_bytes()
         elem = torch.empty((), dtype=runner.dtype).element_size()
         return step_reserve_bytes(self.engine_config, self._context, elem,
                                   runner.input_preparer.attention_backend,
@@ -291,7 +306,7 @@ class Worker:
 
     def execute_dummy_batch(self) -> None:
         """A wave step without a forward of this DP rank's own (docs/architecture.md §5)."""
-        self._runner.loaded_model.dummy_expert_pass()
+        self._causal_runner.loaded_model.dummy_expert_pass()
 
     def join_expert_group(self, host: str, port: int, timeout_s: float,
                           local_host: str | None = None) -> None:
@@ -312,11 +327,11 @@ class Worker:
 
     def expert_load(self) -> dict[int, dict[int, int]]:
         """Per sparse layer of this rank's stage: tokens routed to each of its experts."""
-        return self._runner.loaded_model.expert_load()
+        return self._causal_runner.loaded_model.expert_load()
 
     def pp_stats(self) -> dict[str, int]:
         """How sampled ids reached this rank's inputs (tests, benchmarks, debugging)."""
-        runner = self._runner
+        runner = self._causal_runner
         ring = runner.pp_ring
         stats = runner.async_input_stats
         return {"pp_rank": self._context.pp_rank, "slice_copy": stats.slice_copy,

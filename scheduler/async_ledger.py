@@ -31,10 +31,12 @@ def book_scheduled_tokens(request: Request, num_scheduled: int,
         request.spec_token_ids = spec_token_placeholders
 
 
-def book_output_placeholders(request: Request, num_drafts: int) -> None:
-    """Async: a decode books the ``1 + num_drafts`` outputs it may return before they are
-    seen (docs/architecture.md §3 rule 1)."""
-    request.num_output_placeholders += 1 + num_drafts
+def book_output_placeholders(request: Request, num_drafts: int,
+                             num_sampled_tokens_per_step: int = 1) -> None:
+    """Async: a decode books the ``num_sampled_tokens_per_step + num_drafts`` outputs it
+    may return before they are seen (docs/architecture.md §3 rule 1): 1 + drafts
+    autoregressively, the canvas alone for a diffusion model."""
+    request.num_output_placeholders += num_sampled_tokens_per_step + num_drafts
 
 
 def in_flight_steps_yield_all_tokens(request: Request) -> bool:

@@ -36,5 +36,6 @@ class AsyncScheduler(Scheduler):
             request = requests[rid]
             if request.is_prefill_chunk:
                 continue  # a non-final chunk samples nothing
-            book_output_placeholders(request, len(spec.get(rid, ())))
+            book_output_placeholders(request, len(spec.get(rid, ())),
+                                     self.num_sampled_tokens_per_step)
             request.next_decode_eligible_step = next_eligible

@@ -83,6 +83,10 @@ class SchedulerOutput:
     # Hybrid models with prefix caching: per request, the states this step saves, each
     # (token count it follows: a block boundary, snapshot slot).
     state_snapshot_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # Diffusion models: requests whose canvas starts at this step, each with the number of
+    # denoising steps its previous canvas took (0: its first); the runner starts a new
+    # canvas for them and continues every other one (docs/architecture.md §23).
+    new_canvases: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from types import MappingProxyType
+from typing import Any
 
 from raylm.scheduler.async_ledger import (
     book_scheduled_tokens,
@@ -79,6 +80,9 @@ class Scheduler:
         # in both modes; the workers propose the drafts and write them over these
         # (shared, read-only list).
         self.num_spec_tokens = config.num_spec_tokens
+        # 1 autoregressively; 0 for a diffusion model (its steps return a canvas, no
+        # bonus token): the max_model_len clamp and the async booking read it.
+        self.num_sampled_tokens_per_step = config.model_config.num_sampled_tokens_per_step
         self.num_lookahead_tokens = config.num_lookahead_tokens
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.spec_decode_counters = SpecDecodingCounters(self.num_spec_tokens)
@@ -99,7 +103,7 @@ class Scheduler:
             num_spec_tokens=self.num_spec_tokens,
             books_output_placeholders=self.books_output_placeholders,
             finish_request=self._finish_request)
-        self.step_settler = StepSettler(
+        self.step_settler = self._make_step_settler(
             requests=requests_view, kv_cache_manager=self.kv_cache_manager,
             counters=self.counters, spec_decode_counters=self.spec_decode_counters,
             finish_request=self._finish_request,
@@ -108,6 +112,9 @@ class Scheduler:
             enable_caching=self.enable_caching,
             books_output_placeholders=self.books_output_placeholders,
             kv_transfer=self.kv_transfer)
+
+    def _make_step_settler(self, **collaborators: Any) -> StepSettler:
+        return StepSettler(**collaborators)
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager | None:
@@ -284,10 +291,9 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 continue
-            computed = request.num_computed_tokens
-            num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
-            if num_spec > 0 and request.spec_token_ids:
-                plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            drafts = self._scheduled_drafts(request, num_new)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             if resend and request.request_id in resend:
                 # A failed KV load rolled it back: the workers drop their state of it
                 # (listed as preempted) and rebuild it from the full request.
@@ -297,6 +303,13 @@ class Scheduler:
                 plan.cached.append((request, [b.block_id for b in new_blocks]))
             plan.num_scheduled_tokens[request.request_id] = num_new
             plan.budget -= num_new
+
+    def _scheduled_drafts(self, request: Request, num_new: int) -> list[int]:
+        """The drafts among a running request's ``num_new`` scheduled tokens (after its
+        known tokens and placeholders)."""
+        num_spec = (num_new + request.num_computed_tokens - request.num_tokens
+                    - request.num_output_placeholders)
+        return request.spec_token_ids[:num_spec] if num_spec > 0 else []
 
     def _num_new_running_tokens(self, request: Request, step: int, budget: int) -> int:
         """Tokens to schedule for a running request this step (0: skip it)."""
@@ -310,7 +323,7 @@ class Scheduler:
             # follow that token.
             return 0
         num_new = min(request.num_tokens_with_spec + request.num_output_placeholders - computed,
-                      budget, self.max_model_len - 1 - computed)
+                      budget, self.max_model_len - self.num_sampled_tokens_per_step - computed)
         num_spec = num_new + computed - request.num_tokens - request.num_output_placeholders
         if num_spec > 0:
             num_new -= max(num_spec - num_useful_drafts(request), 0)

@@ -42,6 +42,10 @@ def _slice_logprobs(lp: LogprobsLists | None, n: int) -> LogprobsLists | None:
 
 
 class StepSettler:
+    #: Whether a returned token's KV is computed (an accepted draft's): a diffusion
+    #: model's committed canvas is encoded by a later step.
+    outputs_are_computed = True
+
     def __init__(self, *, requests: Mapping[str, Request], kv_cache_manager: KVCacheManager,
                  counters: SchedulerCounters, spec_decode_counters: SpecDecodingCounters,
                  finish_request: Callable[[Request, list[int]], EngineCoreOutput],
@@ -93,22 +97,16 @@ class StepSettler:
             generated = sampled[i] if i is not None else []
             drafts = spec.get(rid) if spec else None
             if drafts:
-                num_accepted = max(len(generated) - 1, 0)
-                num_rejected = len(drafts) - num_accepted
-                assert num_rejected >= 0, (
-                    f"{rid}: {len(generated)} tokens back for {len(drafts)} drafts")
-                if num_rejected > 0:
-                    roll_back_rejected_drafts(request, num_rejected,
-                                              self.books_output_placeholders)
                 proposed = model_runner_output.num_draft_tokens
-                self.spec_decode_counters.observe(
-                    len(drafts) if proposed is None or i is None else proposed[i], num_accepted)
+                self._settle_drafts(request, generated, drafts, step_id,
+                                    len(drafts) if proposed is None or i is None
+                                    else proposed[i])
             new_token_ids, stopped = self._append_output_tokens(request, generated)
             if request.use_structured_output and new_token_ids:
                 new_token_ids = new_token_ids[:self.advance_grammar(request, new_token_ids)]
                 stopped = stopped or request.is_finished()
             # KV of tokens whose steps have all returned is settled: cache its full blocks.
-            kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            kv.cache_blocks(request, self._num_settled_tokens(request))
             prompt_lp = take_new_prompt_logprobs(
                 request, model_runner_output.prompt_logprobs_dict.get(rid))
             if not new_token_ids and not stopped and prompt_lp is None:
@@ -129,6 +127,21 @@ class StepSettler:
         kv.on_step_processed(step_id)
         return outputs, any_stopped
 
+    def _settle_drafts(self, request: Request, generated: list[int], drafts: list[int],
+                       step_id: int, num_proposed: int) -> None:
+        """Drafts the runner rejected leave the ledger (§3 rule 3); the rest are counted."""
+        num_accepted = max(len(generated) - 1, 0)
+        num_rejected = len(drafts) - num_accepted
+        assert num_rejected >= 0, (
+            f"{request.request_id}: {len(generated)} tokens back for {len(drafts)} drafts")
+        if num_rejected > 0:
+            roll_back_rejected_drafts(request, num_rejected, self.books_output_placeholders)
+        self.spec_decode_counters.observe(num_proposed, num_accepted)
+
+    def _num_settled_tokens(self, request: Request) -> int:
+        """Tokens whose KV no step in flight still writes."""
+        return request.num_computed_tokens - request.num_in_flight_tokens
+
     def _append_output_tokens(self, request: Request, generated: list[int]
                               ) -> tuple[list[int], bool]:
         """Append tokens one at a time until a stop; returns the kept ones."""
@@ -143,7 +156,8 @@ class StepSettler:
             if check_stop(request, self.max_model_len):
                 stopped = True
                 if n < num_new:
-                    roll_back_trimmed_tokens(request, num_new - n)
+                    if self.outputs_are_computed:
+                        roll_back_trimmed_tokens(request, num_new - n)
                     kept = generated[:n]
                 break
         if self.books_output_placeholders:

@@ -4,7 +4,9 @@ canvas (runner/models/diffusion_gemma.py, docs/architecture.md §23).
 Each row's tokens are written to their slots like any other row's, then every token of the
 row reads the row's whole context and all of the row's tokens. Every row runs as one sdpa
 span with an explicit mask (the ragged kernels and the Triton kernel are causal by
-construction), so this is the native path on every device.
+construction), so this is the native path on every device. The diffusion encoder's causal
+rows take the same spans (``causal=True``): sdpa's sums, as transformers' encoder has them,
+which the canvases' self-conditioning would amplify from the ragged kernel's last bits.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ def build_bidirectional_metadata(
     block_table: np.ndarray | torch.Tensor,  # [B, nb] host block ids
     block_size: int,
     window: int = 0,
+    causal: bool = False,
 ) -> AttentionMetadata:
     """``window`` > 0: a row's tokens see the context keys its first token would see
-    under that window (the last ``window - 1`` before it), and every token of the row."""
+    under that window (the last ``window - 1`` before it), and every token of the row.
+    ``causal``: each token sees its row's earlier tokens and itself only (within its own
+    last ``window`` keys), every row still an sdpa span."""
     if window < 0:
         raise ValueError(f"window must be positive (0: none), got {window}.")
     table = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
@@ -32,11 +37,11 @@ def build_bidirectional_metadata(
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     device = slot_mapping.device
     meta = AttentionMetadata(num_tokens=int(query_start_loc[-1]), block_size=block_size,
-                             slot_mapping=slot_mapping, causal=False)
+                             slot_mapping=slot_mapping, causal=causal)
     if window == 0:
         def rebuild(w: int) -> AttentionMetadata:
             return build_bidirectional_metadata(query_start_loc, seq_lens, slot_mapping,
-                                                table, block_size, w)
+                                                table, block_size, w, causal)
 
         meta._rebuild = rebuild
     pack = HostUpload(device)
@@ -51,8 +56,13 @@ def build_bidirectional_metadata(
         seq_len = span.context_len + span.end - span.start
         # Always gathered from the cache with a mask: a span without one is causal.
         span.block_ids = uploaded[lo:hi]
-        k_pos = torch.arange(seq_len, device=device)
-        visible = k_pos > span.context_len - window if window else k_pos >= 0
-        span.mask = visible[None, :].expand(span.end - span.start, seq_len)
+        k_pos = torch.arange(seq_len, device=device)[None, :]
+        # Each query's last key: its own position (causal), or the row's last.
+        q_pos = torch.arange(span.context_len, seq_len, device=device)[:, None]
+        last = q_pos if causal else torch.full_like(q_pos, seq_len - 1)
+        # A window counts back from the query itself (causal) or the row's first token.
+        first = (q_pos if causal else torch.full_like(q_pos, span.context_len)) - window
+        visible = (k_pos <= last) & (k_pos > first if window else k_pos >= 0)
+        span.mask = visible
         meta.prefills.append(span)
     return meta

@@ -24,6 +24,7 @@ from raylm.scheduler.config.checkpoint_quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
 )
+from raylm.scheduler.config.diffusion_config import DIFFUSION_ARCHITECTURES, DiffusionConfig
 from raylm.scheduler.config.kv_cache_groups import KVCacheGroups
 from raylm.scheduler.config.kv_transfer_config import KVTransferConfig
 from raylm.scheduler.config.lora_config import LoRAConfig
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys((
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES,
-    *STATE_SPACE_ARCHITECTURES)))
+    *STATE_SPACE_ARCHITECTURES, *DIFFUSION_ARCHITECTURES)))
 # "auto": the checkpoint's dtype, float32 ones in bfloat16 on CUDA and on CPUs with native
 # bf16 (resolved by the runner: runner/model_loader.resolve_dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -121,14 +122,20 @@ class ModelConfig:
             with open(path) as f:
                 object.__setattr__(self, "hf_config", json.load(f))
         arch = supported_architecture(self.hf_config.get("architectures") or [], self.model)
-        check_attention_layout(arch, self.hf_config)
-        check_moe_layout(arch, self.hf_config)
-        recurrent_shapes(arch, self.hf_config)
+        if arch in DIFFUSION_ARCHITECTURES:
+            self.diffusion_config  # noqa: B018 - its checks, now
+            if self.quantization not in (None, "none"):
+                raise _bad("quantization", self.quantization,
+                           f"is not supported for {arch} (its weights load unquantized)")
+        else:
+            check_attention_layout(arch, self.hf_config)
+            check_moe_layout(arch, self.hf_config)
+            recurrent_shapes(arch, self.hf_config)
         method = checkpoint_quantization(self.hf_config)
         if self.quantization in CHECKPOINT_METHODS and self.quantization != method:
             raise _bad("quantization", self.quantization,
                        f"does not match the checkpoint's quantization_config ({method})")
-        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        limit = int(self.text_config.get("max_position_embeddings", 2048))
         if self.max_model_len == 0:
             object.__setattr__(self, "max_model_len", limit)
         elif self.max_model_len > limit:
@@ -153,28 +160,56 @@ class ModelConfig:
     def architecture(self) -> str:
         return supported_architecture(self.hf_config["architectures"], self.model)
 
+    @property
+    def is_diffusion(self) -> bool:
+        """A diffusion language model (docs/architecture.md §23): a canvas per step."""
+        return self.architecture in DIFFUSION_ARCHITECTURES
+
+    @functools.cached_property
+    def diffusion_config(self) -> DiffusionConfig:
+        """The canvas and the denoising loop (diffusion models only)."""
+        return DiffusionConfig.from_checkpoint(self.hf_config, self.model)
+
+    @property
+    def num_sampled_tokens_per_step(self) -> int:
+        """Tokens a decode step samples besides drafts: 1 autoregressively, 0 for a
+        diffusion model, whose steps rewrite a canvas (no bonus token)."""
+        return 0 if self.is_diffusion else 1
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's fields (a diffusion model nests them)."""
+        return (self.hf_config.get("text_config") or {}) if self.is_diffusion else self.hf_config
+
     @functools.cached_property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window, None where it attends to every key."""
+        """Each layer's sliding window, None where it attends to every key. A diffusion
+        model keeps every block of every layer (one table; its windows are applied by
+        its attention metadata)."""
+        if self.is_diffusion:
+            return (None,) * int(self.text_config.get("num_hidden_layers", 0))
         return tuple(layer_windows(self.architecture, self.hf_config))
 
     @functools.cached_property
     def num_experts(self) -> int:
-        """Routed experts per sparse layer (0: a dense model)."""
+        """Routed experts per sparse layer (0: a dense model, or one whose experts every
+        rank runs whole: a diffusion model's)."""
+        if self.is_diffusion:
+            return 0
         return moe_traits(self.architecture, self.hf_config).num_experts
 
     @functools.cached_property
     def has_state_layers(self) -> bool:
         """Whether some layer keeps recurrent state (Mamba2): state_layout.py."""
-        return has_state_layers(self.architecture, self.hf_config)
+        return not self.is_diffusion and has_state_layers(self.architecture, self.hf_config)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(self.text_config["vocab_size"])
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        eos = self.hf_config.get("eos_token_id")
+        eos = self.text_config.get("eos_token_id")
         if eos is None:
             return frozenset()
         return frozenset(eos if isinstance(eos, list) else [eos])
@@ -319,6 +354,7 @@ class EngineConfig:
             raise ValueError(f"speculative_config.method {spec.method!r} with a "
                              "kv_transfer_config is not supported: KV loaded from outside "
                              "the engine carries no EAGLE head KV for its positions.")
+        self._check_diffusion()
         self._check_kv_transfer()
         self._check_expert_parallel()
         self._check_state_layers()
@@ -338,6 +374,27 @@ class EngineConfig:
             raise ValueError(f"speculative_config.method {spec.method!r} with "
                              "pipeline_parallel_size > 1 needs async_scheduling: the "
                              "drafts reach the other stages with the accepted runs.")
+
+    def _check_diffusion(self) -> None:
+        """A diffusion model runs on one rank, without drafts, adapters or a KV connector
+        (docs/architecture.md §23): the others are refused by name."""
+        model = self.model_config
+        if not model.is_diffusion:
+            return
+        pc = self.parallel_config
+        refused = [(name, value) for name, value, unset in (
+            ("speculative_config", self.speculative_config, None),
+            ("kv_transfer_config", self.kv_transfer_config, None),
+            ("enable_lora", self.lora_config is not None, False),
+            ("tensor_parallel_size", pc.tensor_parallel_size, 1),
+            ("pipeline_parallel_size", pc.pipeline_parallel_size, 1),
+            ("data_parallel_size", pc.data_parallel_size, 1),
+            ("enable_expert_parallel", pc.enable_expert_parallel, False)) if value != unset]
+        if refused:
+            name, value = refused[0]
+            raise ValueError(f"{name}={value!r} is not supported for the diffusion model "
+                             f"{model.architecture} (it runs on one rank, its canvas is its "
+                             "step's only draft).")
 
     def _check_expert_parallel(self) -> None:
         pc, arch = self.parallel_config, self.model_config.architecture

@@ -27,6 +27,7 @@ from raylm.scheduler.core_outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from raylm.scheduler.diffusion_scheduler import DiffusionAsyncScheduler, DiffusionScheduler
 from raylm.scheduler.expert_load_stats import expert_load_metrics
 from raylm.scheduler.request import Request, RequestStatus
 from raylm.scheduler.scheduler import Scheduler
@@ -50,7 +51,12 @@ class EngineCore:
         self.executor = executor
         self.num_kv_blocks = self._init_kv_cache()
         self.device_info = executor.device_info()
-        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        scheduler_cls: type[Scheduler]
+        if config.model_config.is_diffusion:  # its own ledger (docs/architecture.md §23)
+            scheduler_cls = (DiffusionAsyncScheduler if config.async_scheduling
+                             else DiffusionScheduler)
+        else:
+            scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(config, self.num_kv_blocks,
                                                   structured_output_manager)
         self.structured_output = self.scheduler.structured_output  # grammars (rule 7)

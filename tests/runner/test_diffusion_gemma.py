@@ -20,6 +20,7 @@ from raylm.runner.diffusion_sampler import (
     DiffusionSamplingParams,
     committed_tokens,
 )
+from raylm.runner.loading.diffusion_checkpoint import write_random_diffusion_checkpoint
 from raylm.runner.loading.diffusion_loader import get_diffusion_model
 from raylm.runner.models.diffusion_gemma_config import DiffusionGemmaConfig
 
@@ -30,35 +31,8 @@ EOS = 3
 
 
 def _write_checkpoint(path, canvas_length: int, sliding_window: int) -> str:
-    from transformers import DiffusionGemmaConfig as HFConfig
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-                num_global_key_value_heads=1, sliding_window=sliding_window, num_experts=4,
-                top_k_experts=2, moe_intermediate_size=16, max_position_embeddings=128,
-                eos_token_id=EOS, initializer_range=0.3,
-                layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                             "full_attention"])
-    vision = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16,
-                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                  head_dim=8)
-    torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(HFConfig(text_config=text, vision_config=vision,
-                                                     canvas_length=canvas_length,
-                                                     initializer_range=0.3))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "scale" in name:  # not all ones: a wrong norm shows
-                p.add_(torch.rand(p.shape, generator=g) * 0.5 - 0.25)
-        # The encoder's layer scalars are its own (not tied): make them differ.
-        for i, layer in enumerate(model.model.encoder.language_model.layers):
-            layer.layer_scalar.fill_(0.8 + 0.1 * i)
-        for i, layer in enumerate(model.model.decoder.layers):
-            layer.layer_scalar.fill_(1.2 - 0.1 * i)
-    model.save_pretrained(str(path))
-    return str(path)
+    return write_random_diffusion_checkpoint(str(path), canvas_length, sliding_window,
+                                             vocab_size=VOCAB, eos_token_id=EOS)
 
 
 @pytest.fixture(scope="module")
