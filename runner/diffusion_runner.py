@@ -10,16 +10,17 @@ after them. A canvas starts where ``SchedulerOutput.new_canvases`` says; any oth
 scheduled canvas continues. A canvas that has ended (adaptive stopping, or its last step)
 stays as it was: under async scheduling the scheduler may already have booked a step
 after the one that ended it, which then runs as a no-op, its state unchanged on the device
-and nothing returned. Every request draws from its own generator, seeded with its
-``sampling_seed``, in transformers' order (runner/diffusion_sampler.py); draws a no-op
+and nothing returned. A request with a seed draws from its own generator, seeded with
+its ``sampling_seed``, in transformers' order (runner/diffusion_sampler.py); draws a no-op
 step made are undone when the next canvas starts (its generator goes back to the state
-after the step that ended the previous canvas). Nothing is read back to the host before
-the step's output copy.
+after the step that ended the previous canvas). A request without a seed draws from the
+global generator, batched with the others. Nothing is read back to the host before the
+step's output copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ class DiffusionRequestState:
     req_id: str
     token_ids: list[int]  # tokens known on the host: the prompt, outputs when (re)sent
     block_ids: list[int]
-    generator: torch.Generator
+    generator: torch.Generator | None  # a request with a seed (else the global one)
     canvas: CanvasState | None = None
     canvas_start: int = 0  # the canvas's first position
     ended: torch.Tensor | None = None  # [] bool on the device: the canvas has ended
@@ -106,6 +107,8 @@ class DiffusionModelRunner:
         self.copier = AsyncOutputCopier(self.device)
         self.model: DiffusionGemmaForBlockDiffusion | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_denoised_rows = 0  # canvases the decoder ran
+        self.num_skipped_rows = 0  # steps of ended canvases not run (CPU)
 
     # ---------------------------------------------------------------- setup
     def load_model(self, model: DiffusionGemmaForBlockDiffusion | None = None) -> None:
@@ -169,6 +172,7 @@ class DiffusionModelRunner:
                 canvases.append((rid, start + n - width))
         if encode:
             self._encode(encode)
+        canvases = self._live_canvases(canvases, so.new_canvases)
         req_ids = list(so.num_scheduled_tokens)
         req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
         row_of = {rid: r for r, (rid, _) in enumerate(canvases)}
@@ -194,8 +198,10 @@ class DiffusionModelRunner:
             self.requests.pop(rid, None)  # a re-sent request is rebuilt from scratch
         starts: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(new.sampling_seed & 0xFFFF_FFFF_FFFF_FFFF)
+            generator = None
+            if new.sampling_params.seed is not None:  # its stream is reproduced
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_seed & 0xFFFF_FFFF_FFFF_FFFF)
             self.requests[new.req_id] = DiffusionRequestState(
                 req_id=new.req_id, token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 block_ids=list(new.block_ids), generator=generator)
@@ -247,9 +253,28 @@ class DiffusionModelRunner:
         positions, meta = self._metadata(rows, causal=True)
         self.loaded_model.encode(torch.cat(pieces), positions, meta)
 
+    def _live_canvases(self, canvases: list[tuple[str, int]], new_canvases: dict[str, int]
+                       ) -> list[tuple[str, int]]:
+        """The canvases to run: on a CPU, those that have not ended (a step booked after
+        the end of its canvas returns nothing either way). The CPU computed the flags with
+        the last step, so reading them waits for nothing; a GPU would wait for that step,
+        so there every row runs and an ended canvas's row is a no-op."""
+        if self.device.type != "cpu":
+            return canvases
+        continuing = [(rid, start) for rid, start in canvases if rid not in new_canvases]
+        flags = [self.requests[rid].ended for rid, _ in continuing]
+        if not flags:
+            return canvases
+        ended = {rid for (rid, _), done in zip(
+            continuing, torch.stack([f for f in flags if f is not None]).tolist(), strict=True)
+            if done}
+        self.num_skipped_rows += len(ended)
+        return [(rid, start) for rid, start in canvases if rid not in ended]
+
     def _start_canvas(self, state: DiffusionRequestState, start: int,
                       previous_steps: int) -> None:
-        if previous_steps and len(state.states_after_step) > previous_steps:
+        if (state.generator is not None and previous_steps
+                and len(state.states_after_step) > previous_steps):
             # Steps after the one that ended the last canvas drew for nothing: undo them.
             state.generator.set_state(state.states_after_step[previous_steps - 1])
         state.canvas = self.sampler.new_canvas(self.device, state.generator)
@@ -263,6 +288,7 @@ class DiffusionModelRunner:
         ended the canvas, then its argmax."""
         L = self.canvas_length
         states = [self.requests[rid] for rid, _ in rows]
+        self.num_denoised_rows += len(rows)
         for (rid, start), state in zip(rows, states, strict=True):
             if rid in new_canvases:
                 self._start_canvas(state, start, new_canvases[rid])
@@ -281,39 +307,49 @@ class DiffusionModelRunner:
         positions, meta = self._metadata([(rid, s, s + L) for rid, s in rows], causal=False)
         logits = self.loaded_model.denoise(torch.cat([c.canvas for c in current]), positions,
                                            meta, logits_in, mask)
-        out = []
-        for i, state in enumerate(states):
-            out.append(self._step_canvas(state, logits[i * L:(i + 1) * L]))
-        return torch.stack(out)
+        return self._step_canvases(states, logits)
 
-    def _step_canvas(self, state: DiffusionRequestState, logits: torch.Tensor
-                     ) -> torch.Tensor:
-        """The sampler's step, kept only while the canvas has not ended."""
-        old, ended = state.canvas, state.ended
-        assert old is not None and ended is not None  # started by _denoise
-        new = self.sampler.step(old, logits, state.generator)
+    def _step_canvases(self, states: list[DiffusionRequestState], logits: torch.Tensor
+                       ) -> torch.Tensor:
+        """The sampler's step of every canvas, kept only where the canvas has not ended;
+        [R, 1 + L]: whether this step ended it, then its argmax."""
+        old = [s.canvas for s in states if s.canvas is not None]
+        ended = torch.stack([s.ended for s in states if s.ended is not None])  # [R]
+        new = self.sampler.step_batch(old, logits, [s.generator for s in states])
         if self.use_async_scheduling:
-            state.states_after_step.append(state.generator.get_state())
-        ends = new.stopped | (new.steps_done >= self.params.max_denoising_steps)
-        state.canvas = _keep_where(ended, old, new)
-        state.ended = ended | ends
-        commit = (ends & ~ended).to(torch.long).view(1)
-        return torch.cat((commit, state.canvas.argmax_canvas.to(torch.long)))
+            for state in states:
+                if state.generator is not None:
+                    state.states_after_step.append(state.generator.get_state())
+        kept = _keep_where(ended, old, new)
+        max_steps = self.params.max_denoising_steps
+        ends = torch.stack([c.stopped for c in new]) | torch.tensor(
+            [c.steps_done >= max_steps for c in new], device=self.device)
+        for state, canvas, now in zip(states, kept, ended | ends, strict=True):
+            state.canvas, state.ended = canvas, now
+        commit = (ends & ~ended).to(torch.long)
+        return torch.cat((commit[:, None], torch.stack([c.argmax_canvas for c in kept])), dim=1)
 
     def shutdown(self) -> None:
         self.copier.shutdown()
 
 
-def _keep_where(ended: torch.Tensor, old: CanvasState, new: CanvasState) -> CanvasState:
-    """``old`` where the canvas had ended, else ``new``, on the device."""
-    def pick(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-        if a is None or b is None:
-            return b
-        return torch.where(ended, a, b)
+def _keep_where(ended: torch.Tensor, old: list[CanvasState], new: list[CanvasState]
+                ) -> list[CanvasState]:
+    """Per canvas, ``old`` where it had ended (``ended`` [R], on the device), else
+    ``new``: batched selects, no host read."""
+    def pick(field: str, shape: tuple[int, ...]) -> list:
+        fresh = [getattr(c, field) for c in new]
+        if any(f is None for f in fresh):  # no history kept (adaptive stopping off)
+            return fresh
+        before = [b if b is not None else f
+                  for b, f in zip((getattr(c, field) for c in old), fresh, strict=True)]
+        return list(torch.where(ended.view(-1, *shape), torch.stack(before),
+                                torch.stack(fresh)).unbind(0))
 
-    sc = pick(old.self_conditioning_logits, new.self_conditioning_logits)
-    history = pick(old.argmax_history, new.argmax_history)
-    return CanvasState(canvas=torch.where(ended, old.canvas, new.canvas),
-                       argmax_canvas=torch.where(ended, old.argmax_canvas, new.argmax_canvas),
-                       self_conditioning_logits=sc, steps_done=new.steps_done,
-                       argmax_history=history, stopped=new.stopped | old.stopped)
+    canvas, argmax = pick("canvas", (1,)), pick("argmax_canvas", (1,))
+    conditioning = pick("self_conditioning_logits", (1, 1))
+    history = pick("argmax_history", (1, 1))
+    return [replace(n, canvas=canvas[r], argmax_canvas=argmax[r],
+                    self_conditioning_logits=conditioning[r], argmax_history=history[r],
+                    stopped=n.stopped | o.stopped)
+            for r, (o, n) in enumerate(zip(old, new, strict=True))]

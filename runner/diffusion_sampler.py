@@ -15,7 +15,8 @@ Random draws, per request and in transformers' order: the canvas (``randint``), 
 step the samples (``multinomial`` over the canvas's rows) and the renoising canvas
 (``randint``, drawn even when every position was accepted). A request's own
 ``torch.Generator`` seeded with its seed draws what ``torch.manual_seed(seed)`` and
-transformers' ``generate`` draw for one sequence; without one, the global generator.
+transformers' ``generate`` draw for one sequence; a request without a seed draws from the
+global generator, batched with the others (``_draw``).
 """
 
 from __future__ import annotations
@@ -77,48 +78,85 @@ class DiffusionSampler:
              generator: torch.Generator | None = None,
              self_conditioning_dtype: torch.dtype | None = None) -> CanvasState:
         """The state after one step whose decoder gave ``logits`` [L, vocab] (float32)."""
-        p = self.params
-        device = logits.device
-        cur_step = torch.tensor(p.max_denoising_steps - state.steps_done, device=device,
-                                dtype=torch.int32)
-        scaled = logits / self._temperature(cur_step)
-        probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-        sampled = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-        argmax = torch.argmax(scaled, dim=-1)
-        accepted = self._accepted(scaled)
-        kept = torch.where(accepted, sampled, state.canvas)
-        canvas = torch.where(~accepted, self._noise(device, generator), kept)
-        history, stopped = state.argmax_history, state.stopped
-        if p.stability_threshold is not None and p.confidence_threshold is not None:
-            history, stable = self._stable(history, argmax, p.stability_threshold)
-            confident = _entropy(scaled).mean(dim=-1) < p.confidence_threshold
-            stopped = stopped | (stable & confident)
-        dtype = self_conditioning_dtype or scaled.dtype
-        return replace(state, canvas=canvas, argmax_canvas=argmax,
-                       self_conditioning_logits=scaled.to(dtype),
-                       steps_done=state.steps_done + 1, argmax_history=history,
-                       stopped=stopped)
+        return self.step_batch([state], logits, [generator], self_conditioning_dtype)[0]
 
-    def _accepted(self, scaled: torch.Tensor) -> torch.Tensor:
-        """[L] bool: the lowest-entropy positions whose summed entropy, less the largest
-        of them, stays within the bound (near-independent tokens)."""
-        entropy = _entropy(scaled)
+    def step_batch(self, states: list[CanvasState], logits: torch.Tensor,
+                   generators: list[torch.Generator | None],
+                   self_conditioning_dtype: torch.dtype | None = None) -> list[CanvasState]:
+        """One step of R canvases whose decoder gave ``logits`` [R * L, vocab] (float32):
+        every operation batched over the canvases (each row's values as one canvas's
+        alone: row-wise reductions), the draws from each canvas's own generator, in its
+        order (its samples, then its renoising canvas)."""
+        p = self.params
+        R, L = len(states), self.canvas_length
+        device = logits.device
+        cur_step = torch.tensor([p.max_denoising_steps - s.steps_done for s in states],
+                                device=device, dtype=torch.int32)
+        scaled = logits.view(R, L, -1) / self._temperature(cur_step)[:, None, None]
+        probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+        sampled, noise = self._draw(probs, generators)
+        argmax = torch.argmax(scaled, dim=-1)
+        entropy = _entropy(scaled)  # [R, L]
+        accepted = self._accepted(entropy)
+        kept = torch.where(accepted, sampled, torch.stack([s.canvas for s in states]))
+        canvas = torch.where(~accepted, noise, kept)
+        stopped = torch.stack([s.stopped for s in states])
+        history: list[torch.Tensor | None] = [s.argmax_history for s in states]
+        if p.stability_threshold is not None and p.confidence_threshold is not None:
+            stacked, stable = self._stable(history, argmax, p.stability_threshold)
+            confident = entropy.mean(dim=-1) < p.confidence_threshold
+            stopped = stopped | (stable & confident)
+            history = list(stacked.unbind(0))
+        conditioning = scaled.to(self_conditioning_dtype or scaled.dtype)
+        return [replace(s, canvas=canvas[r], argmax_canvas=argmax[r],
+                        self_conditioning_logits=conditioning[r], steps_done=s.steps_done + 1,
+                        argmax_history=history[r], stopped=stopped[r])
+                for r, s in enumerate(states)]
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R, L] a token sampled per position, [R, L] a renoising canvas). A canvas with
+        a generator draws as transformers does (``multinomial``, whose exponential race
+        costs ~20 ns a vocabulary entry, then ``randint``); the others, whose stream no
+        one reproduces, draw the same distributions from the global generator in two
+        batched calls (the race over -log of uniform samples, ~6x cheaper)."""
+        R, L, V = probs.shape
+        device = probs.device
+        sampled = torch.empty((R, L), dtype=torch.long, device=device)
+        noise = torch.empty((R, L), dtype=torch.long, device=device)
+        free = [r for r, g in enumerate(generators) if g is None]
+        if free:
+            rows = torch.tensor(free, device=device)
+            race = torch.rand((len(free), L, V), device=device).log_().neg_()
+            sampled[rows] = (probs[rows] / race).argmax(dim=-1)
+            noise[rows] = torch.randint(0, self.vocab_size, (len(free), L), device=device)
+        for r, generator in enumerate(generators):
+            if generator is not None:
+                sampled[r] = torch.multinomial(probs[r], num_samples=1,
+                                               generator=generator).squeeze(-1)
+                noise[r] = self._noise(device, generator)
+        return sampled, noise
+
+    def _accepted(self, entropy: torch.Tensor) -> torch.Tensor:
+        """[R, L] bool: per canvas, the lowest-entropy positions whose summed entropy,
+        less the largest of them, stays within the bound (near-independent tokens)."""
         ordered, order = torch.sort(entropy, dim=-1, descending=False)
         selected = torch.cumsum(ordered, dim=-1) - ordered <= self.params.entropy_bound
         return torch.scatter(torch.zeros_like(selected), -1, order, selected)
 
     @staticmethod
-    def _stable(history: torch.Tensor | None, argmax: torch.Tensor, threshold: int
+    def _stable(history: list[torch.Tensor | None], argmax: torch.Tensor, threshold: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the history with ``argmax`` appended, whether ``argmax`` equals each of the
-        last ``threshold`` ones)"""
+        """([R, threshold, L] each history with its ``argmax`` [R, L] appended, [R]
+        whether each equals each of its last ``threshold`` ones)"""
+        R, L = argmax.shape
         if threshold == 0:
-            return argmax.new_full((0, argmax.shape[0]), -1), torch.ones(
-                (), dtype=torch.bool, device=argmax.device)
-        if history is None:
-            history = argmax.new_full((threshold, argmax.shape[0]), -1)
-        stable = (history == argmax[None, :]).all()
-        return torch.cat([history[1:], argmax[None, :]]), stable
+            return argmax.new_full((R, 0, L), -1), torch.ones(
+                R, dtype=torch.bool, device=argmax.device)
+        before = torch.stack([h if h is not None else argmax.new_full((threshold, L), -1)
+                              for h in history])
+        stable = (before == argmax[:, None, :]).flatten(1).all(dim=-1)
+        return torch.cat([before[:, 1:], argmax[:, None, :]], dim=1), stable
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:

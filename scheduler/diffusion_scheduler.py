@@ -106,6 +106,7 @@ class DiffusionScheduler(Scheduler):
         self.canvas_length = diffusion.canvas_length
         self.max_denoising_steps = diffusion.max_denoising_steps
         self.canvases: dict[str, CanvasLedger] = {}
+        self.num_denoising_rows = 0  # canvases run, one per request per step (no-ops too)
         super().__init__(config, num_kv_blocks, structured_output_manager)
         # A shared, read-only canvas of placeholders (the runner keeps the real one).
         self._canvas_placeholders = [-1] * self.canvas_length
@@ -173,6 +174,13 @@ class DiffusionScheduler(Scheduler):
             return min(unencoded, budget)  # encoding alone, chunked
         return unencoded + L if budget >= unencoded + L else 0
 
+    def _with_first_drafts(self, request: Request, computed: int, num_new: int,
+                           budget: int) -> int:
+        # The step that ends the prompt starts its first canvas too, where the budget holds it.
+        ends_prompt = computed + num_new == request.num_tokens
+        return num_new + self.canvas_length if ends_prompt and budget >= num_new + \
+            self.canvas_length else num_new
+
     def _scheduled_drafts(self, request: Request, num_new: int) -> list[int]:
         unencoded = request.num_tokens - request.num_computed_tokens
         return self._canvas_placeholders if num_new > unencoded else []
@@ -195,6 +203,7 @@ class DiffusionScheduler(Scheduler):
                 ledger.start_step = step
             ledger.steps_in_flight += 1
             ledger.denoise_in_flight += 1
+            self.num_denoising_rows += 1
             if self.books_output_placeholders:
                 book_output_placeholders(request, canvas, self.num_sampled_tokens_per_step)
 

@@ -223,7 +223,7 @@ class Scheduler:
         self._schedule_running(step, plan)
         new_reqs: list[Request] = []
         if not plan.preempted and not plan.blocked_on_kv:
-            new_reqs = self._schedule_waiting(plan.budget, plan.num_scheduled_tokens)
+            new_reqs = self._schedule_waiting(plan)
         out = make_scheduler_output(
             step, plan, new_reqs + plan.resent, self.finished_req_ids,
             self.kv_cache_manager.get_block_ids,
@@ -311,6 +311,12 @@ class Scheduler:
                     - request.num_output_placeholders)
         return request.spec_token_ids[:num_spec] if num_spec > 0 else []
 
+    def _with_first_drafts(self, request: Request, computed: int, num_new: int,
+                           budget: int) -> int:
+        """A waiting request's first step: its ``num_new`` prompt tokens (drafts come
+        from the step after)."""
+        return num_new
+
     def _num_new_running_tokens(self, request: Request, step: int, budget: int) -> int:
         """Tokens to schedule for a running request this step (0: skip it)."""
         if in_flight_steps_yield_all_tokens(request):  # §3 rule 2
@@ -362,7 +368,8 @@ class Scheduler:
         within max_model_len."""
         return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed - num_new), 0)
 
-    def _schedule_waiting(self, budget: int, num_scheduled_tokens: dict[str, int]) -> list[Request]:
+    def _schedule_waiting(self, plan: StepPlan) -> list[Request]:
+        budget, num_scheduled_tokens = plan.budget, plan.num_scheduled_tokens
         kv = self.kv_cache_manager
         kv_transfer = self.kv_transfer
         scheduled: list[Request] = []
@@ -391,6 +398,9 @@ class Scheduler:
             num_new = 0 if load_async else min(request.num_tokens - num_hit - num_external,
                                                budget)  # chunked prefill
             num_new = self._aligned(request, num_hit + num_external, num_new)
+            if not load_async:
+                num_new = self._with_first_drafts(request, num_hit + num_external, num_new,
+                                                  budget)
             if kv.allocate_slots(request, num_new + num_external, hit_blocks,
                                  self._lookahead(num_hit, num_new + num_external)) is None:
                 if kv_transfer.loaded and kv_transfer.reclaim_loaded(self.waiting,
@@ -409,6 +419,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(request)
             num_scheduled_tokens[request.request_id] = num_new
+            drafts = self._scheduled_drafts(request, num_new)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             budget -= num_new
             if loras is not None:
                 loras.admitted(request)

@@ -14,7 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raylm.runner.attention.paged_attention import AttentionMetadata, HostUpload, PrefillSpan
+from raylm.runner.attention.paged_attention import (
+    AttentionMetadata,
+    EqualRows,
+    HostUpload,
+    PrefillSpan,
+)
 
 
 def build_bidirectional_metadata(
@@ -44,6 +49,10 @@ def build_bidirectional_metadata(
                                                 table, block_size, w, causal)
 
         meta._rebuild = rebuild
+    query_lens = np.diff(query_start_loc)
+    if not causal and len(query_lens) > 1 and (query_lens == query_lens[0]).all():
+        meta.equal_rows = _equal_rows(query_lens, seq_lens, table, block_size, window, device)
+        return meta
     pack = HostUpload(device)
     spans = []
     for row in range(len(seq_lens)):
@@ -66,3 +75,22 @@ def build_bidirectional_metadata(
         span.mask = visible
         meta.prefills.append(span)
     return meta
+
+
+def _equal_rows(query_lens: np.ndarray, seq_lens: np.ndarray, table: np.ndarray,
+                block_size: int, window: int, device: torch.device) -> EqualRows:
+    """Canvases of one width: every row's keys in one padded gather, masked per row."""
+    q_len = int(query_lens[0])
+    seq_len = int(seq_lens.max())
+    nb = -(-seq_len // block_size)
+    blocks = np.zeros((len(seq_lens), nb), dtype=np.int64)
+    cols = min(nb, table.shape[1])
+    blocks[:, :cols] = table[:, :cols]
+    k_pos = np.arange(seq_len)[None, :]
+    visible = k_pos < seq_lens[:, None]
+    if window:
+        visible &= k_pos > (seq_lens - q_len)[:, None] - window
+    mask = np.broadcast_to(visible[:, None, None, None, :],
+                           (len(seq_lens), 1, 1, q_len, seq_len))
+    return EqualRows(query_len=q_len, block_ids=torch.from_numpy(blocks).to(device),
+                     seq_len=seq_len, mask=torch.from_numpy(np.ascontiguousarray(mask)).to(device))

@@ -70,6 +70,18 @@ class PrefillSpan:
 
 
 @dataclass
+class EqualRows:
+    """Rows of one query length each whose keys are gathered at once (a diffusion
+    decoder's canvases, attention/bidirectional.py): one sdpa for the step, each row's
+    keys padded to the longest row's and masked past its own."""
+
+    query_len: int
+    block_ids: torch.Tensor  # [R, nb] each row's blocks, padded with block 0
+    seq_len: int  # keys gathered per row: the longest row's
+    mask: torch.Tensor  # [R, 1, 1, query_len, seq_len] bool: True where visible
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int
     block_size: int
@@ -77,6 +89,7 @@ class AttentionMetadata:
     ragged: RaggedTokens | None = None  # the short rows' tokens; None when there are none
     prefills: list[PrefillSpan] = field(default_factory=list)
     tiles: TileMetadata | None = None  # the Triton kernel's: every row, when it runs
+    equal_rows: EqualRows | None = None  # every row at once (then no ragged, no spans)
     # False: a row's tokens see each other both ways (a diffusion canvas; built by
     # attention/bidirectional.py, every row an sdpa span with its mask).
     causal: bool = True
@@ -352,6 +365,8 @@ class Attention(nn.Module):
             connector.save_kv_layer(self.layer_index)
         if self.sliding_window is not None:
             meta = meta.for_window(self.sliding_window)
+        if meta.equal_rows is not None:
+            return self._equal_rows(query, key_cache, value_cache, meta.equal_rows)
         ragged = meta.ragged
         idx = None if ragged is None else ragged.token_index
         if ragged is not None and idx is None:  # every token is ragged
@@ -366,6 +381,25 @@ class Attention(nn.Module):
             out[span.start:span.end] = self._prefill(query, key, value, key_cache, value_cache,
                                                      span)
         return out
+
+    def _equal_rows(self, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, rows: EqualRows) -> torch.Tensor:
+        """Every row's queries against its keys gathered from the cache, in one sdpa."""
+        num_rows, q_len = rows.block_ids.shape[0], rows.query_len
+        q = query.reshape(num_rows, q_len, self.num_kv_heads, self.num_queries_per_kv,
+                          self.head_dim).permute(0, 2, 3, 1, 4)
+        heads = torch.arange(self.num_kv_heads, device=rows.block_ids.device)
+        cache_rows = head_rows(rows.block_ids, heads)  # [R, Hkv, nb]
+        shape = (num_rows, self.num_kv_heads, self.num_queries_per_kv, rows.seq_len,
+                 self.head_dim)
+        k = _gather(key_cache, cache_rows, rows.seq_len).unsqueeze(2).expand(shape)
+        v = _gather(value_cache, cache_rows, rows.seq_len).unsqueeze(2).expand(shape)
+        if self.softcap:
+            o = _softcapped_attention(q, k, v, rows.mask, self.scale, self.softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.scale)
+        return o.permute(0, 3, 1, 2, 4).reshape(num_rows * q_len,
+                                                self.num_heads * self.head_dim)
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -54,6 +54,12 @@ def test_completions_equal_the_offline_engine_and_stream_by_canvas(client, check
         extra_body={"ignore_eos": True}) if c.choices and c.choices[0].text]
     assert "".join(chunks) == offline.text
     assert 1 < len(chunks) <= 12 // L  # a chunk per committed canvas (an empty one skipped)
+    # A stop string inside a canvas ends the text before it.
+    stop = offline.text[len(offline.text) // 2:][:3]
+    cut = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=12,
+                                    seed=5, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == offline.text[:offline.text.index(stop)]
 
 
 def test_chat_answers_and_unsupported_fields_are_a_400(client):

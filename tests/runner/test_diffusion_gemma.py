@@ -234,3 +234,31 @@ def test_config_refuses_what_it_cannot_run(checkpoints):
         DiffusionGemmaConfig.from_hf(bad)
     with pytest.raises(ValueError, match="canvas_length"):
         DiffusionGemmaConfig.from_hf({**hf, "canvas_length": 0})
+
+
+def test_batched_sampler_step_equals_each_canvas_alone():
+    """step_batch over canvases at different steps gives each canvas exactly what step
+    gives it alone (its draws from its own generator); a canvas without a generator
+    draws from the fast batched path: tokens of the vocabulary, accepted where sampled."""
+    cpu = torch.device("cpu")
+    sampler = DiffusionSampler(DiffusionSamplingParams(max_denoising_steps=5, entropy_bound=2.0,
+                                                       stability_threshold=2,
+                                                       confidence_threshold=9.0), 4, VOCAB)
+    g = torch.Generator().manual_seed(3)
+    states = [sampler.new_canvas(cpu, torch.Generator().manual_seed(i)) for i in range(3)]
+    states[1] = sampler.step(states[1], torch.randn(4, VOCAB, generator=g),
+                             torch.Generator().manual_seed(9))
+    logits = torch.randn(3 * 4, VOCAB, generator=g) * 3
+    batched = sampler.step_batch(states, logits, [torch.Generator().manual_seed(10 + i)
+                                                  for i in range(3)])
+    for i, state in enumerate(states):
+        alone = sampler.step(state, logits[4 * i:4 * i + 4], torch.Generator().manual_seed(10 + i))
+        got = batched[i]
+        assert got.steps_done == alone.steps_done == state.steps_done + 1
+        for name in ("canvas", "argmax_canvas", "self_conditioning_logits", "argmax_history",
+                     "stopped"):
+            assert torch.equal(getattr(got, name), getattr(alone, name)), (i, name)
+    free = sampler.step_batch(states, logits, [None, None, None])
+    for state in free:
+        assert state.canvas.shape == (4,) and 0 <= int(state.canvas.min()) <= int(
+            state.canvas.max()) < VOCAB

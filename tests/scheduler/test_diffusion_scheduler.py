@@ -82,31 +82,27 @@ def test_async_books_the_canvas_width_per_step_and_no_bonus_token():
     s = _scheduler(True)
     req = _request("a", [5, 6, 7, 8, 9])
     s.add_request(req)
-    first = s.schedule()  # the prompt alone: it samples nothing
-    assert first.num_scheduled_tokens == {"a": 5} and not first.scheduled_spec_decode_tokens
-    assert req.num_output_placeholders == 0 and req.num_computed_tokens == 5
-    second = s.schedule()  # the canvas at positions 5..8, as L placeholders
-    assert second.num_scheduled_tokens == {"a": L}
-    assert second.scheduled_spec_decode_tokens == {"a": [-1] * L}
-    assert second.new_canvases == {"a": 0}
+    first = s.schedule()  # the prompt, then its first canvas at positions 5..8
+    assert first.num_scheduled_tokens == {"a": 5 + L}
+    assert first.scheduled_spec_decode_tokens == {"a": [-1] * L}
+    assert first.new_canvases == {"a": 0}
     assert req.num_output_placeholders == L  # the canvas alone: no bonus token
     assert req.num_computed_tokens == 5  # canvas positions are never computed
-    third = s.schedule()  # step 2 in flight: the same canvas's next step, same positions
-    assert third.num_scheduled_tokens == {"a": L} and third.new_canvases == {}
-    assert third.scheduled_cached_reqs.num_computed_tokens == [5]
+    second = s.schedule()  # step 1 in flight: the same canvas's next step, same positions
+    assert second.num_scheduled_tokens == {"a": L} and second.new_canvases == {}
+    assert second.scheduled_cached_reqs.num_computed_tokens == [5]
     assert req.num_output_placeholders == 2 * L
-    s.update_from_output(first, _returned(first, {}))
-    s.update_from_output(second, _returned(second, {}))  # not ended yet
+    s.update_from_output(first, _returned(first, {}))  # not ended yet
     assert req.num_output_placeholders == L and req.output_token_ids == []
     canvas = [11, 12, 13, 14]
-    s.update_from_output(third, _returned(third, {"a": canvas}))
+    s.update_from_output(second, _returned(second, {"a": canvas}))
     assert req.num_output_placeholders == 0 and req.output_token_ids == canvas
-    fourth = s.schedule()  # encode the committed canvas, then the next canvas after it
-    assert fourth.num_scheduled_tokens == {"a": 2 * L}
-    assert fourth.scheduled_cached_reqs.num_computed_tokens == [5]
-    assert fourth.new_canvases == {"a": 2}  # the previous canvas took two steps
+    third = s.schedule()  # encode the committed canvas, then the next canvas after it
+    assert third.num_scheduled_tokens == {"a": 2 * L}
+    assert third.scheduled_cached_reqs.num_computed_tokens == [5]
+    assert third.new_canvases == {"a": 2}  # the previous canvas took two steps
     assert req.num_computed_tokens == 5 + L and req.num_output_placeholders == L
-    s.update_from_output(fourth, _returned(fourth, {"a": [21, 22, 23, 24]}))
+    s.update_from_output(third, _returned(third, {"a": [21, 22, 23, 24]}))
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert req.output_token_ids == canvas + [21, 22, 23, 24]
     s.check_integrity(no_steps_in_flight=True)
@@ -115,25 +111,23 @@ def test_async_books_the_canvas_width_per_step_and_no_bonus_token():
 def test_async_holds_a_canvas_whose_last_step_is_in_flight_and_discards_steps_after_its_end():
     s = _scheduler(True, max_steps=2)
     s.add_request(_request("a", [5, 6, 7, 8], max_tokens=4))
-    steps = [s.schedule() for _ in range(4)]
-    # prompt, then two denoising steps: with both in flight the canvas is sure to end.
-    assert [so.total_num_scheduled_tokens for so in steps] == [4, L, L, 0]
-    s.update_from_output(steps[0], _returned(steps[0], {}))
+    steps = [s.schedule() for _ in range(3)]
+    # prompt and canvas, its second step: with both in flight the canvas is sure to end.
+    assert [so.total_num_scheduled_tokens for so in steps] == [4 + L, L, 0]
     # Adaptive stopping ended the canvas at its first step: the second was a no-op.
-    out = s.update_from_output(steps[1], _returned(steps[1], {"a": [9, 9, EOS, 9]}))
+    out = s.update_from_output(steps[0], _returned(steps[0], {"a": [9, 9, EOS, 9]}))
     assert out.outputs[0].new_token_ids == [9, 9, EOS] and out.outputs[0].finish_reason
-    s.update_from_output(steps[2], _returned(steps[2], {}))
+    s.update_from_output(steps[1], _returned(steps[1], {}))
     s.check_integrity(no_steps_in_flight=True)
 
     s = _scheduler(True, max_steps=3)
     req = _request("b", [5, 6, 7, 8], max_tokens=8)
     s.add_request(req)
-    steps = [s.schedule() for _ in range(3)]
-    s.update_from_output(steps[0], _returned(steps[0], {}))
-    s.update_from_output(steps[1], _returned(steps[1], {"b": [1, 1, 1, 1]}))
-    nxt = s.schedule()  # steps[2] (a no-op now) in flight: the next canvas starts
+    steps = [s.schedule() for _ in range(2)]
+    s.update_from_output(steps[0], _returned(steps[0], {"b": [1, 1, 1, 1]}))
+    nxt = s.schedule()  # steps[1] (a no-op now) in flight: the next canvas starts
     assert nxt.new_canvases == {"b": 1} and nxt.num_scheduled_tokens == {"b": 2 * L}
-    s.update_from_output(steps[2], _returned(steps[2], {}))
+    s.update_from_output(steps[1], _returned(steps[1], {}))
     assert s.step_settler.num_discarded_steps == 1
     assert req.num_output_placeholders == L and req.output_token_ids == [1] * L
     s.update_from_output(nxt, _returned(nxt, {"b": [3, 3, 3, 3]}))
@@ -145,15 +139,15 @@ def test_sync_books_no_placeholders_and_starts_each_canvas_after_its_commit():
     req = _request("a", [5, 6, 7], max_tokens=6)  # two canvases, the second cut at 6
     s.add_request(req)
     seen = []
-    commits = iter([[], [11, 12, 13, 14], [], [], [15, 16, 17, 18]])
+    commits = iter([[], [11, 12, 13, 14], [], [], [15, 16, 17, 18]])  # a step each
     while s.has_unfinished_requests():
         so = s.schedule()
         seen.append((so.total_num_scheduled_tokens, dict(so.new_canvases)))
         assert req.num_output_placeholders == 0
-        rid_commit = next(commits) if so.scheduled_spec_decode_tokens else []
-        s.update_from_output(so, _returned(so, {"a": rid_commit} if rid_commit else {}))
-    # the prompt; canvas 1 (2 steps); encode + canvas 2 (3 steps, the last at max)
-    assert seen == [(3, {}), (L, {"a": 0}), (L, {}), (2 * L, {"a": 2}), (L, {}), (L, {})]
+        assert so.scheduled_spec_decode_tokens == {"a": [-1] * L}
+        s.update_from_output(so, _returned(so, {"a": next(commits)}))
+    # prompt + canvas 1 (2 steps); encode + canvas 2 (3 steps, the last at max)
+    assert seen == [(3 + L, {"a": 0}), (L, {}), (2 * L, {"a": 2}), (L, {}), (L, {})]
     assert req.output_token_ids == [11, 12, 13, 14, 15, 16]  # max_tokens cuts the canvas
     s.check_integrity(no_steps_in_flight=True)
 
