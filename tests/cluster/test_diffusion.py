@@ -143,8 +143,10 @@ def test_a_prefix_hit_over_a_committed_canvas_gives_transformers_logits(checkpoi
         start = len(steps)
         llm.generate([{"prompt_token_ids": extended}],
                      SamplingParams(seed=1, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        hits = idle_metrics(llm)["raylm:prefix_cache_hits"]
-    assert hits == 12  # the prompt's 9 tokens and 3 of the canvas: three blocks
+        metrics = idle_metrics(llm)
+    # the prompt's 9 tokens and 3 of the canvas: three blocks; none left in use after
+    assert metrics["raylm:prefix_cache_hits"] == 12
+    assert metrics["raylm:kv_cache_usage_perc"] == 0.0
     # (a no-op step the first request booked after its end may come first: async)
     ids, positions, logits = next(s for s in steps[start:] if s[1][0] == len(extended))
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).eval()
