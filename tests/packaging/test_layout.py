@@ -173,10 +173,12 @@ def test_no_import_loop_between_product_modules():
 
 def test_only_the_schedulers_users_import_it():
     """Its collaborators (settling a step, structured output, the integrity check) get
-    the state they need, not the Scheduler: only what builds or re-exports one imports it."""
+    the state they need, not the Scheduler: only what builds, extends or re-exports one
+    imports it."""
     importers = {name for name, edges in import_graph().items()
                  if "raylm.scheduler.scheduler" in edges}
     assert importers == {"raylm.scheduler", "raylm.scheduler.async_scheduler",
+                         "raylm.scheduler.diffusion_scheduler",
                          "raylm.scheduler.core.engine_core"}
 
 
