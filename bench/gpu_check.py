@@ -165,6 +165,59 @@ def check_eagle(root: str) -> None:
                    f"{drafted:.0f} drafts")
 
 
+def check_diffusion(root: str) -> None:
+    """A diffusion LM (DiffusionGemma) on the GPU: each canvas's first denoising step's
+    logits equal transformers' on the same canvas and cache, and a batch (async, its
+    canvases through the padded EqualRows sdpa, per-request CUDA generators for seeded
+    requests) runs every request to its length with no block left in use."""
+    from raylm import LLM, SamplingParams
+    from raylm.runner.loading.diffusion_checkpoint import write_random_diffusion_checkpoint
+    from raylm.runner.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion as Ours
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = write_random_diffusion_checkpoint(
+        os.path.join(root, "dgemma"), canvas_length=4, vocab_size=320, with_tokenizer=True,
+        generation={"max_denoising_steps": 6})
+    steps = []
+    denoise = Ours.denoise
+
+    def recorded(self, ids, positions, meta, *conditioning):
+        logits = denoise(self, ids, positions, meta, *conditioning)
+        if conditioning and conditioning[0] is None:  # a first step: no self-conditioning
+            steps.append((ids.clone(), positions.clone(), logits.clone()))
+        return logits
+
+    Ours.denoise = recorded
+    try:
+        prompt = [5, 17, 42, 9, 61, 33, 70]
+        with LLM(path, dtype="float32", block_size=4) as llm:
+            llm.generate([{"prompt_token_ids": prompt}],
+                         SamplingParams(seed=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            lengths = [3, 9, 16, 5]
+            outs = llm.generate([{"prompt_token_ids": prompt[:n % 7 + 1]} for n in lengths],
+                                [SamplingParams(seed=i if i % 2 else None, max_tokens=n,
+                                                ignore_eos=True)
+                                 for i, n in enumerate(lengths)], use_tqdm=False)
+            usage = llm.get_metrics()["raylm:kv_cache_usage_perc"]
+    finally:
+        Ours.denoise = denoise
+    from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
+
+    ids, positions, logits = steps[0]
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(device)
+    with torch.inference_mode():
+        cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+        hf.model.encoder(input_ids=torch.tensor([prompt], device=device), cache=cache,
+                         position_ids=torch.arange(len(prompt), device=device)[None])
+        ref = hf(decoder_input_ids=ids[None].to(device), cache=cache,
+                 decoder_position_ids=positions[None].to(device)).logits[0]
+    diff = (ref.float().cpu() - logits.float().cpu()).abs().max().item()
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    report(diff < 1e-3 and got == lengths and usage == 0.0,
+           f"diffusion: first-step logits max diff {diff:.2e} vs transformers, lengths {got} "
+           f"(want {lengths}), KV in use after {usage}")
+
+
 def time_us(fn, calls: int = 20) -> float:
     """Microseconds per call of ``fn`` on the GPU, after one warm-up call."""
     fn()
@@ -515,6 +568,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         check_versions()
         for check in (lambda: check_correctness(root, args.quick), lambda: check_eagle(root),
+                      lambda: check_diffusion(root),
                       check_copy_stream,
                       check_nccl, check_fused_moe, check_recurrent_kernels,
                       lambda: check_quant_linear(root), check_fp8_and_q6_k_linears,
