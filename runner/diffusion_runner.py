@@ -108,6 +108,9 @@ class DiffusionModelRunner:
         self.model: DiffusionGemmaForBlockDiffusion | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_denoised_rows = 0  # canvases the decoder ran
+        # Rows of ended canvases are dropped (CPU: their flags are in memory) rather than
+        # run as device-side no-ops (GPU: reading them would wait for the last step).
+        self.skips_ended_rows = self.device.type == "cpu"
         self.num_skipped_rows = 0  # steps of ended canvases not run (CPU)
 
     # ---------------------------------------------------------------- setup
@@ -259,15 +262,12 @@ class DiffusionModelRunner:
         the end of its canvas returns nothing either way). The CPU computed the flags with
         the last step, so reading them waits for nothing; a GPU would wait for that step,
         so there every row runs and an ended canvas's row is a no-op."""
-        if self.device.type != "cpu":
+        continuing = [rid for rid, _ in canvases if rid not in new_canvases]
+        if not self.skips_ended_rows or not continuing:
             return canvases
-        continuing = [(rid, start) for rid, start in canvases if rid not in new_canvases]
-        flags = [self.requests[rid].ended for rid, _ in continuing]
-        if not flags:
-            return canvases
-        ended = {rid for (rid, _), done in zip(
-            continuing, torch.stack([f for f in flags if f is not None]).tolist(), strict=True)
-            if done}
+        flags = torch.stack([flag for rid in continuing  # every started canvas has one
+                             if (flag := self.requests[rid].ended) is not None])
+        ended = {rid for rid, done in zip(continuing, flags.tolist(), strict=True) if done}
         self.num_skipped_rows += len(ended)
         return [(rid, start) for rid, start in canvases if rid not in ended]
 
@@ -320,7 +320,8 @@ class DiffusionModelRunner:
             for state in states:
                 if state.generator is not None:
                     state.states_after_step.append(state.generator.get_state())
-        kept = _keep_where(ended, old, new)
+        # Dropped rows leave no ended canvas here; otherwise an ended one keeps its state.
+        kept = new if self.skips_ended_rows else _keep_where(ended, old, new)
         max_steps = self.params.max_denoising_steps
         ends = torch.stack([c.stopped for c in new]) | torch.tensor(
             [c.steps_done >= max_steps for c in new], device=self.device)

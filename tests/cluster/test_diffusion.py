@@ -80,6 +80,25 @@ def test_seeded_request_reproduces_transformers_generate(checkpoints, canvas_len
     assert metrics["raylm:kv_cache_usage_perc"] == 0.0
 
 
+def test_steps_after_a_canvas_ends_run_as_device_no_ops_as_on_a_gpu(checkpoints):
+    """The GPU's path on a CPU: rows of ended canvases are run, their state kept on the
+    device by selects, their draws undone at the next canvas; tokens still equal
+    transformers'."""
+    path = checkpoints[4]
+    with LLM(path, dtype="float32", block_size=4, async_scheduling=True,
+             enable_prefix_caching=False) as llm:
+        core = llm.llm_engine.core.engine_core
+        runner = core.executor.worker.model_runner
+        runner.skips_ended_rows = False
+        for seed in (0, 7):
+            out = llm.generate([{"prompt_token_ids": PROMPT}],
+                               SamplingParams(seed=seed, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == _reference(path, PROMPT, seed, 16, None), f"seed {seed}"
+        discarded = core.scheduler.step_settler.num_discarded_steps
+    assert discarded > 0 and runner.num_skipped_rows == 0
+
+
 def test_a_batch_runs_each_request_to_its_length_reading_nothing_back(checkpoints):
     """Six requests of different prompts and lengths (not multiples of the canvas) in a pool
     small enough to preempt, async: every one gets exactly max_tokens tokens; steady
