@@ -174,15 +174,21 @@ class WorkerActor:
                            ctx: ParallelContext, dist_timeout_s: float) -> None:
         """Hidden states stage to stage, sampled ids back from the last stage. Collective
         (it creates the PP broadcast group): every rank runs it, in init_worker."""
+        from raylm.parallel.layers import get_pp_layer_range
         from raylm.parallel.pp_comm import build_pp_transport
         from raylm.runner.loading.model_loader import resolve_dtype
-        from raylm.runner.models.llama import IntermediateTensors
+        from raylm.runner.models.llama import IntermediateTensors, aux_layers_before
 
         mc = engine_config.model_config
         hidden_size = int(mc.hf_config["hidden_size"])
         dtype = resolve_dtype(mc.dtype, ctx.device, mc.hf_config)  # the runner's dtype
+        # An EAGLE-3 head on the last stage reads layers of the stages before it.
+        start, _ = get_pp_layer_range(int(mc.hf_config["num_hidden_layers"]), ctx.pp_rank,
+                                      ctx.pp_size)
+        aux = engine_config.eagle_aux_layers
         worker.pp_transport = build_pp_transport(ctx, hidden_size, dtype,
-                                                 IntermediateTensors, dist_timeout_s)
+                                                 IntermediateTensors, dist_timeout_s,
+                                                 len(aux_layers_before(aux, start)))
 
     def load_model(self) -> dict[str, Any] | None:
         """Loads the rank's weights; returns what it runs on (``Worker.device_info``)."""

@@ -21,9 +21,9 @@ from raylm.parallel.distributed import new_pp_broadcast_group
 from raylm.scheduler.config.validation import check_at_least
 from raylm.scheduler.core_outputs import SchedulerOutput
 
-# (hidden_states, residual) -> the runner's IntermediateTensors. Injected, because parallel
-# sits below runner in the import order (docs/architecture.md §1).
-MakeIntermediate = Callable[[torch.Tensor, torch.Tensor], Any]
+# (hidden_states, residual, aux) -> the runner's IntermediateTensors. Injected, because
+# parallel sits below runner in the import order (docs/architecture.md §1).
+MakeIntermediate = Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], Any]
 
 
 class PendingBroadcast:
@@ -65,7 +65,7 @@ class _InFlight:
 class PPCommunicator:
     def __init__(self, ctx: ParallelContext, hidden_size: int, dtype: torch.dtype,
                  broadcast_group, make_intermediate: MakeIntermediate,
-                 max_in_flight: int = 8) -> None:
+                 max_in_flight: int = 8, num_aux_received: int = 0) -> None:
         if ctx.pp_size < 2 or ctx.pp_group is None:
             raise ValueError(f"PPCommunicator needs pp_size >= 2 and a pp_group, got "
                              f"pp_size={ctx.pp_size}, pp_group={ctx.pp_group}.")
@@ -74,6 +74,9 @@ class PPCommunicator:
         check_at_least("hidden_size", hidden_size)
         self.ctx = ctx
         self.make_intermediate = make_intermediate
+        # An EAGLE-3 head's feature-layer inputs from earlier stages: hidden-sized tensors
+        # that travel after the residual (IntermediateTensors.aux).
+        self.num_aux_received = num_aux_received
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = ctx.device
@@ -92,17 +95,17 @@ class PPCommunicator:
         if self.prev_rank is None:
             raise RuntimeError("the first pipeline stage receives no hidden states.")
         shape = (scheduler_output.total_num_scheduled_tokens, self.hidden_size)
-        hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
-        residual = torch.empty(shape, dtype=self.dtype, device=self.device)
+        hidden, residual, *aux = (torch.empty(shape, dtype=self.dtype, device=self.device)
+                                  for _ in range(2 + self.num_aux_received))
         works = [dist.irecv(t, src=self.prev_rank, group=self.pp_group)
-                 for t in (hidden, residual)]
+                 for t in (hidden, residual, *aux)]
         for w in works:
             assert w is not None  # None only for a rank outside pp_group
             w.wait()
-        return self.make_intermediate(hidden, residual)
+        return self.make_intermediate(hidden, residual, tuple(aux))
 
     def send_intermediate(self, tensors: Any) -> None:
-        """``tensors``: the runner's IntermediateTensors (hidden_states, residual)."""
+        """``tensors``: the runner's IntermediateTensors (hidden_states, residual, aux)."""
         if self.next_rank is None:
             raise RuntimeError("the last pipeline stage sends no hidden states.")
         hidden = tensors.hidden_states.contiguous()
@@ -112,9 +115,10 @@ class PPCommunicator:
         assert hidden.shape == residual.shape and hidden.shape[-1] == self.hidden_size, (
             f"hidden {tuple(hidden.shape)} / residual {tuple(residual.shape)} vs hidden_size "
             f"{self.hidden_size}")
+        aux = tuple(t.contiguous() for t in tensors.aux)
         works = [dist.isend(t, dst=self.next_rank, group=self.pp_group)
-                 for t in (hidden, residual)]
-        self._sends.add(works, (hidden, residual))
+                 for t in (hidden, residual, *aux)]
+        self._sends.add(works, (hidden, residual, *aux))
 
     # ---- sampled ids, last stage to the others ---------------------------------------
     def broadcast_sampled_token_ids(self, sampled_token_ids: torch.Tensor) -> None:
@@ -141,11 +145,12 @@ class PPCommunicator:
 
 def build_pp_transport(ctx: ParallelContext, hidden_size: int, dtype: torch.dtype,
                        make_intermediate: MakeIntermediate,
-                       timeout_s: float) -> PPCommunicator | None:
+                       timeout_s: float, num_aux_received: int = 0) -> PPCommunicator | None:
     """The transport of this rank, or None when pp_size is 1. Collective (it creates the
     broadcast group): every rank of the world calls it once, after
     ``init_distributed_environment``."""
     if ctx.pp_size == 1:
         return None
     group = new_pp_broadcast_group(ctx, timeout_s)
-    return PPCommunicator(ctx, hidden_size, dtype, group, make_intermediate)
+    return PPCommunicator(ctx, hidden_size, dtype, group, make_intermediate,
+                          num_aux_received=num_aux_received)

@@ -96,14 +96,18 @@ class ModelRunner:
         self.copier = AsyncOutputCopier(self.device)
         self.pooler = Pooler()
         self._pending = PendingPlaceholders()
-        # Async PP, stages that do not sample: the ids come back pp_size steps later.
+        # Async PP, stages that do not sample: the ids come back pp_size steps later. Sync
+        # PP with a draft head: its drafts come back so (the runs come from the scheduler).
+        spec = engine_config.speculative_config
+        head_drafts = spec is not None and spec.reads_target_hidden_states
         self.pp_ring = (SampledTokenRing(ctx.pp_size, sched.max_num_seqs)
-                        if self.use_async_scheduling and ctx.pp_size > 1
+                        if (self.use_async_scheduling or head_drafts) and ctx.pp_size > 1
                         and not ctx.is_last_pp_rank else None)
         self.speculator = (Speculator(engine_config, self.input_batch, self.device, self.copier,
                                       is_last_pp_rank=ctx.is_last_pp_rank,
-                                      learns_from_ring=self.pp_ring is not None)
-                           if engine_config.speculative_config is not None else None)
+                                      learns_from_ring=(self.pp_ring is not None
+                                                        and self.use_async_scheduling))
+                           if spec is not None else None)
         self.model: LlamaForCausalLM | None = None
         self.sampler: Sampler | None = None  # the last PP stage's
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -389,8 +393,12 @@ class ModelRunner:
     def _broadcast_verified(self, result: ModelRunnerOutput,
                             pp_transport: SampledTokenTransport | None) -> None:
         """Async PP with speculative decoding: send every row's accepted run (the earlier
-        stages need it in their history to draft and place the request's next step)."""
-        if pp_transport is None or not self.use_async_scheduling or self.ctx.pp_size == 1:
+        stages need it in their history to draft and place the request's next step).
+        Sync PP with a draft head: the same message, for the head's drafts."""
+        speculator = self.speculator
+        head = speculator is not None and speculator.drafts_from_head
+        if pp_transport is None or self.ctx.pp_size == 1 or not (self.use_async_scheduling
+                                                                 or head):
             return
         k = self.engine_config.num_spec_tokens
         runs = np.full((len(result.req_ids), 2 + k), -1, np.int64)
@@ -398,8 +406,7 @@ class ModelRunner:
             runs[i, 0] = len(tokens)
             runs[i, 1:1 + len(tokens)] = tokens
         sent = torch.from_numpy(runs).to(self.device)
-        speculator = self.speculator
-        if speculator is not None and speculator.drafts_from_head:
+        if speculator is not None and head:
             # The head's drafts for each request's next step ride along, still on the device.
             sent = torch.cat((sent, speculator.next_drafts(list(result.req_ids))), dim=1)
         pp_transport.broadcast_sampled_token_ids(sent)

@@ -40,6 +40,7 @@ from raylm.runner.models.llama import (
 )
 from raylm.runner.models.mla import ReplicatedLinear
 from raylm.runner.rotary import RotaryEmbedding
+from raylm.scheduler.config.speculative_config import eagle3_aux_layers
 
 EAGLE_METHODS = ("eagle", "eagle3")
 # (checkpoint name fragment, parameter name fragment, shard id), as the target's loader
@@ -88,14 +89,7 @@ class EagleHeadConfig:
                 raise ValueError(f"speculative_config.model: an EAGLE-3 head has one layer, "
                                  f"its config says num_hidden_layers="
                                  f"{decoder.num_hidden_layers}.")
-            eagle_config = head_hf.get("eagle_config") or {}
-            aux = tuple(int(i) for i in eagle_config.get(
-                "eagle_aux_hidden_state_layer_ids",
-                (2, target_layers // 2, target_layers - 3)))
-            if len(aux) != 3 or not all(0 <= i < target_layers for i in aux):
-                raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids "
-                                 f"{list(aux)} must be 3 layers of the target's "
-                                 f"{target_layers}.")
+            aux = eagle3_aux_layers(head_hf, target_layers)
             draft_vocab = int(head_hf.get("draft_vocab_size") or head_hf["vocab_size"])
         if decoder.vocab_size != int(target_hf["vocab_size"]):
             raise ValueError(f"speculative_config.model: vocab_size {decoder.vocab_size} is "

@@ -52,6 +52,15 @@ class IntermediateTensors:
 
     hidden_states: torch.Tensor
     residual: torch.Tensor
+    # An EAGLE-3 head's feature layers at or before this point (their inputs, in layer
+    # order, one per distinct layer): the last stage's head reads them all.
+    aux: tuple[torch.Tensor, ...] = ()
+
+
+def aux_layers_before(aux_layers: tuple[int, ...], layer: int) -> list[int]:
+    """The distinct feature layers an EAGLE-3 head reads that lie before ``layer``, in the
+    order a stage receives their inputs (``IntermediateTensors.aux``)."""
+    return sorted({i for i in aux_layers if i < layer})
 
 
 class _LoaderParam(Protocol):
@@ -341,6 +350,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
                 intermediate_tensors: IntermediateTensors | None = None):
+        aux = self.aux_hidden_layers
+        kept: dict[int, torch.Tensor] = {}
         if self.ctx.is_first_pp_rank:
             hidden_states, residual = self.embed_tokens(input_ids), None
             if self.embed_scale is not None:
@@ -350,20 +361,21 @@ class LlamaModel(nn.Module):
                 raise ValueError("a non-first pipeline stage needs intermediate_tensors.")
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
+            kept = dict(zip(aux_layers_before(aux, self.start_layer), intermediate_tensors.aux,
+                            strict=True))
         cos_sins = [cast(RotaryEmbedding, r).cos_sin(positions) for r in self.rotary_embs]
-        aux = self.aux_hidden_layers
-        kept: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers[self.start_layer:self.end_layer],
                                       self.start_layer):
             if index in aux:
                 kept[index] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(cos_sins[cast(LlamaDecoderLayer, layer).rope],
                                             hidden_states, residual, attn_metadata)
-        if aux:
-            self.aux_hidden_states = [kept[i] for i in aux]
         if not self.ctx.is_last_pp_rank:
             assert residual is not None  # every stage has a layer (get_pp_layer_range)
-            return IntermediateTensors(hidden_states, residual)
+            return IntermediateTensors(hidden_states, residual,
+                                       tuple(kept[i] for i in sorted(kept)))
+        if aux:
+            self.aux_hidden_states = [kept[i] for i in aux]
         if residual is None:  # a last stage without layers (not a useful split, but valid)
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -78,8 +78,7 @@ class EagleProposer:
             head = EagleHead(cfg, target, ctx, self.dtype,
                              max(cfg.decoder.max_position_embeddings, max_len))
             head.load_weights(iterate_weights(self.path))
-            # EAGLE-3 reads three layers' inputs, which the target keeps from its forward.
-            target.model.aux_hidden_layers = cfg.aux_layers
+            assert target.model.aux_hidden_layers == cfg.aux_layers  # the Speculator's
         if head.embed_tokens is None and not ctx.is_first_pp_rank:
             head.embed_tokens = self._target_embedding(ctx)
         process_weights_after_loading(head, envs.cpu_pack_linears())  # as the target's

@@ -2,7 +2,8 @@
 stages propose the same drafts and run the same query lengths. It learns each accepted
 run later: in sync mode from the scheduler (the next step's ``new_token_ids``), under
 async scheduling from the last stage's broadcast, which the ring delivers pp_size steps
-later, before the request's next decode (docs/architecture.md §4)."""
+later, before the request's next decode (docs/architecture.md §4). A draft head's drafts
+come with that broadcast in both modes."""
 
 from __future__ import annotations
 
@@ -30,10 +31,14 @@ class EarlierStageRuns:
         # they follow.
         self.head_drafts = head_drafts
         self._drafts: dict[str, tuple[int, np.ndarray]] = {}
+        # Sync PP with a head: each sampled row's history length (drafts left out) at its
+        # step, which the run its drafts follow extends.
+        self._sampled_history: dict[str, int] = {}
 
     def forget(self, rid: str) -> None:
         self._unverified.pop(rid, None)
         self._drafts.pop(rid, None)
+        self._sampled_history.pop(rid, None)
 
     def take_drafts(self, rid: str, num_tokens: int, max_drafts: int) -> np.ndarray | None:
         """The last stage's drafts for ``rid``'s step after ``num_tokens`` known tokens (up
@@ -65,24 +70,32 @@ class EarlierStageRuns:
                 self.num_computed[rid] = int(batch.seq_lens[i]) - placed
                 if batch.sample_mask[i]:
                     self._unverified[rid] = (int(ib.num_tokens[row]), placed)
-            elif mine is not None:
-                self._unverified[rid] = (int(ib.num_tokens[row]), placed)
+            else:
+                if mine is not None:
+                    self._unverified[rid] = (int(ib.num_tokens[row]), placed)
+                if self.head_drafts and batch.sample_mask[i]:
+                    self._sampled_history[rid] = int(ib.num_tokens[row])
 
     def receive(self, delivery: RingDelivery | None) -> None:
-        """Async PP: the runs the last stage emitted pp_size steps ago (``[rows, 2 + k]``:
-        count, then the tokens; with a head, ``1 + k`` more: its drafts' count and the
-        drafts for the request's next step) go into the history, and each request's count, gate and
-        draft KV follow them as they did on the last stage at verification."""
+        """The runs the last stage emitted pp_size steps ago (``[rows, 2 + k]``: count,
+        then the tokens; with a head, ``1 + k`` more: its drafts' count and the drafts for
+        the request's next step). Async PP: the runs go into the history, and each
+        request's count, gate and draft KV follow them as they did on the last stage at
+        verification. Sync PP (a head only): the scheduler brings the runs; the drafts are
+        kept."""
         if delivery is None:
             return
         runs = delivery.pending.wait().cpu().numpy()
         for rid, index in delivery.req_id_to_index.items():
-            before, placed = self._unverified.pop(rid)
             count = int(runs[index, 0])
-            assert 1 <= count <= placed + 1, f"{rid}: {count} tokens for {placed} drafts"
-            self.runs.append(rid, self.input_batch.req_id_to_index[rid], before,
-                             runs[index, 1:1 + count], placed)
-            self.num_computed[rid] = before + count - 1  # the bonus token is not computed
+            if self.learns_from_ring:
+                before, placed = self._unverified.pop(rid)
+                assert 1 <= count <= placed + 1, f"{rid}: {count} tokens for {placed} drafts"
+                self.runs.append(rid, self.input_batch.req_id_to_index[rid], before,
+                                 runs[index, 1:1 + count], placed)
+                self.num_computed[rid] = before + count - 1  # the bonus is not computed
+            else:
+                before = self._sampled_history.pop(rid)
             if self.head_drafts:
                 k = self.head_drafts
                 n = int(runs[index, 2 + k])

@@ -51,6 +51,7 @@ class Speculator:
         self.eagle = (EagleProposer(engine_config, input_batch, device)
                       if self.drafts_from_head and is_last_pp_rank else None)
         self.num_spec_tokens = config.num_speculative_tokens
+        self.aux_layers = engine_config.eagle_aux_layers
         # A draft model's proposals cost forwards: the gate applies to both methods.
         self.gate = DraftGate()
         self.step_overhead_tokens = config.draft_step_overhead_tokens
@@ -79,6 +80,9 @@ class Speculator:
 
     # A draft model or head lives beside the target: loaded, sized and given blocks with it.
     def load_model(self, ctx: ParallelContext, target: LlamaForCausalLM) -> None:
+        # EAGLE-3 reads three layers' inputs, which each stage keeps from its forward (the
+        # last stage's head gets the earlier stages' with the hidden states).
+        target.model.aux_hidden_layers = self.aux_layers
         if self.draft_model is not None:
             self.draft_model.load_model(ctx)
         if self.eagle is not None:

@@ -342,13 +342,6 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", spec)
         if spec is not None and spec.method in MODEL_METHODS:
             spec.check_draft_vocab(self.model_config.hf_config)
-        # With PP the last stage drafts and sends the drafts with its accepted runs (the
-        # async ring); EAGLE-3's three feature layers would span the stages.
-        if (spec is not None and spec.method == "eagle3"
-                and self.parallel_config.pipeline_parallel_size > 1):
-            raise ValueError("speculative_config.method 'eagle3' with "
-                             "pipeline_parallel_size > 1 is not supported (its feature "
-                             "layers span the stages); use 'eagle' or 'draft_model'.")
         if (spec is not None and spec.reads_target_hidden_states
                 and self.kv_transfer_config is not None):
             raise ValueError(f"speculative_config.method {spec.method!r} with a "
@@ -368,12 +361,6 @@ class EngineConfig:
             object.__setattr__(self, "scheduler_config", replace(
                 self.scheduler_config, max_model_len=self.model_config.max_model_len))
         self._resolve_async_scheduling()
-        if (spec is not None and spec.reads_target_hidden_states
-                and self.parallel_config.pipeline_parallel_size > 1
-                and not self.scheduler_config.async_scheduling):
-            raise ValueError(f"speculative_config.method {spec.method!r} with "
-                             "pipeline_parallel_size > 1 needs async_scheduling: the "
-                             "drafts reach the other stages with the accepted runs.")
 
     def _check_diffusion(self) -> None:
         """A diffusion model runs on one rank, without drafts, adapters or a KV connector
@@ -512,6 +499,13 @@ class EngineConfig:
             return spec.num_speculative_tokens
         return spec.num_speculative_tokens if self.parallel_config.pipeline_parallel_size == 1 \
             else 0
+
+    @functools.cached_property
+    def eagle_aux_layers(self) -> tuple[int, ...]:
+        """EAGLE-3: the target layers whose inputs its head reads; every pipeline stage
+        keeps those among its layers and sends them on (runner/models/llama.py)."""
+        spec = self.speculative_config
+        return spec.aux_layer_ids(self.model_config.hf_config) if spec is not None else ()
 
     @functools.cached_property
     def kv_cache_groups(self) -> KVCacheGroups:

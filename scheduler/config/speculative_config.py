@@ -34,6 +34,19 @@ def _bad(name: str, value: object, why: str) -> ValueError:
     return ValueError(f"speculative_config.{name} {why}, got {value!r}.")
 
 
+def eagle3_aux_layers(head_hf: dict[str, Any], target_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs an EAGLE-3 head's ``fc`` reads: its config's
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``, else EAGLE-3's usual (2, L/2, L-3).
+    Every pipeline stage keeps those among its own layers (docs/architecture.md §4)."""
+    eagle_config = head_hf.get("eagle_config") or {}
+    aux = tuple(int(i) for i in eagle_config.get(
+        "eagle_aux_hidden_state_layer_ids", (2, target_layers // 2, target_layers - 3)))
+    if len(aux) != 3 or not all(0 <= i < target_layers for i in aux):
+        raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids "
+                         f"{list(aux)} must be 3 layers of the target's {target_layers}.")
+    return aux
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
@@ -98,6 +111,13 @@ class SpeculativeConfig:
         if spec is not None and spec.method in MODEL_METHODS and target_hf_config is not None:
             spec.check_draft_vocab(target_hf_config)
         return spec
+
+    def aux_layer_ids(self, target_hf_config: dict[str, Any]) -> tuple[int, ...]:
+        """EAGLE-3: the target layers its head reads (``eagle3_aux_layers``); else ()."""
+        if self.method != "eagle3" or self.model is None:
+            return ()
+        with open(os.path.join(self.model, "config.json")) as f:
+            return eagle3_aux_layers(json.load(f), int(target_hf_config["num_hidden_layers"]))
 
     def check_draft_vocab(self, target_hf_config: dict[str, Any]) -> None:
         if self.model is None:  # mtp: the target's own layer

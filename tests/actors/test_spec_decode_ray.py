@@ -236,24 +236,30 @@ def test_tp2_eagle_greedy_matches_hf(loopy_llama_path, hf_oracle, tmp_path, meth
         llm.shutdown()
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_pp2_head_greedy_matches_hf(loopy_llama_path, hf_oracle, tmp_path, method):
-    """A draft head with PP=2 (async scheduling): the last stage runs the head after its
-    verification and its drafts reach the first stage with the accepted runs through the
-    ring, so both stages place the same drafts (a mismatch would change the step's query
+    """A draft head with PP=2 (async scheduling; EAGLE-3 sync): the last stage runs the
+    head after its verification and its drafts reach the first stage with the accepted
+    runs through the ring, so both stages place the same drafts (a mismatch would change the step's query
     lengths between the stages); the last stage's head embeds with its own copy of the
-    target's embedding. EAGLE-1: a head of the target's own layers, mostly accepted; MTP: DeepSeek-V3's layer
-    (random, mostly rejected). The tokens equal transformers."""
+    target's embedding. EAGLE-1: a head of the target's own layers, mostly accepted;
+    EAGLE-3, under sync scheduling (the drafts still come back by broadcast): a random
+    head reading layer 0's input from the first stage over gloo beside the hidden states; MTP: DeepSeek-V3's layer (random, mostly rejected). The tokens
+    equal transformers."""
     from eagle_heads import with_unit_final_norm, write_target_copy_head
 
     from raylm import LLM
     from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
-    from raylm.runner.loading.eagle_checkpoint import add_mtp_layer
+    from raylm.runner.loading.eagle_checkpoint import add_mtp_layer, write_eagle_head
 
     if method == "eagle":
         target = with_unit_final_norm(loopy_llama_path, str(tmp_path / "target"))
         spec = {"method": "eagle", "model": write_target_copy_head(str(tmp_path / "head"),
                                                                    target)}
+    elif method == "eagle3":
+        target = loopy_llama_path
+        spec = {"method": "eagle3", "model": write_eagle_head(str(tmp_path / "head"), target,
+                                                              "eagle3")}
     else:
         ds = CheckpointSpec(architecture="DeepseekV3ForCausalLM", num_hidden_layers=2, seed=43)
         target = write_random_checkpoint(str(tmp_path / "ds"), ds)
@@ -261,6 +267,7 @@ def test_pp2_head_greedy_matches_hf(loopy_llama_path, hf_oracle, tmp_path, metho
         spec = {"method": "mtp"}
     llm = LLM(target, pipeline_parallel_size=2, block_size=4, num_kv_blocks=64,
               max_num_batched_tokens=24, max_num_seqs=8,
+              async_scheduling=method != "eagle3",
               speculative_config={**spec, "num_speculative_tokens": 3,
                                   "draft_step_overhead_tokens": 1e6})
     try:

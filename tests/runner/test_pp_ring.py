@@ -380,3 +380,69 @@ def test_seeded_sampling_with_speculation_is_the_same_with_pp_async_or_sync(loop
         config = _spec_config(loopy_llama_path, 2, async_scheduling, spec)
         got = _run_engine(config, _BackToBackPipeline(config, 2), prompts, params)
         assert got == single, f"async_scheduling={async_scheduling}"
+
+
+@pytest.mark.parametrize("method,pp_size,async_scheduling", [
+    ("eagle3", 2, False), ("eagle3", 2, True), ("eagle3", 3, False), ("eagle3", 3, True),
+    ("eagle", 2, False)])
+def test_draft_heads_under_pp_draft_the_heads_chain(
+        llama_path, three_layer_path, loopy_llama_path, hf_oracle, monkeypatch, tmp_path,
+        method, pp_size, async_scheduling):
+    """A draft head on the last stage, sync and async. EAGLE-3 reads the inputs of three
+    target layers (2 layers: 1, 1, 0; 3 layers: 2, 1, 0, one per stage): the earlier
+    stages keep theirs and send them on with the hidden states. EAGLE-1: a head of the
+    target's own layers on the loopy checkpoint, mostly accepted. The drafts reach the
+    earlier stages with the last stage's broadcast in both modes (sync: the runs come from
+    the scheduler), so every stage places the same drafts. Every proposal equals the
+    head's own greedy chain computed by a plain-torch reference over transformers' hidden
+    states (a feature taken from a wrong layer or stage changes them; EAGLE-3 only), and
+    the tokens equal transformers, with preemption and chunked prefill."""
+    from eagle_heads import (
+        ReferenceHead,
+        record_drafts,
+        with_unit_final_norm,
+        write_target_copy_head,
+    )
+
+    from raylm.runner.loading.eagle_checkpoint import write_eagle_head
+
+    if method == "eagle":
+        path = with_unit_final_norm(loopy_llama_path, str(tmp_path / "target"))
+        head = write_target_copy_head(str(tmp_path / "head"), path)
+    else:
+        path = llama_path if pp_size == 2 else three_layer_path
+        head = write_eagle_head(str(tmp_path / "head"), path, "eagle3")
+    seen = record_drafts(monkeypatch)
+    config = _spec_config(path, pp_size, async_scheduling, {
+        "method": method, "model": head, "num_speculative_tokens": 3,
+        "draft_step_overhead_tokens": 1e6})
+    assert config.eagle_aux_layers == {"eagle": (), 2: (1, 1, 0), 3: (2, 1, 0)}[
+        "eagle" if method == "eagle" else pp_size]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 21, 9, 30, 14, 6)]
+    max_tokens = [18, 12, 24, 10, 20, 16]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    executor = _BackToBackPipeline(config, pp_size)
+    core = EngineCore(config, executor)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(Request(f"r{i}", p, sp, frozenset(), config.model_config.max_model_len,
+                                 sampling_seed=i))
+    tokens: dict[str, list[int]] = {}
+    for out in run_until_idle(core):
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    metrics = core.get_metrics()
+    assert core.scheduler.counters.num_preemptions > 0
+    drafted = metrics["raylm:spec_decode_num_draft_tokens"]
+    accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and (accepted > 0.5 * drafted if method == "eagle" else True), metrics
+    assert executor.hub.broadcasts  # the runs and drafts went back in both modes
+    core.shutdown()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        assert tokens[f"r{i}"] == hf_greedy(path, p, m), f"r{i}"
+    assert len(seen) >= 20, len(seen)
+    if method == "eagle":
+        return  # the copy head (several layers) is checked by its acceptance above
+    reference = ReferenceHead(head, hf_oracle(path).model, method)
+    for history, drafts in seen:
+        assert drafts == reference.drafts(history, len(drafts)), (
+            f"after {len(history)} tokens the head proposed {drafts}")
