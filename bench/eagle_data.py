@@ -5,6 +5,8 @@ reads and the target's next-token distribution (its top ``k``) at every position
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 
@@ -54,6 +56,27 @@ def make_instructions(n: int, seed: int, exclude: set[str] = frozenset()) -> lis
             seen.add(text)
             out.append(text)
     return out
+
+
+# Written beside a head by bench/train_eagle.py: which instructions it was trained on, so
+# that a benchmark of the head leaves them out.
+TRAINING_RECORD = "training.json"
+
+
+def write_training_record(head_dir: str, num_prompts: int, seed: int) -> None:
+    with open(os.path.join(head_dir, TRAINING_RECORD), "w") as f:
+        json.dump({"prompts": num_prompts, "seed": seed}, f)
+
+
+def training_instructions(head_dir: str | None) -> set[str]:
+    """The instructions the head at ``head_dir`` was trained on (its record; without one,
+    the training script's first defaults: 320 instructions, seed 0)."""
+    record = {"prompts": 320, "seed": 0}
+    path = os.path.join(head_dir, TRAINING_RECORD) if head_dir else ""
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            record = json.load(f)
+    return set(make_instructions(int(record["prompts"]), int(record["seed"])))
 
 
 def chat_prompts(path: str, instructions: list[str]) -> list[list[int]]:

@@ -145,13 +145,14 @@ def run(path: str, batch: int, prompts: list[dict], out_len: int,
     return results
 
 
-def smollm2_prompts(batch: int) -> list[dict]:
+def smollm2_prompts(batch: int, head_dir: str | None = None) -> list[dict]:
     """Chat-templated instructions for the default model (bench/eagle_data.py's templates,
-    none of bench/train_eagle.py's training set): answers that do not quote the prompt."""
+    none of those the head at ``head_dir`` was trained on): answers that do not quote the
+    prompt."""
     import eagle_data
 
     path = checkpoint("smollm2")
-    trained = set(eagle_data.make_instructions(320, 0))  # train_eagle.py's defaults
+    trained = eagle_data.training_instructions(head_dir)
     texts = eagle_data.make_instructions(batch, 1000 + batch, trained)
     return [{"prompt_token_ids": p} for p in eagle_data.chat_prompts(path, texts)]
 
@@ -192,7 +193,7 @@ def main() -> None:
         ("copy", copy_checkpoint, lambda p, b: make_prompts(p, b, 32, 128), 128, KV_BYTES),
         ("miss", lambda: checkpoint("6m"), lambda p, b: make_prompts(p, b, 32, 0), 64,
          KV_BYTES),
-        ("smollm2", lambda: checkpoint("smollm2"), lambda p, b: smollm2_prompts(b), 128,
+        ("smollm2", lambda: checkpoint("smollm2"), lambda p, b: smollm2_prompts(b, args.eagle_head), 128,
          512 << 20)] if w[0] in args.workloads.split(",")]
     head = f"| {'workload':<8} | {'batch':>5} | {'off tok/s':>9} |"
     rule = f"|{'-' * 10}|{'-' * 7}|{'-' * 11}|"

@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head for the default model (SmolLM2-135M-Instruct) on CPU in minutes.
 
-    python bench/train_eagle.py [--minutes 10] [--prompts 320] [--max-tokens 128]
+    python bench/train_eagle.py [--minutes 16] [--prompts 960] [--max-tokens 128]
         [--draft-vocab 4096] [--ttt-steps 3] [--out ~/.cache/raylm/eagle3-smollm2]
 
 1. Instructions from templates and word lists (bench/eagle_data.py), chat-templated; the
@@ -17,7 +17,9 @@
    its own chain's), as the engine drafts; step j's loss weighs 0.8^j. Adam, cosine decay,
    for ``--minutes``. The embedding is the target's (frozen, not saved); ``lm_head`` and
    ``norm`` start from the target's (tied) LM head rows and final norm.
-4. Saves the head (model.safetensors + config.json) to ``--out`` and prints the
+4. Saves the head (model.safetensors + config.json, and training.json naming the
+   instructions it was trained on, which bench/spec_decode.py leaves out) to ``--out``
+   and prints the
    ``speculative_config`` to use; reports held-out top-1 agreement with the target per
    step, then checks through raylm: greedy tokens equal with speculation off, and the
    engine's mean acceptance length (1 + accepted / drafts).
@@ -325,8 +327,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target folder (default: SmolLM2)")
     ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--minutes", type=float, default=10.0, help="training time")
-    ap.add_argument("--prompts", type=int, default=320, help="training instructions")
+    ap.add_argument("--minutes", type=float, default=16.0, help="training time")
+    ap.add_argument("--prompts", type=int, default=960, help="training instructions")
     ap.add_argument("--held-out", type=int, default=32, help="held-out instructions")
     ap.add_argument("--max-tokens", type=int, default=128, help="answer length cap")
     ap.add_argument("--draft-vocab", type=int, default=4096)
@@ -388,6 +390,7 @@ def main() -> None:
           f"tokens ({len(train_seqs)} sequences); held-out top-1 per step "
           + " ".join(f"{a:.3f}" for a in acc), flush=True)
     out = save_head(head, vocab, target_cfg, aux_layers, args.out)
+    eagle_data.write_training_record(out, args.prompts, args.seed)
     spec = {"method": "eagle3", "model": out, "num_speculative_tokens": args.k}
     print(f"head saved to {out}\nspeculative_config={json.dumps(spec)}", flush=True)
     check = prompts[args.prompts:][:8]

@@ -21,6 +21,16 @@ class _GateState:
     backoff: int = 0  # the current back-off; 0: the gate has not closed since it paid
 
 
+# How fast a request's acceptance estimate forgets, per verifying step. Prompt lookup's
+# acceptance changes with the text (a quote starts or ends), so it forgets fast; a draft
+# model's or head's is a property of the drafter on ordinary text, so it forgets slowly:
+# at 0.8 a head accepted ~45% of the time looked worthless after a few rejected steps and
+# the gate shut it for 8-32 steps, drafting in 51 of 83 steps at batch 1 where 0.95
+# drafts in nearly all of them (bench/spec_decode.py, docs/performance.md).
+PROMPT_LOOKUP_DECAY = 0.8
+DRAFTER_DECAY = 0.95
+
+
 def step_position_cost(num_reqs: int, step_overhead_tokens: float) -> float:
     """The cost of one more verified position in a step of ``num_reqs`` decodes, in units
     of one emitted token. Model: a step costs ``a + b * T`` for T positions; with

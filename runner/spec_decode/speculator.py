@@ -23,7 +23,12 @@ from raylm.runner.prepare_inputs import StepBatch
 from raylm.runner.sample.sampler import Sampler
 from raylm.runner.spec_decode.device_drafts import DeviceDrafts
 from raylm.runner.spec_decode.draft_ahead import DraftAhead
-from raylm.runner.spec_decode.draft_gate import DraftGate, step_position_cost
+from raylm.runner.spec_decode.draft_gate import (
+    DRAFTER_DECAY,
+    PROMPT_LOOKUP_DECAY,
+    DraftGate,
+    step_position_cost,
+)
 from raylm.runner.spec_decode.draft_proposer import DraftModelProposer, DraftRequest
 from raylm.runner.spec_decode.eagle_proposer import EagleProposer
 from raylm.runner.spec_decode.earlier_stage import EarlierStageRuns
@@ -53,7 +58,8 @@ class Speculator:
         self.num_spec_tokens = config.num_speculative_tokens
         self.aux_layers = engine_config.eagle_aux_layers
         # A draft model's proposals cost forwards: the gate applies to both methods.
-        self.gate = DraftGate()
+        self.gate = DraftGate(decay=PROMPT_LOOKUP_DECAY if config.method == "ngram"
+                              else DRAFTER_DECAY)
         self.step_overhead_tokens = config.draft_step_overhead_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.input_batch = input_batch
