@@ -37,7 +37,7 @@ def _bad(name: str, value: object, why: str) -> ValueError:
 def eagle3_aux_layers(head_hf: dict[str, Any], target_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs an EAGLE-3 head's ``fc`` reads: its config's
     ``eagle_config.eagle_aux_hidden_state_layer_ids``, else EAGLE-3's usual (2, L/2, L-3).
-    Every pipeline stage keeps those among its own layers (docs/architecture.md §4)."""
+    Every pipeline stage keeps those among its own layers (docs/architecture.md §24)."""
     eagle_config = head_hf.get("eagle_config") or {}
     aux = tuple(int(i) for i in eagle_config.get(
         "eagle_aux_hidden_state_layer_ids", (2, target_layers // 2, target_layers - 3)))
