@@ -24,9 +24,10 @@ class _GateState:
 # How fast a request's acceptance estimate forgets, per verifying step. Prompt lookup's
 # acceptance changes with the text (a quote starts or ends), so it forgets fast; a draft
 # model's or head's is a property of the drafter on ordinary text, so it forgets slowly:
-# at 0.8 a head accepted ~45% of the time looked worthless after a few rejected steps and
-# the gate shut it for 8-32 steps, drafting in 51 of 83 steps at batch 1 where 0.95
-# drafts in nearly all of them (bench/spec_decode.py, docs/performance.md).
+# at 0.8 a head accepted ~45% of the time looked worthless after a hard stretch (about 16
+# rejected steps) and the gate shut it for 8-32 steps, drafting in 51 of 83 steps at
+# batch 1 where 0.95 drafts in nearly all of them (bench/spec_decode.py,
+# docs/performance.md). A drafter that is never right is still shut within 16 steps.
 PROMPT_LOOKUP_DECAY = 0.8
 DRAFTER_DECAY = 0.95
 

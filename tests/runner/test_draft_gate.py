@@ -90,3 +90,36 @@ def test_the_position_cost_grows_with_the_batch():
         gate.observe("r", 2, 1)
     assert gate.acceptance("r") == pytest.approx(0.5, abs=1e-4)
     assert [gate.num_drafts("r", 3, step_position_cost(b, 24)) for b in (1, 8, 32)] == [3, 2, 0]
+
+
+def test_a_drafter_right_half_the_time_outlasts_a_stretch_that_shuts_prompt_lookup():
+    """At batch 1's position cost: after 20 steps right half the time, a stretch of
+    rejected steps shuts prompt lookup's fast-forgetting estimate (0.8) within 20 steps,
+    while a draft model's or head's (0.95) still drafts after 60; a drafter that is never
+    right is still shut within 20 steps of its first."""
+    from raylm.runner.spec_decode.draft_gate import (
+        DRAFTER_DECAY,
+        PROMPT_LOOKUP_DECAY,
+        step_position_cost,
+    )
+
+    cost = step_position_cost(1, 24.0)
+
+    def stretch(gate: DraftGate, steps: int) -> list[int]:
+        proposed = []
+        for _ in range(steps):
+            n = gate.num_drafts("r", 3, cost)
+            if n:
+                gate.observe("r", n, 0)
+            proposed.append(n)
+        return proposed
+
+    gates = {}
+    for decay in (PROMPT_LOOKUP_DECAY, DRAFTER_DECAY):
+        gate = gates[decay] = DraftGate(decay=decay)
+        for step in range(20):
+            n = gate.num_drafts("r", 3, cost)
+            gate.observe("r", n, n if step % 2 == 0 else 0)
+    assert 0 in stretch(gates[PROMPT_LOOKUP_DECAY], 20)
+    assert 0 not in stretch(gates[DRAFTER_DECAY], 60)
+    assert 0 in stretch(DraftGate(decay=DRAFTER_DECAY), 20)

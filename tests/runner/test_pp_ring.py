@@ -18,6 +18,7 @@ from engine_drive import run_until_idle
 from raylm.parallel.context import ParallelContext
 from raylm.runner.loading.checkpoint import CheckpointSpec, write_random_checkpoint
 from raylm.runner.pp_ring import SampledTokenRing
+from raylm.runner.spec_decode.draft_gate import DRAFTER_DECAY, PROMPT_LOOKUP_DECAY
 from raylm.runner.worker import Worker
 from raylm.scheduler.config.engine_config import (
     CacheConfig,
@@ -346,6 +347,8 @@ def test_speculation_with_async_pp_matches_transformers(loopy_llama_path, tmp_pa
         metrics = core.get_metrics()
         runs[async_scheduling] = tokens
         assert core.scheduler.counters.num_preemptions > 0
+        assert executor.workers[0].model_runner.speculator.gate.decay == (
+            PROMPT_LOOKUP_DECAY if method == "ngram" else DRAFTER_DECAY)
         drafted = metrics["raylm:spec_decode_num_draft_tokens"]
         assert 0 < metrics["raylm:spec_decode_num_accepted_tokens"] < drafted, {
             k: v for k, v in metrics.items() if "spec" in k}
@@ -436,6 +439,7 @@ def test_draft_heads_under_pp_draft_the_heads_chain(
     accepted = metrics["raylm:spec_decode_num_accepted_tokens"]
     assert drafted > 0 and (accepted > 0.5 * drafted if method == "eagle" else True), metrics
     assert executor.hub.broadcasts  # the runs and drafts went back in both modes
+    assert all(w.model_runner.speculator.gate.decay == DRAFTER_DECAY for w in executor.workers)
     core.shutdown()
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         assert tokens[f"r{i}"] == hf_greedy(path, p, m), f"r{i}"
