@@ -95,14 +95,24 @@ class GroupQuantized:
                               self.zero.repeat_interleave(r, dim=1), self.bits, self.kind,
                               self.input_order, group_size)
 
+    def widened(self, bits: int) -> GroupQuantized:
+        """The same weight with ``bits``-bit codes (exact: 4-bit codes 0..15 are int8 codes
+        too), so that it stacks with parts of that width."""
+        if bits == self.bits:
+            return self
+        if (self.bits, bits) != (4, 8):
+            raise ValueError(f"{self.kind} {self.bits}-bit codes do not widen to {bits} bits.")
+        return GroupQuantized(self.codes.to(torch.int8), self.scale, self.zero, 8, self.kind,
+                              self.input_order, self.group_size)
+
 
 def concat_rows(parts: list[GroupQuantized]) -> GroupQuantized:
-    """Row blocks stacked (a merged q/k/v or gate/up weight); they must agree on bits. Parts
-    with different groups (Q8_0's 32 beside Q6_K's 16) all take the smallest."""
+    """Row blocks stacked (a merged q/k/v or gate/up weight). Parts with different groups
+    (Q8_0's 32 beside Q6_K's 16) all take the smallest; 4-bit parts beside 8-bit ones (a
+    Q4_K_M file's Q4_K q/k beside its Q6_K v) all take 8 bits."""
     group = min(p.group_size for p in parts)
-    parts = [p.regrouped(group) for p in parts]
-    if len({p.bits for p in parts}) != 1:
-        raise ValueError(f"a merged weight mixes {sorted(p.kind for p in parts)}.")
+    bits = max(p.bits for p in parts)
+    parts = [p.regrouped(group).widened(bits) for p in parts]
     order = parts[0].input_order
     for p in parts[1:]:
         other = p.input_order

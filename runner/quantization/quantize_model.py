@@ -1,9 +1,10 @@
 """After a model's weights are loaded: its quantized shards packed for the kernel.
 
-A layer whose quantized shards cover its whole weight with one code width (or all FP8) runs
-quantized; one whose weight arrived partly dense (a merged q/k/v with v in a type that has no group
-form, as in llama.cpp's Q4_K_M mixes) or mixes 4- and 8-bit parts has its shards
-dequantized into the dense weight and runs dense.
+A layer whose quantized shards cover its whole weight (all group-quantized, or all FP8) runs
+quantized, 4-bit parts beside 8-bit ones all as 8-bit codes (a Q4_K_M file's merged q/k/v:
+Q4_K q and k, Q6_K v); one whose weight arrived partly dense (a part in a type that has no
+group form) or mixes FP8 with group-quantized parts has its shards dequantized into the
+dense weight and runs dense.
 A tied LM head on the embedding's stage shares the embedding's packed weight.
 """
 
@@ -94,14 +95,14 @@ def _packed(parts: list[tuple[int, QuantizedShard]], rows: int, device: torch.de
     fp8 = [isinstance(s, Fp8Weight) for s in shards]
     if all(fp8):
         return fp8_linear(concat_fp8_rows(cast("list[Fp8Weight]", shards)), device)
-    if any(fp8) or len({s.bits for s in shards}) != 1:
+    if any(fp8):
         return None
     return quantized_linear(concat_rows([_as_group(s) for s in shards]), device)
 
 
 def pack_quantized_weights(model: nn.Module) -> Counter[str]:
     """Pack every layer's quantized shards; what each layer runs, counted by path (for the
-    startup log: ``"Q4_1 4-bit kernel"``, ``"dense (partly Q6_K)"``, ...)."""
+    startup log: ``"Q4_1 4-bit kernel"``, ``"dense (partly Q4_K)"``, ...)."""
     paths: Counter[str] = Counter()
     # by id of the dense parameter (tied weights)
     packed: dict[int, Packed] = {}

@@ -2,7 +2,9 @@
 per group of 16 (exactly what the gguf package dequantizes); the C++ kernel's paths and the
 Triton kernel (interpreted) at group 16 against dequantize-then-matmul; a merged weight of
 Q8_0 (groups of 32) and Q6_K parts runs quantized at 16; a GGUF file with Q6_K tensors
-(and a Q8_0 k_proj) runs quantized, says so in the startup log, and equals transformers.
+and a Q4_0 k_proj (4-bit codes in groups of 32 merged with 8-bit ones in groups of 16, as
+llama.cpp's Q4_K_M mixes) runs quantized, says so in the startup log, and equals
+transformers.
 
 Tolerances (of the largest |reference| entry), as test_quantized_linear.py's: float32 rows
 2e-6 (float32 accumulation in another order), bfloat16 rows 8e-3."""
@@ -139,7 +141,7 @@ def test_a_merged_q8_0_and_q6_k_weight_runs_quantized():
 
 @pytest.fixture(scope="module")
 def q6_k_gguf(tmp_path_factory) -> str:
-    """A Llama whose every 2-D weight is Q6_K but k_proj (Q8_0): rows of 256 and 512."""
+    """A Llama whose every 2-D weight is Q6_K but k_proj (Q4_0): rows of 256 and 512."""
     import gguf
 
     spec = CheckpointSpec(hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -153,9 +155,9 @@ def q6_k_gguf(tmp_path_factory) -> str:
         return quantize_q6_k(data)
 
     def add(self, name, tensor, *args, raw_dtype=None, **kwargs):
-        if name.endswith("attn_k.weight"):  # its Q6_K values, written as Q8_0
+        if name.endswith("attn_k.weight"):  # its Q6_K values, written as Q4_0
             calls.pop()
-            raw_dtype = gguf.GGMLQuantizationType.Q8_0
+            raw_dtype = gguf.GGMLQuantizationType.Q4_0
             tensor = quantize(gguf.quants.dequantize(tensor, gguf.GGMLQuantizationType.Q6_K),
                               raw_dtype)
         return add_tensor(self, name, tensor, *args, raw_dtype=raw_dtype, **kwargs)
@@ -174,13 +176,14 @@ def test_a_q6_k_gguf_runs_quantized_equal_to_transformers_on_it(q6_k_gguf, hf_or
     from gguf import GGUFReader
 
     kinds = {t.name: t.tensor_type.name for t in GGUFReader(q6_k_gguf).tensors}
-    assert kinds["blk.0.attn_k.weight"] == "Q8_0" and kinds["blk.0.ffn_down.weight"] == "Q6_K"
+    assert kinds["blk.0.attn_k.weight"] == "Q4_0" and kinds["blk.0.ffn_down.weight"] == "Q6_K"
     with caplog.at_level(logging.INFO, logger="raylm.runner.quantization.quantize_model"):
         llm = LLM(os.path.dirname(q6_k_gguf), block_size=8, max_num_batched_tokens=16)
     try:
         log = " ".join(r.getMessage() for r in caplog.records)
-        # per layer o, gate_up, down; embedding; head in Q6_K; q/k/v merged with the Q8_0 k
-        assert "2 x Q6_K+Q8_0 8-bit kernel" in log and "8 x Q6_K 8-bit kernel" in log, log
+        # per layer o, gate_up, down; embedding; head in Q6_K; q/k/v merged with the Q4_0
+        # k, its codes widened to 8 bits
+        assert "2 x Q4_0+Q6_K 8-bit kernel" in log and "8 x Q6_K 8-bit kernel" in log, log
         assert "dense" not in log
         prompts = [[5, 17, 99, 260, 3], list(range(3, 40))]
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

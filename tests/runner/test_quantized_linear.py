@@ -208,11 +208,12 @@ def test_quantization_names_a_bad_value(q4_gguf):
         ModelConfig(model=q4_gguf, hf_config=config, quantization="awq")
 
 
-@pytest.mark.parametrize("second, quantized", [("4-bit", True), ("8-bit", False),
+@pytest.mark.parametrize("second, quantized", [("4-bit", True), ("8-bit", True),
                                                ("dense", False)])
-def test_a_merged_weight_runs_quantized_only_when_its_parts_agree(second, quantized):
-    """gate 4-bit with up 4-bit runs quantized; with up 8-bit or dense (a Q4_K_M-style mix)
-    the layer runs dense, its weight the parts dequantized."""
+def test_a_merged_weight_runs_quantized_unless_a_part_is_dense(second, quantized):
+    """gate 4-bit with up 4-bit runs quantized; with up 8-bit (a Q4_K_M-style mix) too, both
+    as 8-bit codes, the same weight exactly; with up dense the layer runs dense, its weight
+    the parts dequantized."""
     from raylm.parallel.layers import MergedColumnParallelLinear
     from raylm.runner.quantization.quantize_model import pack_quantized_weights
 
@@ -228,3 +229,7 @@ def test_a_merged_weight_runs_quantized_only_when_its_parts_agree(second, quanti
     assert (layer.quantized is not None) == quantized
     got = layer.quantized.dequantize() if quantized else layer.weight
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    if quantized:
+        assert layer.quantized.bits == (4 if second == "4-bit" else 8)
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(layer.quantized(x), x @ want.t(), rtol=1e-5, atol=1e-5)
