@@ -36,6 +36,7 @@ from raylm.parallel.layers import (
 )
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
+from raylm.runner.models.fused_decode_layer import FusedDecodeLayers
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
 from raylm.runner.models.gated_delta_mixer import GatedDeltaNetMixer
 from raylm.runner.models.mamba2_mixer import Mamba2Mixer
@@ -346,6 +347,10 @@ class LlamaModel(nn.Module):
         # last forward (runner/spec_decode/eagle_proposer.py); empty: none are kept.
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
+        # Decode steps of a quantized Llama on the CPU: a C++ call per layer; built at the
+        # first forward, once the weights are packed and LoRA hooks are on.
+        self.fused_decode: FusedDecodeLayers | None = None
+        self._fused_decode_built = False
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -364,12 +369,27 @@ class LlamaModel(nn.Module):
             kept = dict(zip(aux_layers_before(aux, self.start_layer), intermediate_tensors.aux,
                             strict=True))
         cos_sins = [cast(RotaryEmbedding, r).cos_sin(positions) for r in self.rotary_embs]
+        if not self._fused_decode_built:
+            self.fused_decode = FusedDecodeLayers.build(self)
+            self._fused_decode_built = True
+        fused = self.fused_decode
+        if fused is not None and not aux and fused.applies(attn_metadata, hidden_states):
+            hidden_states, residual = fused.forward(cos_sins[0], hidden_states, residual,
+                                                    attn_metadata)
+            return self._finish_stage(hidden_states, residual, kept)
         for index, layer in enumerate(self.layers[self.start_layer:self.end_layer],
                                       self.start_layer):
             if index in aux:
                 kept[index] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(cos_sins[cast(LlamaDecoderLayer, layer).rope],
                                             hidden_states, residual, attn_metadata)
+        return self._finish_stage(hidden_states, residual, kept)
+
+    def _finish_stage(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                      kept: dict[int, torch.Tensor]):
+        """The stage's output after its layers: what the next stage takes, or the final
+        norm's hidden states."""
+        aux = self.aux_hidden_layers
         if not self.ctx.is_last_pp_rank:
             assert residual is not None  # every stage has a layer (get_pp_layer_range)
             return IntermediateTensors(hidden_states, residual,

@@ -83,6 +83,12 @@ def cpu_attention_kernel() -> bool:
     return _on_unless_off("RAYLM_CPU_ATTENTION_KERNEL")
 
 
+def cpu_decode_layer() -> bool:
+    """A quantized Llama's decode steps on CPU run each layer as one C++ call
+    (runner/models/fused_decode_layer.py; RAYLM_CPU_DECODE_LAYER)."""
+    return _on_unless_off("RAYLM_CPU_DECODE_LAYER")
+
+
 ATTENTION_BACKENDS = ("auto", "triton", "native")
 
 
