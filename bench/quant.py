@@ -26,9 +26,11 @@ tokens are counted from each response's usage; both engines run the same weights
 llama_cpp.server serves one request at a time. RSS: the server's process tree (raylm's
 includes Ray's and Serve's processes).
 
+Where the CPU has no AMX, llama.cpp is built natively (``CMAKE_ARGS="-DGGML_NATIVE=ON"``).
 On an Intel CPU with AMX, llama.cpp 0.3.36 built natively crashes in its AMX matmul
-(``ggml_backend_amx_mul_mat``, SIGSEGV on the first prompt); the figures in
-docs/performance.md use a build without AMX: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON
+(``ggml_backend_amx_mul_mat``, SIGSEGV on the first prompt); the Intel figures in
+docs/performance.md use a build without AMX (drop ``-DGGML_AVX_VNNI=ON`` on a CPU without
+AVX-VNNI): ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON
 -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON
 -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"``.
 """
