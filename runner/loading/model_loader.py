@@ -3,8 +3,9 @@
 Safetensors tensors reach the weight loaders as ``LazyTensor``s, so each TP rank reads
 only its shards (about 1/TP of the sharded weights), not every whole tensor; so do the
 quantized linears kept quantized (GPTQ, AWQ, FP8: runner/quantization/lazy_shard.py; a GGUF
-file's group types: gguf_blocks.LazyGGUFBlocks) and, dequantized, GPTQ/AWQ/FP8 ones. GGUF
-tensors that are dequantized are read whole."""
+file's group types: gguf_blocks.LazyGGUFBlocks), and the same dequantized
+(``quantization="none"``). A GGUF file's other types (F32 norms, F16, Q2_K, Q3_K) are read
+whole."""
 
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ def safetensors_files(model_dir: str) -> list[str]:
 class WeightReadStats:
     """What one load read from the checkpoint, for logs and tests: ``bytes_read`` counts
     the tensor data taken out of the files (a ``LazyTensor.narrow`` or ``region`` its slice,
-    a whole read the tensor; a GGUF tensor its dequantized whole, one kept quantized the
-    blocks its rank narrows out), ``bytes_loaded`` the whole size
+    a whole read the tensor; a GGUF tensor of a group type the blocks its rank narrows out,
+    kept quantized or dequantized, one of another type its dequantized whole),
+    ``bytes_loaded`` the whole size
     of every tensor handed to the model (what reading each whole would cost)."""
 
     bytes_read: int = 0
@@ -259,9 +261,11 @@ def keeps_quantized(quantization: str | None, device: torch.device) -> bool:
 
 
 def _dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """Quantized linears as lazy dense tensors: each rank dequantizes only what it reads."""
+    """Quantized linears (and a GGUF file's group-format tensors) as lazy dense tensors:
+    each rank dequantizes only what it reads."""
     for name, tensor in weights:
-        yield name, Dequantizing(tensor) if isinstance(tensor, LazyQuantizedShard) else tensor
+        yield name, (Dequantizing(tensor)
+                     if isinstance(tensor, LazyQuantizedShard | LazyGGUFBlocks) else tensor)
 
 
 def get_model(model_config: ModelConfig, ctx: ParallelContext,
@@ -282,10 +286,14 @@ def get_model(model_config: ModelConfig, ctx: ParallelContext,
     gguf_path = find_gguf_file(model_config.model)
     quantized_read = [0]  # bytes of quantized tensors read, as the loaders narrow them
     if gguf_path is not None:
-        keep = keeps_quantized(model_config.quantization, ctx.device)
-        model.load_weights(_count_whole(iterate_gguf_weights(
+        # Group-format tensors come unread either way; dequantized, each rank reads and
+        # dequantizes only its part.
+        gguf_weights = _count_whole(iterate_gguf_weights(
             gguf_path, model_config.hf_config, wanted=model.needs_weight,
-            keep_quantized=keep, read_counter=quantized_read), stats))
+            keep_quantized=True, read_counter=quantized_read), stats)
+        if not keeps_quantized(model_config.quantization, ctx.device):
+            gguf_weights = _dequantized(gguf_weights)
+        model.load_weights(gguf_weights)
     else:
         weights: Iterable[tuple[str, Any]] = combine_quantized_linears(
             iterate_weights(model_config.model, wanted=model.needs_weight, stats=stats),

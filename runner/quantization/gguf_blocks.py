@@ -187,6 +187,11 @@ class LazyGGUFBlocks:
         first = self.columns[0] + start
         return self._with(self.rows, (first, first + length))
 
+    def covering_columns(self, start: int, end: int) -> tuple[int, int]:
+        """The smallest range of whole groups of 32 around file columns [start, end) (a
+        dense load's split may cut a group; it reads the groups it touches)."""
+        return start // 32 * 32, min(-(-end // 32) * 32, self.file_shape[1])
+
     def select_rows(self, index: torch.Tensor) -> LazyGGUFBlocks:
         return self._with(self.rows[index.numpy()], self.columns)
 

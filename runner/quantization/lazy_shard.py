@@ -18,6 +18,7 @@ import torch
 
 from raylm.runner.quantization.act_order import ActOrderQuantized
 from raylm.runner.quantization.fp8_weight import Fp8Weight
+from raylm.runner.quantization.gguf_blocks import LazyGGUFBlocks
 from raylm.runner.quantization.group_quantized import GroupQuantized
 
 Decoded = GroupQuantized | ActOrderQuantized | Fp8Weight
@@ -104,11 +105,11 @@ class LazyQuantizedShard:
 
 
 class Dequantizing:
-    """A lazy quantized shard as a lazy dense tensor (parallel/layers.py ``LazyWeight``):
-    a narrow reads the whole runs of input features it touches, dequantized, so a dense
-    load takes any TP split."""
+    """A lazy quantized shard (a GPTQ/AWQ/FP8 linear, or a GGUF tensor's blocks) as a lazy
+    dense tensor (parallel/layers.py ``LazyWeight``): a narrow reads the whole runs of
+    input features it touches, dequantized, so a dense load takes any TP split."""
 
-    def __init__(self, shard: LazyQuantizedShard) -> None:
+    def __init__(self, shard: LazyQuantizedShard | LazyGGUFBlocks) -> None:
         self._shard = shard
         self.shape = shard.shape
 

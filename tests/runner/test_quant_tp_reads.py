@@ -115,10 +115,10 @@ def reads_by_tensor(monkeypatch) -> Counter[str]:
     return counts
 
 
-def _config(path: str) -> ModelConfig:
-    if path.endswith(".gguf"):
-        return ModelConfig(model=path, dtype="float32", hf_config=read_gguf_config(path))
-    return ModelConfig(model=path, dtype="float32")
+def _config(path: str, quantization: str | None = None) -> ModelConfig:
+    hf_config = read_gguf_config(path) if path.endswith(".gguf") else None
+    return ModelConfig(model=path, dtype="float32", hf_config=hf_config,
+                       quantization=quantization)  # type: ignore[arg-type]
 
 
 def _load(path: str, rank: int, tp: int, counts: Counter[str]
@@ -198,11 +198,12 @@ def test_act_order_layers_stay_in_act_order(checkpoints, reads_by_tensor):
     assert linears and all(m.quantized.input_order is not None for m in linears)
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8-block", "gguf-Q4_0"])
 def test_dequantized_loads_read_half_too(fmt, checkpoints, reads_by_tensor):
     """quantization="none": each rank dequantizes only the part it reads, its parameters
-    the slices of the TP=1 dense load."""
-    config = ModelConfig(model=checkpoints[fmt], dtype="float32", quantization="none")
+    the slices of the TP=1 dense load (for GGUF: equal to the gguf package's
+    dequantization of the whole file)."""
+    config = _config(checkpoints[fmt], quantization="none")
     whole_stats = WeightReadStats()
     whole = dict(get_model(config, _ctx(0, 1), whole_stats).named_parameters())
     heads = (256, 128, 128)
@@ -216,6 +217,15 @@ def test_dequantized_loads_read_half_too(fmt, checkpoints, reads_by_tensor):
                      "model.layers.1.mlp.down_proj.weight"):
             module = name.rpartition(".")[0]
             assert torch.equal(params[name], _slice(module, whole[name], rank, heads)), name
+    if fmt.startswith("gguf"):
+        from raylm.runner.loading.gguf_checkpoint import iterate_gguf_weights
+
+        dense = dict(iterate_gguf_weights(checkpoints[fmt], config.hf_config))
+        q, k, v = (dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+        assert torch.equal(whole["model.layers.0.self_attn.qkv_proj.weight"],
+                           torch.cat([q, k, v]))
+        assert torch.equal(whole["model.embed_tokens.weight"],
+                           dense["model.embed_tokens.weight"])
 
 
 def _fp8_shard(n: int, k: int):
