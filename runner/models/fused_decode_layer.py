@@ -17,6 +17,7 @@ turns it off.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -32,6 +33,8 @@ from raylm.scheduler.config import envs
 if TYPE_CHECKING:
     from raylm.runner.attention.paged_attention import AttentionMetadata
     from raylm.runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "decode_layer.cpp")
 
@@ -99,11 +102,7 @@ class FusedDecodeLayers:
         self.eps = eps
         self.dtype = dtype
         self._op = torch.ops.raylm_decode.llama_layer.default
-        # Rows the quantized kernel's row path takes (packed_linear.py): above them each
-        # linear decodes its weight for a dense matmul, which the fused call does not.
-        amx_bf16 = dtype == torch.bfloat16 and packed_linear._has_amx()
-        self.max_rows = (packed_linear.FUSED_MAX_ROWS_BF16 if amx_bf16
-                         else packed_linear.FUSED_MAX_ROWS)
+        self.max_rows = self._max_rows(dtype)
 
     @classmethod
     def build(cls, model: LlamaModel) -> FusedDecodeLayers | None:
@@ -123,7 +122,18 @@ class FusedDecodeLayers:
                 or dtype not in (torch.float32, torch.bfloat16)
                 or not load_decode_layer_kernel()):
             return None
+        logger.info("decode steps of up to %d rows run each of this stage's %d layers as "
+                    "one C++ call (RAYLM_CPU_DECODE_LAYER=0: eager layers)",
+                    cls._max_rows(dtype), len(args))
         return cls(args, args[0].layer.input_layernorm.eps, dtype)
+
+    @staticmethod
+    def _max_rows(dtype: torch.dtype) -> int:
+        """Rows the quantized kernel's row path takes (packed_linear.py): above them each
+        linear decodes its weight for a dense matmul, which the fused call does not."""
+        if dtype == torch.bfloat16 and packed_linear._has_amx():
+            return packed_linear.FUSED_MAX_ROWS_BF16
+        return packed_linear.FUSED_MAX_ROWS
 
     def applies(self, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:
         """Whether this step's every token takes the C++ ragged kernel, within the rows."""

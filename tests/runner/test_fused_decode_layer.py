@@ -11,6 +11,7 @@ the largest entry; the KV caches the same."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -87,11 +88,14 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, wha
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first-stage", "residual-in"])
-def test_a_decode_step_equals_the_eager_layers(q4_1_gguf, dtype, with_residual):
+def test_a_decode_step_equals_the_eager_layers(q4_1_gguf, dtype, with_residual, caplog):
     torch_dtype = getattr(torch, dtype)
     model = _model(q4_1_gguf, dtype)
-    fused = FusedDecodeLayers.build(model)
+    with caplog.at_level(logging.INFO, logger="raylm.runner.models.fused_decode_layer"):
+        fused = FusedDecodeLayers.build(model)
     assert fused is not None and len(fused.layers) == len(model.layers)
+    assert f"run each of this stage's {len(model.layers)} layers as one C++ call" \
+        in caplog.text
     lens = [1, 9, 17, 30]  # a first token, block edges, a longer context
     meta, positions = _decode_step(lens)
     assert fused.applies(meta, torch.empty(len(lens), 64, dtype=torch_dtype))
