@@ -108,6 +108,23 @@ def test_kernel_paths_equal_dequantize_then_matmul(bits, dtype, rows, monkeypatc
                        w.dequantize()[[55, 0, 17, 17]])
 
 
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 32), (4, 16), (8, 16)])
+@pytest.mark.parametrize("rows", [8, 9, 17, 32])
+def test_dot_product_rows_equal_dequantize_then_matmul(bits, group, rows):
+    """8 or more bfloat16 rows through the row operator: on a CPU with AVX512-BF16 each
+    tile's strip is decoded to bfloat16 once and multiplied with VDPBF16PS (full blocks of
+    8 rows and a remainder), elsewhere the float32 row path; both within the bfloat16
+    tolerance of dequantize-then-matmul."""
+    w = _random_group(56, 96, bits, seed=bits).regrouped(group)
+    layer = PackedLinear(w)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = torch.ops.raylm_quant.linear(x, layer.codes, layer.scales, 56, bits, group)
+    want = x.double() @ w.dequantize().double().t()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 56)
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < TOL[torch.bfloat16], err
+
+
 def test_packed_weight_is_smaller_than_float32():
     w = _random_group(256, 512, 4)
     assert PackedLinear(w).nbytes() == 256 * 512 // 2 + 256 * 16 * 2 * 4  # 6 bits a weight

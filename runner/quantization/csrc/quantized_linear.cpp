@@ -12,7 +12,9 @@
 //
 // ``linear`` is for few rows (decode), in float32 whatever x's dtype: per group it
 // accumulates x . code, and adds scale * (x . code) + zero * sum(x) once per group, so codes
-// are never scaled one by one. ``linear_amx`` is for many bfloat16 rows on a CPU with AMX:
+// are never scaled one by one. From kDotRows bfloat16 rows on a CPU with AVX512-BF16 it
+// decodes each tile's strip to bfloat16 weights once (as ``linear_amx`` does) and takes
+// VDPBF16PS per pair of features. ``linear_amx`` is for many bfloat16 rows on a CPU with AMX:
 // each tile's strip decoded once into bfloat16 pairs (exactly the B-tile layout of
 // TDPBF16PS: 16 pairs x 16 features x 2) and multiplied by 16 rows of x at a time.
 // ``dequantize_transposed`` decodes W^T into a dense block for the dense matmul elsewhere.
@@ -46,6 +48,11 @@ namespace {
 constexpr int64_t kTile = 16;     // output features per tile (one AVX-512 float32 vector)
 constexpr int64_t kStep = 32;     // K is a multiple of it (one AMX bfloat16 tile row)
 constexpr int kMaxRows = 8;       // rows of x per register block in ``linear``
+// From this many bfloat16 rows, with AVX512-BF16, ``linear`` decodes each tile's strip to
+// bfloat16 once and takes VDPBF16PS (one instruction per pair and row) instead of two
+// float32 FMAs per pair and row (measured on the default model's shapes, AVX512-BF16
+// without AMX: see docs/performance.md).
+constexpr int64_t kDotRows = 8;
 
 // Code of feature k (lo) and k+1 (hi) of a tile's lane j.
 template <int Bits>
@@ -204,42 +211,9 @@ void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, i
     else { constexpr int B = 8, G = 32; CALL; }                               \
   } while (0)
 
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes,
-                            const at::Tensor& scales, int64_t n, int64_t bits, int64_t group) {
-  check_codes(codes, scales, n, bits, group);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == codes.size(1) * 2,
-              "x must be a contiguous [rows, K] matrix with K = ", codes.size(1) * 2);
-  auto out = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) == 0) return out;
-  if (x.scalar_type() == at::kFloat) {
-    RAYLM_DISPATCH(bits, group, (run_linear<float, B, G>(x, codes, scales, n, out)));
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-    RAYLM_DISPATCH(bits, group, (run_linear<c10::BFloat16, B, G>(x, codes, scales, n, out)));
-  }
-  return out;
-}
+// ---- dot-product rows: bfloat16 rows on a CPU with AVX512-BF16 and no AMX ---------------
 
-// ---- linear_amx: many bfloat16 rows ----------------------------------------------------
-
-#if defined(RAYLM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define RAYLM_AMX 1
-
-// Linux hands a process the AMX tile state only when asked (once per process).
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+#ifdef RAYLM_AVX512_BF16
 // One tile's strip as bfloat16 pairs: uint32 [K/2][16], feature k in the low half.
 template <int Bits, int Group>
 void decode_strip_bf16(const uint8_t* codes, const float* scales, int64_t k, uint32_t* out) {
@@ -267,6 +241,104 @@ void decode_strip_bf16(const uint8_t* codes, const float* scales, int64_t k, uin
     _mm512_storeu_si512(out + pair * kTile, _mm512_permutexvar_epi16(order, both));
   }
 }
+
+// Rows [0, Rows) of x (bfloat16) against one tile's decoded strip: VDPBF16PS multiplies a
+// pair of x's features by the pair of every lane's weights and adds both products in
+// float32, so a pair costs one instruction per row where the float32 path takes two FMAs.
+template <int Rows>
+void strip_rows(const uint16_t* x, int64_t k, const uint32_t* strip, float* out) {
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < k / 2; ++pair) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(strip + pair * kTile);
+    for (int r = 0; r < Rows; ++r) {
+      uint32_t xv;
+      std::memcpy(&xv, x + r * k + 2 * pair, 4);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xv)), w);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+template <int Rows = kMaxRows>
+void strip_rows_n(int rows, const uint16_t* x, int64_t k, const uint32_t* strip, float* out) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows) return strip_rows<Rows>(x, k, strip, out);
+    return strip_rows_n<Rows - 1>(rows, x, k, strip, out);
+  }
+}
+
+// Each tile's strip decoded once into bfloat16 weights (rounded as the AMX path and the
+// dense bfloat16 path round them), then kMaxRows rows at a time.
+template <int Bits, int Group>
+void run_dpbf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                int64_t n, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), tiles = codes.size(0), groups = k / Group;
+  const int64_t tile_bytes = codes.size(1) * codes.size(2) * codes.element_size();
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> strip((k / 2) * kTile);
+    float acc[kMaxRows * kTile];
+    for (int64_t t = begin; t < end; ++t) {
+      decode_strip_bf16<Bits, Group>(cp + t * tile_bytes, sp + t * groups * 2 * kTile, k,
+                                     strip.data());
+      const int64_t cols = std::min(kTile, n - t * kTile);
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+        strip_rows_n(rows, xp + r0 * k, k, strip.data(), acc);
+        for (int r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < cols; ++j)
+            op[(r0 + r) * n + t * kTile + j] = c10::BFloat16(acc[r * kTile + j]);
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& scales, int64_t n, int64_t bits, int64_t group) {
+  check_codes(codes, scales, n, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == codes.size(1) * 2,
+              "x must be a contiguous [rows, K] matrix with K = ", codes.size(1) * 2);
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    RAYLM_DISPATCH(bits, group, (run_linear<float, B, G>(x, codes, scales, n, out)));
+    return out;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+#ifdef RAYLM_AVX512_BF16
+  if (x.size(0) >= kDotRows) {
+    RAYLM_DISPATCH(bits, group, (run_dpbf16<B, G>(x, codes, scales, n, out)));
+    return out;
+  }
+#endif
+  RAYLM_DISPATCH(bits, group, (run_linear<c10::BFloat16, B, G>(x, codes, scales, n, out)));
+  return out;
+}
+
+// ---- linear_amx: many bfloat16 rows ----------------------------------------------------
+
+#if defined(RAYLM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RAYLM_AMX 1
+
+// Linux hands a process the AMX tile state only when asked (once per process).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
 template <int Bits, int Group>
 void run_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
