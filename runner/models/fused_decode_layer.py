@@ -1,17 +1,17 @@
-"""A quantized Llama's decode steps on the CPU: each decoder layer as one C++ call
+"""A Llama's decode steps on the CPU: each decoder layer as one C++ call
 (``csrc/decode_layer.cpp``, torch.ops.raylm_decode.llama_layer).
 
-At batch 1 a layer's arithmetic (four quantized linears, attention over a short context)
-takes about as long as the eager layer's twenty-odd operator calls from Python; one call
-per layer leaves the arithmetic. The call runs the same linear and attention operators, and
-rounds every intermediate where the eager layer does, so its tokens are the eager path's.
+At batch 1 a layer's arithmetic (four linears, attention over a short context) takes about
+as long as the eager layer's twenty-odd operator calls from Python; one call per layer
+leaves the arithmetic. The call runs the same linear and attention operators, and rounds
+every intermediate where the eager layer does, so its tokens are the eager path's.
 
 It applies to a plain Llama layer (RMSNorm, full rotary, SiLU MLP, no biases, no q/k norm,
-no window, no soft cap), every linear on the C++ quantized kernel without act order, one
-TP rank, no LoRA, no KV connector, and to steps whose every token takes the C++ ragged
-attention kernel (decodes and speculative rows, no prefill), with few enough rows for the
-quantized kernel's row path. Anything else runs the eager layer. RAYLM_CPU_DECODE_LAYER=0
-turns it off.
+no window, no soft cap) whose linears run on the C++ quantized kernel (without act order)
+or on oneDNN's packed dense weights, one TP rank, no LoRA, no KV connector, and to steps
+whose every token takes the C++ ragged attention kernel (decodes and speculative rows, no
+prefill), with few enough rows for the quantized kernel's row path. Anything else runs the
+eager layer. RAYLM_CPU_DECODE_LAYER=0 turns it off.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from raylm.parallel.layers import PackedLinearWeight
 from raylm.runner.cpp_build import load_cpp_operators
 from raylm.runner.quantization import packed_linear
 from raylm.runner.quantization.packed_linear import PackedLinear
@@ -32,7 +33,7 @@ from raylm.scheduler.config import envs
 
 if TYPE_CHECKING:
     from raylm.runner.attention.paged_attention import AttentionMetadata
-    from raylm.runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+    from raylm.runner.models.llama import LlamaAttention, LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,14 @@ def load_decode_layer_kernel() -> bool:
 class _LayerArgs:
     """One layer's constant arguments: norms, and its four linears' packed codes."""
 
-    layer: LlamaDecoderLayer
     attention: LlamaAttention
     input_norm: torch.Tensor
     post_norm: torch.Tensor
+    eps: float
     codes: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
     out_features: tuple[int, ...]
-    bits: tuple[int, ...]
+    bits: tuple[int, ...]  # 0: a dense linear (oneDNN's packed weight in ``codes``)
     groups: tuple[int, ...]
 
 
@@ -81,17 +82,33 @@ def _plain_layer_args(layer: object) -> _LayerArgs | None:
             or mlp.gelu_tanh or mlp.multipliers is not None):
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    packed = [lin.quantized for lin in linears]
     if any(lin.bias is not None or lin.lora is not None or lin.ctx.tp_size != 1
            for lin in linears):
         return None
-    if not all(isinstance(p, PackedLinear) and p.input_order is None for p in packed):
+    weights = [_linear_weight(lin) for lin in linears]
+    if any(w is None for w in weights):
         return None
-    ps = [p for p in packed if isinstance(p, PackedLinear)]
-    return _LayerArgs(layer, attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                      tuple(p.codes for p in ps), tuple(p.scales for p in ps),
-                      tuple(p.out_features for p in ps), tuple(p.bits for p in ps),
-                      tuple(p.group_size for p in ps))
+    codes, scales, n, bits, groups = zip(*(w for w in weights if w is not None), strict=True)
+    return _LayerArgs(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                      layer.input_layernorm.eps, codes, scales, n, bits, groups)
+
+
+_NO_SCALES = torch.empty(0)
+
+
+def _linear_weight(linear: PackedLinearWeight
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, int, int] | None:
+    """(codes, scales, out features, bits, group) as the C++ layer takes a linear: the
+    quantized kernel's packed codes, or oneDNN's packed dense weight with bits 0 (what
+    parallel/layers.py ``linear`` multiplies by); None for any other form."""
+    q = linear.quantized
+    if q is None:
+        if linear.packed_weight is None:
+            return None
+        return linear.packed_weight, _NO_SCALES, linear.weight.shape[0], 0, 0
+    if not isinstance(q, PackedLinear) or q.input_order is not None:
+        return None
+    return q.codes, q.scales, q.out_features, q.bits, q.group_size
 
 
 class FusedDecodeLayers:
@@ -102,7 +119,8 @@ class FusedDecodeLayers:
         self.eps = eps
         self.dtype = dtype
         self._op = torch.ops.raylm_decode.llama_layer.default
-        self.max_rows = self._max_rows(dtype)
+        quantized = any(bits for a in layers for bits in a.bits)
+        self.max_rows = self._max_rows(dtype, quantized)
 
     @classmethod
     def build(cls, model: LlamaModel) -> FusedDecodeLayers | None:
@@ -113,24 +131,28 @@ class FusedDecodeLayers:
             return None
         layers = [_plain_layer_args(layer)
                   for layer in model.layers[model.start_layer:model.end_layer]]
-        if not layers or any(a is None for a in layers):
-            return None
         args = [a for a in layers if a is not None]
+        if not args or len(args) != len(layers) or len({a.eps for a in args}) != 1:
+            return None
         rotary = cast(RotaryEmbedding, model.rotary_embs[0])
         dtype = args[0].input_norm.dtype
         if (rotary.cos_cache.shape[-1] != args[0].attention.head_dim
                 or dtype not in (torch.float32, torch.bfloat16)
                 or not load_decode_layer_kernel()):
             return None
+        fused = cls(args, args[0].eps, dtype)
         logger.info("decode steps of up to %d rows run each of this stage's %d layers as "
-                    "one C++ call (RAYLM_CPU_DECODE_LAYER=0: eager layers)",
-                    cls._max_rows(dtype), len(args))
-        return cls(args, args[0].layer.input_layernorm.eps, dtype)
+                    "one C++ call (RAYLM_CPU_DECODE_LAYER=0: eager layers)", fused.max_rows,
+                    len(args))
+        return fused
 
     @staticmethod
-    def _max_rows(dtype: torch.dtype) -> int:
+    def _max_rows(dtype: torch.dtype, quantized: bool) -> int:
         """Rows the quantized kernel's row path takes (packed_linear.py): above them each
-        linear decodes its weight for a dense matmul, which the fused call does not."""
+        linear decodes its weight for a dense matmul, which the fused call does not. Dense
+        linears take any rows (a decode step's rows are bounded by max_num_seqs)."""
+        if not quantized:
+            return 1 << 30
         if dtype == torch.bfloat16 and packed_linear._has_amx():
             return packed_linear.FUSED_MAX_ROWS_BF16
         return packed_linear.FUSED_MAX_ROWS

@@ -1,8 +1,8 @@
-"""The fused decode layer (runner/models/fused_decode_layer.py): a quantized Llama's decode
-step on the CPU, each layer one C++ call, against the eager layers on the same step (the
-stage's output and every KV cache write), in float32 and bfloat16, with and without a
-residual coming in; where it does not apply it is not built; end to end, the decode steps
-take it and the tokens equal transformers'.
+"""The fused decode layer (runner/models/fused_decode_layer.py): a Llama's decode step on the
+CPU, each layer one C++ call, against the eager layers on the same step (the stage's output
+and every KV cache write), quantized (a Q4_1 file) and dense (oneDNN's packed weights), in
+float32 and bfloat16, with and without a residual coming in; where it does not apply it is
+not built; end to end, the decode steps take it and the tokens equal transformers'.
 
 Tolerances: float32 1e-5 of the largest entry (the RMSNorm's sum of squares in another
 order); bfloat16 outputs may differ by one rounding where that sum lands a value on the
@@ -86,16 +86,19 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, wha
     assert differ <= 0.01 and worst <= 0.02 * scale, (what, differ, worst, scale)
 
 
+@pytest.mark.parametrize("weights", ["quantized", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first-stage", "residual-in"])
-def test_a_decode_step_equals_the_eager_layers(q4_1_gguf, dtype, with_residual, caplog):
+def test_a_decode_step_equals_the_eager_layers(q4_1_gguf, llama_path, weights, dtype,
+                                               with_residual, caplog):
     torch_dtype = getattr(torch, dtype)
-    model = _model(q4_1_gguf, dtype)
+    model = _model(q4_1_gguf if weights == "quantized" else llama_path, dtype)
     with caplog.at_level(logging.INFO, logger="raylm.runner.models.fused_decode_layer"):
         fused = FusedDecodeLayers.build(model)
     assert fused is not None and len(fused.layers) == len(model.layers)
     assert f"run each of this stage's {len(model.layers)} layers as one C++ call" \
         in caplog.text
+    assert set(fused.layers[0].bits) == ({4} if weights == "quantized" else {0})
     lens = [1, 9, 17, 30]  # a first token, block edges, a longer context
     meta, positions = _decode_step(lens)
     assert fused.applies(meta, torch.empty(len(lens), 64, dtype=torch_dtype))
@@ -132,25 +135,31 @@ def test_it_applies_only_where_it_computes_the_layer(q4_1_gguf, llama_path, monk
     fused = FusedDecodeLayers.build(model)
     assert fused is not None
     assert not fused.applies(meta, torch.empty(2, 64, dtype=torch.bfloat16))  # other dtype
-    rows = fused.max_rows + 1
+    rows = fused.max_rows + 1  # past the quantized kernel's row path
     assert not fused.applies(meta, torch.empty(rows, 64))
     prefill = build_attention_metadata(np.array([0, 12]), np.array([12]),
                                        torch.arange(12), torch.tensor([[0, 1]]), BS)
     assert not fused.applies(prefill, torch.empty(12, 64))
-    # Dense weights, a dequantized file, or switched off: not built.
+    # Dense linears take any rows; a dequantized file runs dense.
+    dense = FusedDecodeLayers.build(_model(q4_1_gguf, "float32", "none"))
+    assert dense is not None and dense.max_rows > 4096 and set(dense.layers[0].bits) == {0}
+    # Dense weights without oneDNN's packing, or switched off: not built.
+    monkeypatch.setenv("RAYLM_CPU_PACK_LINEARS", "0")
     assert FusedDecodeLayers.build(_model(llama_path, "float32")) is None
-    assert FusedDecodeLayers.build(_model(q4_1_gguf, "float32", "none")) is None
+    monkeypatch.delenv("RAYLM_CPU_PACK_LINEARS")
     monkeypatch.setenv("RAYLM_CPU_DECODE_LAYER", "0")
     assert FusedDecodeLayers.build(model) is None
 
 
-@pytest.mark.parametrize("async_scheduling, ngram", [(False, False), (True, False),
-                                                     (True, True)],
-                         ids=["sync", "async", "async-ngram"])
-def test_decode_steps_take_it_and_equal_transformers(q4_1_gguf, hf_oracle, monkeypatch,
-                                                      async_scheduling, ngram):
+@pytest.mark.parametrize("weights, async_scheduling, ngram", [
+    ("quantized", False, False), ("quantized", True, False), ("quantized", True, True),
+    ("dense", True, False)], ids=["sync", "async", "async-ngram", "dense-async"])
+def test_decode_steps_take_it_and_equal_transformers(q4_1_gguf, llama_path, hf_oracle,
+                                                      monkeypatch, weights, async_scheduling,
+                                                      ngram):
     """With ngram speculation the verifying steps' rows are several tokens each (a
     repeating prompt makes the lookup propose), still one call per layer."""
+    path = q4_1_gguf if weights == "quantized" else llama_path
     calls = []
     forward = FusedDecodeLayers.forward
 
@@ -161,7 +170,8 @@ def test_decode_steps_take_it_and_equal_transformers(q4_1_gguf, hf_oracle, monke
     monkeypatch.setattr(FusedDecodeLayers, "forward", counted)
     spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
              "prompt_lookup_max": 3} if ngram else None)
-    llm = LLM(os.path.dirname(q4_1_gguf), async_scheduling=async_scheduling, block_size=8,
+    llm = LLM(os.path.dirname(path) if weights == "quantized" else path,
+              async_scheduling=async_scheduling, block_size=8,
               max_num_batched_tokens=16, dtype="float32", speculative_config=spec)
     try:
         prompts = [[5, 17, 99, 260, 3], list(range(3, 40)), [42]]
@@ -170,7 +180,7 @@ def test_decode_steps_take_it_and_equal_transformers(q4_1_gguf, hf_oracle, monke
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         metrics = llm.get_metrics()
-        oracle = hf_oracle(q4_1_gguf)
+        oracle = hf_oracle(path)
         for p, out in zip(prompts, outs, strict=True):
             assert out.outputs[0].token_ids == oracle.greedy(p, 12)
     finally:
