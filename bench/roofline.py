@@ -15,6 +15,9 @@ achieved rate, and the machine's peaks measured here:
 - peak: the best of torch's F.linear, raylm's CPU linear and oneDNN's packed linear at
   each component's own matmul shape, in float32 and bfloat16; bandwidth: a large tensor
   copy (read + write). Measured after the engine has shut down, with its thread count.
+The layers run eagerly (``RAYLM_CPU_DECODE_LAYER=0``): the per-component timing wraps the
+modules that a decode step's fused layers do not call, so the decode-only table measures
+the eager layers, not the engine's default decode step.
 With one thread (the default here) every time is thread CPU time, with more wall time: on a
 shared box wall time mostly measures the neighbours. "fraction" = achieved / GEMM peak;
 "BW fraction" = achieved bytes/s / copy bandwidth; "of roofline" = achieved / min(peak,
@@ -282,6 +285,9 @@ def main() -> None:
         plots.require()
     # The bench's default: one compute thread, timed in its CPU time.
     threads = int(os.environ.setdefault("RAYLM_NUM_THREADS", "1"))
+    # Components are timed by wrapping the layers' modules, which a decode step's fused
+    # layers (runner/models/fused_decode_layer.py) do not call: the eager layers here.
+    os.environ["RAYLM_CPU_DECODE_LAYER"] = "0"
     clock = _clock(threads)
     path = checkpoint("smollm2")
     with open(os.path.join(path, "config.json")) as f:

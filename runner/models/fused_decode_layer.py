@@ -11,7 +11,7 @@ no window, no soft cap) whose linears run on the C++ quantized kernel (without a
 or on oneDNN's packed dense weights, one TP rank, no LoRA, no KV connector, and to steps
 whose every token takes the C++ ragged attention kernel (decodes and speculative rows, no
 prefill), with few enough rows for the quantized kernel's row path. Anything else runs the
-eager layer. RAYLM_CPU_DECODE_LAYER=0 turns it off.
+eager layer. RAYLM_CPU_DECODE_LAYER=0 turns it off. docs/architecture.md §6.
 """
 
 from __future__ import annotations
