@@ -20,20 +20,18 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
-from raylm.parallel.layers import PackedLinearWeight
+from raylm.parallel.layers import ColumnParallelLinear, PackedLinearWeight, RowParallelLinear
 from raylm.runner.cpp_build import load_cpp_operators
 from raylm.runner.quantization import packed_linear
 from raylm.runner.quantization.packed_linear import PackedLinear
-from raylm.runner.rotary import RotaryEmbedding
 from raylm.scheduler.config import envs
 
 if TYPE_CHECKING:
-    from raylm.runner.attention.paged_attention import AttentionMetadata
-    from raylm.runner.models.llama import LlamaAttention, LlamaModel
+    from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +45,23 @@ def load_decode_layer_kernel() -> bool:
 
 
 @dataclass(frozen=True)
-class _LayerArgs:
-    """One layer's constant arguments: norms, and its four linears' packed codes."""
+class PlainLayer:
+    """What the fused call reads of a plain Llama decoder layer (RMSNorm, full rotary, SiLU
+    MLP, no q/k norm, no window, no soft cap): llama.py ``LlamaDecoderLayer.plain_layer``
+    says which layers are plain."""
 
-    attention: LlamaAttention
+    attn: Attention  # its paged attention: heads, scale, KV cache
+    linears: tuple[ColumnParallelLinear | RowParallelLinear, ...]  # qkv, o, gate_up, down
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class _LayerArgs:
+    """One layer's constant arguments: norms, and its four linears' packed weights."""
+
+    attn: Attention
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
@@ -61,36 +72,17 @@ class _LayerArgs:
     groups: tuple[int, ...]
 
 
-def _plain_layer_args(layer: object) -> _LayerArgs | None:
+def _layer_args(layer: PlainLayer | None) -> _LayerArgs | None:
     """The layer's arguments, or None where the fused call does not compute it exactly."""
-    from raylm.runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, RMSNorm
-
-    if not isinstance(layer, LlamaDecoderLayer):
+    if layer is None or any(lin.bias is not None or lin.lora is not None
+                            or lin.ctx.tp_size != 1 for lin in layer.linears):
         return None
-    attn, mlp = layer.self_attn, layer.mlp
-    if (not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP)
-            or layer.recurrent_mixer is not None or layer.falcon is not None
-            or layer.residual_multiplier is not None
-            or layer.pre_feedforward_layernorm is not None
-            or not isinstance(layer.input_layernorm, RMSNorm)
-            or not isinstance(layer.post_attention_layernorm, RMSNorm)
-            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
-        return None
-    if (attn.q_norm is not None or attn.attn_gate is not None or not attn.use_rope
-            or attn.key_multiplier != 1.0 or attn.attn.sliding_window is not None
-            or attn.attn.softcap or attn.attn.latent_cache or attn.attn.kv_group
-            or mlp.gelu_tanh or mlp.multipliers is not None):
-        return None
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(lin.bias is not None or lin.lora is not None or lin.ctx.tp_size != 1
-           for lin in linears):
-        return None
-    weights = [_linear_weight(lin) for lin in linears]
+    weights = [_linear_weight(lin) for lin in layer.linears]
     if any(w is None for w in weights):
         return None
     codes, scales, n, bits, groups = zip(*(w for w in weights if w is not None), strict=True)
-    return _LayerArgs(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                      layer.input_layernorm.eps, codes, scales, n, bits, groups)
+    return _LayerArgs(layer.attn, layer.input_norm, layer.post_norm, layer.eps, codes, scales,
+                      n, bits, groups)
 
 
 _NO_SCALES = torch.empty(0)
@@ -123,21 +115,17 @@ class FusedDecodeLayers:
         self.max_rows = self._max_rows(dtype, quantized)
 
     @classmethod
-    def build(cls, model: LlamaModel) -> FusedDecodeLayers | None:
-        """For a model whose every layer on this stage qualifies (module docstring)."""
-        if not envs.cpu_decode_layer() or model.ctx.device.type != "cpu":
+    def build(cls, layers: list[PlainLayer | None], device: torch.device,
+              rotary_dim: int) -> FusedDecodeLayers | None:
+        """For a stage whose every layer (``layers``, None where a layer is not plain)
+        qualifies (module docstring); ``rotary_dim``: the channels its rotary table turns."""
+        if not envs.cpu_decode_layer() or device.type != "cpu":
             return None
-        if model.ctx.tp_size != 1 or model.aux_hidden_layers or len(model.rotary_embs) != 1:
-            return None
-        layers = [_plain_layer_args(layer)
-                  for layer in model.layers[model.start_layer:model.end_layer]]
-        args = [a for a in layers if a is not None]
+        args = [a for a in map(_layer_args, layers) if a is not None]
         if not args or len(args) != len(layers) or len({a.eps for a in args}) != 1:
             return None
-        rotary = cast(RotaryEmbedding, model.rotary_embs[0])
         dtype = args[0].input_norm.dtype
-        if (rotary.cos_cache.shape[-1] != args[0].attention.head_dim
-                or dtype not in (torch.float32, torch.bfloat16)
+        if (rotary_dim != args[0].attn.head_dim or dtype not in (torch.float32, torch.bfloat16)
                 or not load_decode_layer_kernel()):
             return None
         fused = cls(args, args[0].eps, dtype)
@@ -161,7 +149,7 @@ class FusedDecodeLayers:
         """Whether this step's every token takes the C++ ragged kernel, within the rows."""
         ragged = meta.ragged
         return (ragged is not None and ragged.token_index is None
-                and self.layers[0].attention.attn.kv_connector is None
+                and self.layers[0].attn.kv_connector is None
                 and ragged.block_table is not None and not meta.prefills
                 and meta.equal_rows is None and meta.tiles is None
                 and hidden.dtype == self.dtype and 0 < hidden.shape[0] <= self.max_rows)
@@ -175,17 +163,17 @@ class FusedDecodeLayers:
         cos, sin = (t.contiguous() for t in cos_sin)
         if not hidden.is_contiguous():
             hidden = hidden.contiguous()
-        write = meta.write_index(self.layers[0].attention.num_kv_heads)
+        write = meta.write_index(self.layers[0].attn.num_kv_heads)
         op = self._op
         for a in self.layers:
-            attn = a.attention
-            cache = attn.attn.kv_cache
+            attn = a.attn
+            cache = attn.kv_cache
             if cache is None:
                 raise RuntimeError("KV cache is not bound; call initialize_kv_cache() first.")
             hidden, residual = op(hidden, residual, a.input_norm, a.post_norm, self.eps,
                                   a.codes, a.scales, a.out_features, a.bits, a.groups,
                                   cos, sin, cache[0], cache[1], write, ragged.block_table,
                                   ragged.token_row, ragged.kv_len, attn.num_heads,
-                                  attn.num_kv_heads, attn.attn.scale, ragged.window)
+                                  attn.num_kv_heads, attn.scale, ragged.window)
         assert residual is not None
         return hidden, residual

@@ -36,7 +36,7 @@ from raylm.parallel.layers import (
 )
 from raylm.runner.attention.paged_attention import Attention, AttentionMetadata
 from raylm.runner.models.decoder_config import DecoderConfig
-from raylm.runner.models.fused_decode_layer import FusedDecodeLayers
+from raylm.runner.models.fused_decode_layer import FusedDecodeLayers, PlainLayer
 from raylm.runner.models.fused_ops import EAGER_OPS, FusedOps
 from raylm.runner.models.gated_delta_mixer import GatedDeltaNetMixer
 from raylm.runner.models.mamba2_mixer import Mamba2Mixer
@@ -270,6 +270,28 @@ class LlamaDecoderLayer(nn.Module):
                                       cfg.shared_expert_intermediate_size,
                                       cfg.shared_expert_gated, cfg.grouped_sigmoid)
 
+    def plain_layer(self) -> PlainLayer | None:
+        """This layer's parts for the fused decode call (fused_decode_layer.py), or None
+        where it is not a plain Llama layer: RMSNorm, full rotary, SiLU MLP, no q/k norm,
+        no output gate, no window or soft cap, no muP or residual multipliers."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP)
+                or self.recurrent_mixer is not None or self.falcon is not None
+                or self.residual_multiplier is not None
+                or self.pre_feedforward_layernorm is not None
+                or not all(isinstance(n, RMSNorm) for n in norms)
+                or norms[0].eps != norms[1].eps):
+            return None
+        if (attn.q_norm is not None or attn.attn_gate is not None or not attn.use_rope
+                or attn.key_multiplier != 1.0 or attn.attn.sliding_window is not None
+                or attn.attn.softcap or attn.attn.latent_cache or attn.attn.kv_group
+                or mlp.gelu_tanh or mlp.multipliers is not None):
+            return None
+        return PlainLayer(attn.attn, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                      mlp.down_proj),
+                          norms[0].weight, norms[1].weight, norms[0].eps)
+
     @property
     def recurrent_mixer(self) -> RecurrentMixer | None:
         return self.mamba if self.mamba is not None else self.linear_attn
@@ -370,7 +392,7 @@ class LlamaModel(nn.Module):
                             strict=True))
         cos_sins = [cast(RotaryEmbedding, r).cos_sin(positions) for r in self.rotary_embs]
         if not self._fused_decode_built:
-            self.fused_decode = FusedDecodeLayers.build(self)
+            self.fused_decode = self.fused_decode_layers()
             self._fused_decode_built = True
         fused = self.fused_decode
         if fused is not None and not aux and fused.applies(attn_metadata, hidden_states):
@@ -384,6 +406,16 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(cos_sins[cast(LlamaDecoderLayer, layer).rope],
                                             hidden_states, residual, attn_metadata)
         return self._finish_stage(hidden_states, residual, kept)
+
+    def fused_decode_layers(self) -> FusedDecodeLayers | None:
+        """This stage's layers as one C++ call each for decode steps (docs/architecture.md
+        §6), where every layer is plain and no EAGLE-3 head reads its features."""
+        if self.aux_hidden_layers or len(self.rotary_embs) != 1 or self.ctx.tp_size != 1:
+            return None
+        layers = [cast(LlamaDecoderLayer, layer).plain_layer()
+                  for layer in self.layers[self.start_layer:self.end_layer]]
+        rotary = cast(RotaryEmbedding, self.rotary_embs[0])
+        return FusedDecodeLayers.build(layers, self.ctx.device, rotary.cos_cache.shape[-1])
 
     def _finish_stage(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                       kept: dict[int, torch.Tensor]):

@@ -94,7 +94,7 @@ def test_a_decode_step_equals_the_eager_layers(q4_1_gguf, llama_path, weights, d
     torch_dtype = getattr(torch, dtype)
     model = _model(q4_1_gguf if weights == "quantized" else llama_path, dtype)
     with caplog.at_level(logging.INFO, logger="raylm.runner.models.fused_decode_layer"):
-        fused = FusedDecodeLayers.build(model)
+        fused = model.fused_decode_layers()
     assert fused is not None and len(fused.layers) == len(model.layers)
     assert f"run each of this stage's {len(model.layers)} layers as one C++ call" \
         in caplog.text
@@ -132,7 +132,7 @@ def test_a_decode_step_equals_the_eager_layers(q4_1_gguf, llama_path, weights, d
 def test_it_applies_only_where_it_computes_the_layer(q4_1_gguf, llama_path, monkeypatch):
     meta, _ = _decode_step([5, 12])
     model = _model(q4_1_gguf, "float32")
-    fused = FusedDecodeLayers.build(model)
+    fused = model.fused_decode_layers()
     assert fused is not None
     assert not fused.applies(meta, torch.empty(2, 64, dtype=torch.bfloat16))  # other dtype
     rows = fused.max_rows + 1  # past the quantized kernel's row path
@@ -141,14 +141,14 @@ def test_it_applies_only_where_it_computes_the_layer(q4_1_gguf, llama_path, monk
                                        torch.arange(12), torch.tensor([[0, 1]]), BS)
     assert not fused.applies(prefill, torch.empty(12, 64))
     # Dense linears take any rows; a dequantized file runs dense.
-    dense = FusedDecodeLayers.build(_model(q4_1_gguf, "float32", "none"))
+    dense = _model(q4_1_gguf, "float32", "none").fused_decode_layers()
     assert dense is not None and dense.max_rows > 4096 and set(dense.layers[0].bits) == {0}
     # Dense weights without oneDNN's packing, or switched off: not built.
     monkeypatch.setenv("RAYLM_CPU_PACK_LINEARS", "0")
-    assert FusedDecodeLayers.build(_model(llama_path, "float32")) is None
+    assert _model(llama_path, "float32").fused_decode_layers() is None
     monkeypatch.delenv("RAYLM_CPU_PACK_LINEARS")
     monkeypatch.setenv("RAYLM_CPU_DECODE_LAYER", "0")
-    assert FusedDecodeLayers.build(model) is None
+    assert model.fused_decode_layers() is None
 
 
 @pytest.mark.parametrize("weights, async_scheduling, ngram", [
