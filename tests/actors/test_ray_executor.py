@@ -97,8 +97,12 @@ def test_killed_worker_fails_pending_steps_with_engine_dead(ray_cluster, llama_p
         assert time.monotonic() - start < 30
         msg = str(info.value)
         assert "worker rank 1" in msg and "actor " in msg, msg
-        for fut in futures:  # nothing left hanging
-            assert isinstance(fut.exception(timeout=30), EngineDeadError)
+        # Nothing left hanging: each step still listed failed as the engine died, or had
+        # run on both ranks before the kill took effect (ray.kill is asynchronous, and the
+        # EngineDeadError may come from a submission after those steps completed).
+        for fut in futures:
+            error = fut.exception(timeout=30)
+            assert error is None or isinstance(error, EngineDeadError), error
         with pytest.raises(EngineDeadError, match="worker rank 1"):
             ex.check_health()
         with pytest.raises(EngineDeadError):
